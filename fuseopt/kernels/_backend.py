@@ -1,0 +1,81 @@
+"""Choosing a kernel implementation and shared Pallas plumbing.
+
+Every op in :mod:`fuseopt.kernels` has a plain-``jnp`` reference (``"xla"``)
+and up to two Pallas backends: ``"triton"`` (GPU, Pallas's Triton lowering)
+and ``"mosaic_tpu"`` (TPU).  ``implementation=None`` picks by the platform the
+computation will run on; the environment variable ``FUSEOPT_IMPLEMENTATION``
+(``xla``, ``triton`` or ``mosaic_tpu``) overrides that choice globally, and
+``FUSEOPT_IMPLEMENTATION_<OP>`` (e.g. ``FUSEOPT_IMPLEMENTATION_ADAM_UPDATE``)
+for one op, which helps to bisect a numerical problem.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable
+
+import jax
+
+IMPLEMENTATIONS = ("xla", "triton", "mosaic_tpu")
+ENV_VAR = "FUSEOPT_IMPLEMENTATION"
+
+_PLATFORM_DEFAULT = {"gpu": "triton", "cuda": "triton", "rocm": "xla", "tpu": "mosaic_tpu"}
+
+
+def current_platform(arrays: Iterable[Any] = ()) -> str:
+  """The platform a computation on ``arrays`` will run on.
+
+  An abstract mesh with an abstract device (used to lower for a GPU or TPU
+  from a CPU host) wins; then the devices of concrete input arrays; under
+  ``jit`` the default backend.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  device = getattr(mesh, "abstract_device", None)
+  if device is not None and getattr(device, "platform", None):
+    return device.platform
+  for a in arrays:
+    if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
+      try:
+        return next(iter(a.devices())).platform
+      except Exception:  # deleted or otherwise unusable array
+        continue
+  return jax.default_backend()
+
+
+def resolve_implementation(op: str, implementation: str | None,
+                           arrays: Iterable[Any] = (),
+                           available: Iterable[str] = IMPLEMENTATIONS) -> str:
+  """Returns the implementation name to run for ``op``.
+
+  Args:
+    op: the op's name, used for the per-op environment override.
+    implementation: ``None`` (choose) or one of ``available``.
+    arrays: inputs, to find their platform.
+    available: the implementations this op has.
+  """
+  available = tuple(available)
+  if implementation is None:
+    implementation = (os.environ.get(f"{ENV_VAR}_{op.upper()}")
+                      or os.environ.get(ENV_VAR) or None)
+    if implementation is not None and implementation not in available:
+      raise ValueError(
+          f"{ENV_VAR}={implementation!r} is not an implementation of {op}; "
+          f"expected one of {available}")
+  if implementation is None:
+    implementation = _PLATFORM_DEFAULT.get(current_platform(arrays), "xla")
+    if implementation not in available:
+      implementation = "xla"
+  if implementation not in available:
+    raise ValueError(f"implementation={implementation!r} is not available for "
+                     f"{op}; expected None or one of {available}")
+  return implementation
+
+
+def interpret_arg(implementation: str, interpret: bool) -> Any:
+  """The ``interpret=`` value pallas_call wants for a backend."""
+  if not interpret:
+    return False
+  if implementation == "mosaic_tpu":
+    from jax.experimental.pallas import tpu as pltpu
+    return pltpu.InterpretParams()
+  return True

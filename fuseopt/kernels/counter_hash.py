@@ -1,0 +1,96 @@
+"""The counter hash behind fuseopt's stochastic rounding.
+
+Random bits are a pure function of ``(seed, index)`` where ``index`` is the
+element's position in the *whole logical array* (row-major flat index plus an
+``offset``), never its position in a block or a shard. A rounding is therefore
+identical whatever the block size, grid, vmap or sharding that computes it.
+
+The hash is murmur3's 32-bit finaliser (``fmix32``) applied to
+``index * 0x9E3779B1 + seed`` in uint32 arithmetic with wrap-around (indices
+beyond 2**32 wrap). All functions here are plain ``jnp`` on uint32 values, so
+they run unchanged inside Pallas kernels (Triton and Mosaic) and in XLA.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+GOLDEN = 0x9E3779B1
+_M1 = 0x85EBCA6B
+_M2 = 0xC2B2AE35
+
+# Stream ids: each stream of an optimizer step gets its own seed, hence an
+# independent 16-bit lane of random bits for every element.
+STREAM_PARAM = 0
+STREAM_MU = 1
+STREAM_NU = 2
+
+
+def _u32(v) -> jax.Array:
+  return jnp.asarray(v).astype(jnp.uint32) if not isinstance(v, int) else jnp.uint32(v & 0xFFFFFFFF)
+
+
+def fmix32(h: jax.Array) -> jax.Array:
+  """murmur3's 32-bit finaliser (a bijection on uint32)."""
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(_M1)
+  h = h ^ (h >> 13)
+  h = h * jnp.uint32(_M2)
+  h = h ^ (h >> 16)
+  return h
+
+
+def hash_bits(index: jax.Array, seed: jax.Array) -> jax.Array:
+  """32 random bits for each uint32 ``index`` under a uint32 ``seed``."""
+  return fmix32(index * jnp.uint32(GOLDEN) + seed)
+
+
+def derive_seed(seed, step, leaf_index, stream) -> jax.Array:
+  """The uint32 seed of one (step, leaf, stream) of an optimizer.
+
+  ``fmix32(fmix32(fmix32(seed ^ step * GOLDEN) + leaf * M1) + stream * M2)``:
+  each argument passes through the finaliser before the next is mixed in, so
+  neighbouring steps, leaves and streams get unrelated seeds.
+  """
+  s = _u32(seed) ^ (_u32(step) * jnp.uint32(GOLDEN))
+  s = fmix32(s) + _u32(leaf_index) * jnp.uint32(_M1)
+  s = fmix32(s) + _u32(stream) * jnp.uint32(_M2)
+  return fmix32(s)
+
+
+def round_fp32_bits_to_bf16(bits: jax.Array, rand: jax.Array) -> jax.Array:
+  """Stochastically rounds fp32 bit patterns; returns the bf16 pattern (uint32).
+
+  ``bits`` are fp32 patterns as uint32, ``rand`` uint32 whose low 16 bits are
+  used. The result is the upper half-word of the rounded pattern, still held
+  in a uint32 (callers narrow it to uint16 and bitcast to bf16).
+
+  - finite: add 16 random bits below the kept mantissa and truncate, so
+    P(round away from zero) = discarded fraction / 2**16 exactly; the sign bit
+    is never touched (the magnitude cannot carry into it), so the sign is kept
+    and -0 stays -0; subnormals round like any other value; a carry into the
+    all-ones exponent (Inf) is clamped to the largest finite bf16.
+  - non-finite: Inf stays Inf; NaN stays NaN whatever its payload (the quiet
+    bit is set, since truncating a payload held in the low bits alone would
+    otherwise turn the NaN into an Inf).
+  """
+  sign = bits & jnp.uint32(0x80000000)
+  mag = bits & jnp.uint32(0x7FFFFFFF)
+  nonfinite = mag >= jnp.uint32(0x7F800000)
+  rounded = (mag + (rand & jnp.uint32(0xFFFF))) >> 16
+  rounded = jnp.minimum(rounded, jnp.uint32(0x7F7F))  # clamp: never Inf
+  passthrough = (mag >> 16) | jnp.where(mag > jnp.uint32(0x7F800000),
+                                        jnp.uint32(0x0040), jnp.uint32(0))
+  return (sign >> 16) | jnp.where(nonfinite, passthrough, rounded)
+
+
+def bf16_from_bits(half: jax.Array) -> jax.Array:
+  """bf16 values from bf16 patterns held in uint32."""
+  return jax.lax.bitcast_convert_type(half.astype(jnp.uint16), jnp.bfloat16)
+
+
+def stochastic_round_values(x: jax.Array, index: jax.Array, seed: jax.Array) -> jax.Array:
+  """fp32 ``x`` → bf16, rounded with the hash of (``index``, ``seed``)."""
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  return bf16_from_bits(round_fp32_bits_to_bf16(bits, hash_bits(index, seed)))

@@ -1,0 +1,195 @@
+"""Counter-hash stochastic rounding fp32 → bf16: reference, Triton and Mosaic-TPU kernels.
+
+The contract (shared/DESIGN.md, "Numerics contracts") is implemented once in
+:func:`fuseopt.kernels.counter_hash.round_fp32_bits_to_bf16`; the backends
+differ only in how they tile the flat index space:
+
+- ``xla``: the reference, plain ``jnp`` over the whole array;
+- ``triton``: a 1-D grid over the flattened array, ``block`` elements a
+  program (a power of two); the ragged last block is masked;
+- ``mosaic_tpu``: the flattened array viewed as ``(rows, 128)`` lanes,
+  ``block_rows`` rows a grid step; a tail of fewer than 128 elements (sizes
+  that are not a multiple of 128) is rounded by the reference, with its offset.
+
+Because the random bits depend only on ``(seed, offset + flat index)``, every
+backend and every block size gives bitwise the same result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from fuseopt.kernels import _backend
+from fuseopt.kernels import counter_hash
+
+OP_NAME = "stochastic_round"
+LANES = 128
+
+
+# ----------------------------------------------------------------- configs --
+@dataclasses.dataclass(frozen=True)
+class TritonConfig:
+  block: int = 1024
+  num_warps: int = 8
+
+  def __post_init__(self):
+    if self.block <= 0 or self.block & (self.block - 1):
+      raise ValueError(f"block must be a positive power of two, got {self.block}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+  block_rows: int = 512
+
+  def __post_init__(self):
+    if self.block_rows <= 0 or self.block_rows % 16:
+      raise ValueError(f"block_rows must be a positive multiple of 16, got {self.block_rows}")
+
+
+TRITON_SEARCH_SPACE = tuple(TritonConfig(b, w) for b in (512, 1024, 2048, 4096)
+                            for w in (4, 8))
+MOSAIC_SEARCH_SPACE = tuple(MosaicConfig(r) for r in (256, 512, 1024, 2048))
+
+
+def triton_heuristic(size: int) -> TritonConfig:
+  # Block 1024 / 8 warps measured best on the H200 for elementwise passes
+  # (shared/ANCHORS.md); tiny arrays get one small block.
+  return TritonConfig(block=min(1024, max(128, pl.next_power_of_2(max(size, 1)))), num_warps=8 if size >= 1024 else 4)
+
+
+def mosaic_heuristic(size: int) -> MosaicConfig:
+  rows = max(1, size // LANES)
+  return MosaicConfig(block_rows=min(1024, max(16, 16 * pl.cdiv(rows, 16))))
+
+
+# --------------------------------------------------------------- reference --
+def stochastic_round_reference(x: jax.Array, seed, *, offset=0) -> jax.Array:
+  """The specification: plain jnp over the whole array."""
+  x = jnp.asarray(x)
+  seed = jnp.asarray(seed).astype(jnp.uint32)
+  index = jax.lax.iota(jnp.uint32, x.size).reshape(x.shape) if x.ndim else jnp.uint32(0)
+  index = index + jnp.asarray(offset).astype(jnp.uint32)
+  return counter_hash.stochastic_round_values(x, index, seed)
+
+
+# ------------------------------------------------------------------ triton --
+def _triton_kernel(scalars_ref, x_ref, o_ref, *, block):
+  seed = scalars_ref[0]
+  offset = scalars_ref[1]
+  start = (pl.program_id(0) * block).astype(jnp.uint32)
+  index = offset + start + jax.lax.iota(jnp.uint32, block)
+  o_ref[...] = counter_hash.stochastic_round_values(x_ref[...], index, seed)
+
+
+def _round_triton(flat, scalars, *, config: TritonConfig, interpret):
+  from jax.experimental.pallas import triton as plgpu
+  (n,) = flat.shape
+  block = config.block
+  return pl.pallas_call(
+      functools.partial(_triton_kernel, block=block),
+      out_shape=jax.ShapeDtypeStruct((n,), jnp.bfloat16),
+      grid=(pl.cdiv(n, block),),
+      in_specs=[pl.BlockSpec((2,), lambda i: (0,)),
+                pl.BlockSpec((block,), lambda i: (i,))],
+      out_specs=pl.BlockSpec((block,), lambda i: (i,)),
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
+      interpret=interpret,
+      name="fuseopt_stochastic_round",
+  )(scalars, flat)
+
+
+# -------------------------------------------------------------- mosaic_tpu --
+def _mosaic_kernel(scalars_ref, x_ref, o_ref, *, block_rows):
+  seed = scalars_ref[0].astype(jnp.uint32)
+  offset = scalars_ref[1].astype(jnp.uint32)
+  row0 = (pl.program_id(0) * block_rows).astype(jnp.uint32)
+  shape = (block_rows, LANES)
+  rows = jax.lax.broadcasted_iota(jnp.uint32, shape, 0) + row0
+  cols = jax.lax.broadcasted_iota(jnp.uint32, shape, 1)
+  index = offset + rows * jnp.uint32(LANES) + cols
+  bits = jax.lax.bitcast_convert_type(x_ref[...], jnp.uint32)
+  half = counter_hash.round_fp32_bits_to_bf16(bits, counter_hash.hash_bits(index, seed))
+  # The rounded pattern has zero low bits, so widening it back to fp32 and
+  # converting is exact; Mosaic handles 32-bit layouts best.
+  o_ref[...] = jax.lax.bitcast_convert_type(half << 16, jnp.float32).astype(jnp.bfloat16)
+
+
+def _round_mosaic(flat, scalars, *, config: MosaicConfig, interpret):
+  from jax.experimental.pallas import tpu as pltpu
+  rows = flat.shape[0] // LANES
+  x2 = flat.reshape(rows, LANES)
+  block_rows = config.block_rows
+  out = pl.pallas_call(
+      functools.partial(_mosaic_kernel, block_rows=block_rows),
+      out_shape=jax.ShapeDtypeStruct((rows, LANES), jnp.bfloat16),
+      grid=(pl.cdiv(rows, block_rows),),
+      in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
+                pl.BlockSpec((block_rows, LANES), lambda i: (i, 0))],
+      out_specs=pl.BlockSpec((block_rows, LANES), lambda i: (i, 0)),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+      interpret=interpret,
+      name="fuseopt_stochastic_round",
+  )(scalars.astype(jnp.int32), x2)
+  return out.reshape(-1)
+
+
+# ------------------------------------------------------------------ public --
+def stochastic_round_bf16(x, seed, *, offset=0, implementation=None,
+                          interpret=False, config=None) -> jax.Array:
+  """Rounds fp32 ``x`` to bf16 with the counter-hash stochastic rounding.
+
+  Element ``i`` (row-major position in ``x``) rounds up with probability
+  (discarded fraction) / 2**16, using the low 16 bits of
+  ``fmix32((offset + i) * 0x9E3779B1 + seed)``. Rounding a slice with the
+  right ``offset`` gives the same bits as rounding the whole array.
+
+  Args:
+    x: fp32 array of any shape (bf16 is returned unchanged).
+    seed: uint32-convertible scalar.
+    offset: index of ``x``'s first element in the logical array it belongs to.
+    implementation: ``None`` (by platform), ``"xla"``, ``"triton"`` or
+      ``"mosaic_tpu"``.
+    interpret: run a Pallas backend in interpret mode (CPU debugging).
+    config: a :class:`TritonConfig` / :class:`MosaicConfig` overriding the
+      shape heuristic.
+
+  Returns:
+    A bf16 array shaped like ``x``.
+  """
+  x = jnp.asarray(x)
+  if x.dtype == jnp.bfloat16:
+    return x
+  if x.dtype != jnp.float32:
+    raise TypeError(f"stochastic_round_bf16: x must be float32 (or bfloat16, "
+                    f"returned unchanged), got {x.dtype}")
+  seed = jnp.asarray(seed)
+  if seed.ndim or not (jnp.issubdtype(seed.dtype, jnp.integer)):
+    raise TypeError(f"stochastic_round_bf16: seed must be an integer scalar, "
+                    f"got {seed.dtype}{list(seed.shape)}")
+  impl = _backend.resolve_implementation(OP_NAME, implementation, (x,))
+  if impl == "xla" or x.size == 0:
+    return stochastic_round_reference(x, seed, offset=offset)
+  interp = _backend.interpret_arg(impl, interpret)
+  flat = x.reshape(-1)
+  scalars = jnp.stack([seed.astype(jnp.uint32), jnp.asarray(offset).astype(jnp.uint32)])
+  n = flat.shape[0]
+  if impl == "triton":
+    config = config or triton_heuristic(n)
+    out = _round_triton(flat, scalars, config=config, interpret=interp)
+  else:
+    config = config or mosaic_heuristic(n)
+    main = (n // LANES) * LANES
+    parts = []
+    if main:
+      parts.append(_round_mosaic(flat[:main], scalars, config=config, interpret=interp))
+    if main < n:
+      parts.append(stochastic_round_reference(
+          flat[main:], seed, offset=jnp.asarray(offset).astype(jnp.uint32) + jnp.uint32(main)))
+    out = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+  return out.reshape(x.shape)

@@ -1,0 +1,54 @@
+"""Optax transforms around fuseopt's kernels, schedules, parameter groups
+and the config builder. Nothing here imports Pallas: kernels come from
+:mod:`fuseopt.kernels`."""
+
+from __future__ import annotations
+
+import importlib
+
+# public name -> module that defines it (imported on first use).
+_EXPORTS = {
+    # updates.py
+    "apply_updates": "fuseopt.optim.updates",
+    # adam.py / step.py (fused Adam, bf16 moments)
+    "scale_by_adam": "fuseopt.optim.adam",
+    "adam": "fuseopt.optim.adam",
+    "adamw": "fuseopt.optim.adam",
+    "bf16_moments": "fuseopt.optim.adam",
+    "step": "fuseopt.optim.step",
+    # muon.py (Newton-Schulz Muon)
+    "muon": "fuseopt.optim.muon",
+    "scale_by_muon": "fuseopt.optim.muon",
+    "MuonDimensionNumbers": "fuseopt.optim.muon",
+    # muon_axes.py, matrix views, qk_clip.py
+    "muon_weight_dimension_numbers": "fuseopt.optim.muon_axes",
+    "SELECTION_AXES": "fuseopt.optim.muon_axes",
+    "BATCH_AXES": "fuseopt.optim.muon_axes",
+    "HEAD_AXES": "fuseopt.optim.muon_axes",
+    "scale_by_qk_clip": "fuseopt.optim.qk_clip",
+    "QK_PROJECTIONS": "fuseopt.optim.qk_clip",
+    # groups.py, config.py, builder.py
+    "ParamGroup": "fuseopt.optim.groups",
+    "NO_DECAY_PATTERNS": "fuseopt.optim.groups",
+    "mup_param_groups": "fuseopt.optim.groups",
+    "param_labels": "fuseopt.optim.groups",
+    "OptimConfig": "fuseopt.optim.config",
+    "build_optimizer": "fuseopt.optim.builder",
+}
+
+__all__ = sorted(_EXPORTS) + ["schedules"]
+
+
+def __getattr__(name):
+  if name == "schedules":
+    return importlib.import_module("fuseopt.optim.schedules")
+  module = _EXPORTS.get(name)
+  if module is None:
+    raise AttributeError(f"module 'fuseopt.optim' has no attribute {name!r}")
+  value = getattr(importlib.import_module(module), name)
+  globals()[name] = value
+  return value
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_EXPORTS) | {"schedules"})
