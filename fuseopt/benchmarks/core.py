@@ -11,6 +11,7 @@ function, which is deterministic (also on the CPU) and so usable in CI.
 from __future__ import annotations
 
 import dataclasses
+import re
 import statistics
 import time
 from typing import Any, Callable
@@ -78,6 +79,26 @@ def memory_stats(fn: Callable, args: tuple) -> dict[str, int]:
   return out
 
 
+# An instruction line of HLO text: ``[ROOT ]name = shape opcode(operands...)``;
+# the shape is one token or a parenthesised tuple.
+_INSTR = r"^\s*(?:ROOT )?\S+ = (?:\([^)]*\)|\S+) "
+
+
+def hlo_counts(hlo: str) -> dict[str, int]:
+  """Op, fusion and custom-call counts of compiled HLO text.
+
+  ``hlo_ops`` counts every instruction, fused computations' bodies included
+  (so a fusion that grows shows up); ``hlo_fusions`` the fusion instructions
+  (kernels XLA emits); ``custom_calls`` the custom calls (Pallas kernels and
+  library calls: kernel launches beyond XLA's own).
+  """
+  return {
+      "hlo_ops": len(re.findall(r"^\s*(?:ROOT )?\S+ = ", hlo, re.M)),
+      "hlo_fusions": len(re.findall(_INSTR + r"fusion\(", hlo, re.M)),
+      "custom_calls": len(re.findall(_INSTR + r"custom-call\(", hlo, re.M)),
+  }
+
+
 def compiled_stats(fn: Callable, args: tuple) -> dict[str, Any]:
   """Deterministic figures of the compiled ``fn``: memory, HLO op and fusion
   counts, custom calls (kernel launches), FLOPs and bytes from cost analysis."""
@@ -89,11 +110,7 @@ def compiled_stats(fn: Callable, args: tuple) -> dict[str, Any]:
     v = getattr(m, k, None)
     if v is not None:
       stats[k.replace("_size_in_bytes", "_bytes")] = int(v)
-  hlo = compiled.as_text()
-  import re
-  stats["hlo_fusions"] = len(re.findall(r"^\s*\S+ = \S+ fusion\(", hlo, re.M))
-  stats["hlo_ops"] = len(re.findall(r"^\s*(ROOT )?\S+ = ", hlo, re.M))
-  stats["custom_calls"] = len(re.findall(r"custom-call\(", hlo))
+  stats.update(hlo_counts(compiled.as_text()))
   try:
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
@@ -134,24 +151,47 @@ def floor_ms(case: Case, ceilings: dict[str, float]) -> float | None:
   return max(parts) if parts else None
 
 
+def build_variant(build: Builder):
+  """Calls a variant builder: ``(fn, args)`` or ``(fn, args, refresh)``.
+
+  ``refresh()`` returns fresh args; builders whose ``fn`` donates its inputs
+  must give one (each timed call then gets new buffers).
+  """
+  out = build()
+  if len(out) == 3:
+    return out
+  fn, args = out
+  return fn, args, None
+
+
 def run_case(case: Case, ceilings: dict[str, float], *, iters: int = 10,
-             with_memory: bool = True) -> list[dict[str, Any]]:
-  """Measures every variant of ``case``; returns one record per variant."""
+             with_memory: bool = True, min_time: float = 0.0) -> list[dict[str, Any]]:
+  """Measures every variant of ``case``; returns one record per variant.
+
+  A variant that fails is recorded with an ``error`` and the others still
+  run. Memory/HLO figures come from :func:`compiled_stats` (deterministic).
+  """
   records = []
   outputs = {}
   floor = floor_ms(case, ceilings)
   for label, build in case.variants.items():
-    fn, args = build()
     rec: dict[str, Any] = {"op": case.op, "case": case.name, "variant": label,
-                           "is_baseline": label == case.baseline, "params": case.params}
-    if with_memory:
-      try:
-        rec.update(memory_stats(fn, args))
-      except Exception as e:  # noqa: BLE001 - memory is a report figure, not a gate
-        rec["memory_error"] = repr(e)[:200]
-    rec.update(time_fn(fn, args, iters=iters))
-    if case.check is not None:
-      outputs[label] = fn(*args)
+                           "is_baseline": label == case.baseline, "params": case.params,
+                           "flops": case.flops, "bytes": case.bytes}
+    try:
+      fn, args, refresh = build_variant(build)
+      if with_memory:
+        try:
+          rec.update(compiled_stats(fn, args))
+        except Exception as e:  # noqa: BLE001 - memory is a report figure, not a gate
+          rec["memory_error"] = repr(e)[:200]
+      rec.update(time_fn(fn, args, iters=iters, min_time=min_time, refresh=refresh))
+      if case.check is not None:
+        outputs[label] = block(fn(*(refresh() if refresh else args)))
+    except Exception as e:  # noqa: BLE001 - one broken variant must not hide the others
+      rec["error"] = f"{type(e).__name__}: {e}"[:500]
+      records.append(rec)
+      continue
     if label in case.state_bytes and case.params:
       rec["state_bytes_per_param"] = case.state_bytes[label] / case.params
     if case.flops:
@@ -163,12 +203,106 @@ def run_case(case: Case, ceilings: dict[str, float], *, iters: int = 10,
       rec["fraction_of_floor"] = floor / rec["ms"]
     records.append(rec)
     del fn, args
-  base = next((r for r in records if r["is_baseline"]), None)
+  base = next((r for r in records if r["is_baseline"] and "ms" in r), None)
   if base:
     for r in records:
-      r["ratio_to_baseline"] = r["ms"] / base["ms"]
-  if case.check is not None:
-    figures = case.check(outputs)
+      r["baseline_ms"] = base["ms"]
+      if "ms" in r:
+        r["ratio_to_baseline"] = r["ms"] / base["ms"]
+  if case.check is not None and outputs:
+    try:
+      figures = case.check(outputs)
+    except Exception as e:  # noqa: BLE001
+      figures = {"error": f"{type(e).__name__}: {e}"[:500]}
+    figures = {k: _jsonable(v) for k, v in figures.items()}
     for r in records:
       r["check"] = figures
+  outputs.clear()
+  return records
+
+
+def _jsonable(v):
+  if isinstance(v, (bool, int, float, str)) or v is None:
+    return v
+  try:
+    a = jax.device_get(v)
+    return a.item() if getattr(a, "ndim", 1) == 0 else a.tolist()
+  except Exception:  # noqa: BLE001
+    return repr(v)
+
+
+def check_passed(figures: dict[str, Any] | None) -> bool | None:
+  """Whether a case's check figures say "correct": every boolean figure is
+  True and there is no ``error``. None when the case has no check."""
+  if not figures:
+    return None
+  if "error" in figures:
+    return False
+  bools = [v for v in figures.values() if isinstance(v, bool)]
+  return all(bools) if bools else None
+
+
+def device_kind() -> str:
+  d = jax.devices()[0]
+  return d.device_kind if d.platform != "cpu" else "cpu"
+
+
+def device_slug(kind: str | None = None) -> str:
+  """``"NVIDIA H200"`` → ``"nvidia-h200"``, ``"TPU v6 lite"`` → ``"tpu-v6-lite"``."""
+  kind = kind or device_kind()
+  return re.sub(r"[^a-z0-9]+", "-", kind.lower()).strip("-") or "unknown"
+
+
+def default_size(platform: str | None = None) -> str:
+  """"full" on an accelerator, "quick" on the CPU."""
+  platform = platform or jax.default_backend()
+  return "full" if platform in ("gpu", "tpu") else "quick"
+
+
+def run_meta(size: str) -> dict[str, Any]:
+  import platform as _pf
+  d = jax.devices()[0]
+  return {
+      "device_kind": device_kind(), "device_slug": device_slug(), "platform": d.platform,
+      "num_devices": jax.device_count(), "size": size, "jax": jax.__version__,
+      "python": _pf.python_version(), "machine": _pf.machine(),
+      "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+  }
+
+
+def select_cases(cases, *, rows=None):
+  """Cases whose id (``op/name``) contains any of the substrings ``rows``."""
+  if not rows:
+    return list(cases)
+  return [c for c in cases if any(r in c.id for r in rows)]
+
+
+def run_suite(cases, ceilings, *, iters: int = 10, min_time: float = 0.0, budget_s: float | None = None,
+              progress: bool = False, on_case: Callable[[list], None] | None = None) -> list[dict[str, Any]]:
+  """Runs cases one after another; stops starting new ones after
+  ``budget_s`` seconds (the rest are recorded as ``skipped``)."""
+  records = []
+  start = time.perf_counter()
+  bar = None
+  if progress:
+    try:
+      from tqdm import tqdm
+      bar = tqdm(total=len(cases), unit="case", dynamic_ncols=True)
+    except ImportError:
+      bar = None
+  for case in cases:
+    if bar is not None:
+      bar.set_description(case.id[:40])
+    if budget_s is not None and time.perf_counter() - start > budget_s:
+      recs = [{"op": case.op, "case": case.name, "variant": v, "is_baseline": v == case.baseline,
+               "params": case.params, "skipped": "time budget"} for v in case.variants]
+    else:
+      recs = run_case(case, ceilings, iters=iters, min_time=min_time)
+    records.extend(recs)
+    if on_case is not None:
+      on_case(records)
+    if bar is not None:
+      bar.update(1)
+  if bar is not None:
+    bar.close()
   return records

@@ -1,0 +1,183 @@
+"""Matrix views: one stored tensor that holds several independent matrices.
+
+Muon orthogonalises whole matrices, so a tensor that packs several of them
+(gate and up projections side by side, MLA's ``kv_b_proj`` with each head's
+key rows next to its value rows) must be split before Newton-Schulz and put
+back afterwards. A view is only an index map: the parameter and its
+optimizer state stay one stored tensor; the split happens on the momentum
+inside the jitted update (XLA fuses the slices into the producer of the
+Newton-Schulz input) and the pieces of the update are written back into one
+leaf.
+
+Three ways to say "k matrices in one tensor":
+
+* A packed leading axis, e.g. gate/up stored as ``(2, rows, cols)``: nothing
+  to declare, an axis that is neither a reduction nor an output axis of the
+  :class:`~fuseopt.optim.muon.MuonDimensionNumbers` is a batch axis and each
+  index along it is orthogonalised on its own
+  (``MuonDimensionNumbers(reduction_axis=1, output_axis=2)``).
+* Matrices concatenated along one matrix axis, e.g. ``[gate | up]`` stored as
+  ``(rows, 2 * cols)``: ``MatrixViews(MuonDimensionNumbers(0, 1), axis=1,
+  sizes=(cols, cols))``.
+* A periodic split, e.g. MLA's ``kv_b_proj`` of shape
+  ``(kv_lora_rank, heads * (qk_nope_head_dim + v_head_dim))`` where the
+  output axis runs over heads and, within a head, key columns then value
+  columns: ``mla_kv_b_proj_views(heads, qk_nope_head_dim, v_head_dim)`` views
+  it as ``2 * heads`` matrices (one key block and one value block per head).
+
+Shared projections (MLA's latent down-projections ``q_a_proj``/``kv_a_proj``,
+the output projection) are plain matrices and stay whole.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+
+import optax
+
+
+class MuonDimensionNumbers(NamedTuple):
+  """Which axes of a weight form the matrix that Muon orthogonalises.
+
+  The same fields as :class:`optax.contrib.MuonDimensionNumbers`: for
+  ``y = x W`` the reduction axes are contracted with ``x`` and the output
+  axes index ``y``; several axes on one side are flattened into one matrix
+  dimension, and every other axis is an implicit batch axis (each index an
+  independent matrix). fuseopt's transforms accept optax's instances too.
+  Exported as :class:`fuseopt.optim.MuonDimensionNumbers`.
+  """
+  reduction_axis: Sequence[int] | int = 0
+  output_axis: Sequence[int] | int = 1
+
+
+DIMENSION_NUMBER_TYPES = (MuonDimensionNumbers, optax.contrib.MuonDimensionNumbers)
+
+
+class MatrixViews(NamedTuple):
+  """Declares that a weight holds several independent matrices.
+
+  Axis ``axis`` (one of the reduction or output axes of
+  ``dimension_numbers``) has length ``groups * sum(sizes)``; it is read as
+  ``(groups, sum(sizes))`` and cut into ``len(sizes)`` consecutive chunks of
+  the given sizes. Every (group, chunk) pair, times every index of the batch
+  axes, is one matrix that Muon orthogonalises on its own; its fan-in and
+  fan-out (for the width or consistent-RMS scaling) are those of the chunk.
+
+  Attributes:
+    dimension_numbers: the weight's :class:`MuonDimensionNumbers` (optax's
+      are accepted too).
+    axis: the axis to split.
+    sizes: the chunk lengths within one group.
+    groups: how many times the ``sizes`` pattern repeats along ``axis`` (for
+      example the number of heads); the group index becomes a batch axis.
+  """
+  dimension_numbers: MuonDimensionNumbers = MuonDimensionNumbers()
+  axis: int = 1
+  sizes: tuple[int, ...] = ()
+  groups: int = 1
+
+
+def mla_kv_b_proj_views(num_heads: int, qk_nope_head_dim: int, v_head_dim: int, *,
+                        reduction_axis: int = 0, output_axis: int = 1) -> MatrixViews:
+  """Views of MLA's ``kv_b_proj`` (DeepSeek-V2/V3): per head, the key rows
+  (``qk_nope_head_dim`` outputs) and the value rows (``v_head_dim`` outputs)
+  are separate matrices. The output axis must run over heads, each head's key
+  outputs before its value outputs, as in DeepSeek's reference code.
+  """
+  return MatrixViews(MuonDimensionNumbers(reduction_axis, output_axis), axis=output_axis,
+                     sizes=(qk_nope_head_dim, v_head_dim), groups=num_heads)
+
+
+def _norm_axes(axes, ndim: int, what: str) -> tuple[int, ...]:
+  axes = (axes,) if isinstance(axes, int) else tuple(axes)
+  out = []
+  for a in axes:
+    if not -ndim <= a < ndim:
+      raise ValueError(f"{what}: axis {a} is out of range for a rank-{ndim} weight")
+    out.append(a % ndim)
+  return tuple(out)
+
+
+def normalize_dimension_numbers(dims, shape: Sequence[int], path: str = "") -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """``(reduction_axes, output_axes)`` as non-negative ints, validated."""
+  ndim = len(shape)
+  where = f"weight {path} of shape {tuple(shape)}" if path else f"weight of shape {tuple(shape)}"
+  if ndim < 2:
+    raise ValueError(f"Muon: {where} has rank {ndim}; Muon needs rank >= 2 (use AdamW for it)")
+  red = _norm_axes(dims.reduction_axis, ndim, f"{where}: reduction_axis")
+  out = _norm_axes(dims.output_axis, ndim, f"{where}: output_axis")
+  if not red or not out:
+    raise ValueError(f"Muon: {where}: reduction_axis and output_axis must be non-empty, got {dims}")
+  if set(red) & set(out) or len(set(red)) != len(red) or len(set(out)) != len(out):
+    raise ValueError(f"Muon: {where}: reduction axes {red} and output axes {out} must be distinct")
+  return red, out
+
+
+class Piece(NamedTuple):
+  """One family of matrices read from a leaf: ``(batch, rows, cols)``."""
+  matrix: jax.Array
+  unflatten: Callable[[jax.Array], jax.Array]  # (batch, rows, cols) -> the piece's own layout
+
+
+def _flatten(x, red, out) -> Piece:
+  batch = tuple(a for a in range(x.ndim) if a not in red and a not in out)
+  perm = batch + red + out
+  size = lambda axes: math.prod(x.shape[a] for a in axes)
+  flat_shape = (size(batch), size(red), size(out))
+  perm_shape = tuple(x.shape[a] for a in perm)
+  inv = tuple(sorted(range(x.ndim), key=lambda i: perm[i]))
+  identity = perm == tuple(range(x.ndim))
+  matrix = jnp.reshape(x if identity else jnp.transpose(x, perm), flat_shape)
+
+  def unflatten(y):
+    y = jnp.reshape(y, perm_shape)
+    return y if identity else jnp.transpose(y, inv)
+  return Piece(matrix, unflatten)
+
+
+def split(x: jax.Array, spec, path: str = "") -> tuple[list[Piece], Callable[[list[jax.Array]], jax.Array]]:
+  """Cuts ``x`` into matrix families by ``spec`` (dimension numbers or
+  :class:`MatrixViews`); returns the pieces and a function that puts the
+  pieces' results (in the pieces' own layouts) back into ``x``'s shape."""
+  if isinstance(spec, DIMENSION_NUMBER_TYPES):
+    red, out = normalize_dimension_numbers(spec, x.shape, path)
+    return [_flatten(x, red, out)], lambda ys: ys[0]
+  if not isinstance(spec, MatrixViews):
+    raise TypeError(f"Muon: weight {path}: expected MuonDimensionNumbers or MatrixViews, got {spec!r}")
+  red, out = normalize_dimension_numbers(spec.dimension_numbers, x.shape, path)
+  a = spec.axis % x.ndim if -x.ndim <= spec.axis < x.ndim else None
+  if a is None or (a not in red and a not in out):
+    raise ValueError(f"Muon: weight {path}: MatrixViews.axis={spec.axis} must be one of the "
+                     f"reduction axes {red} or output axes {out}")
+  sizes = tuple(int(s) for s in spec.sizes)
+  if not sizes or min(sizes) <= 0 or spec.groups <= 0:
+    raise ValueError(f"Muon: weight {path}: MatrixViews needs positive sizes and groups, "
+                     f"got sizes={spec.sizes}, groups={spec.groups}")
+  period = sum(sizes)
+  if x.shape[a] != spec.groups * period:
+    raise ValueError(f"Muon: weight {path} of shape {x.shape}: axis {a} has length {x.shape[a]}, "
+                     f"expected groups*sum(sizes) = {spec.groups}*{period}")
+  # Axis a becomes (groups, period): groups at a (a batch axis), the chunk at a + 1.
+  shift = lambda axes: tuple(b + 1 if b >= a else b for b in axes)
+  red, out = shift(red), shift(out)
+  grouped_shape = x.shape[:a] + (spec.groups, period) + x.shape[a + 1:]
+  xg = jnp.reshape(x, grouped_shape)
+  pieces, offset = [], 0
+  for s in sizes:
+    chunk = jax.lax.slice_in_dim(xg, offset, offset + s, axis=a + 1)
+    pieces.append(_flatten(chunk, red, out))
+    offset += s
+
+  def merge(ys):
+    y = ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=a + 1)
+    return jnp.reshape(y, x.shape)
+  return pieces, merge
+
+
+def base_dimension_numbers(spec):
+  """The dimension numbers under a spec (views or not)."""
+  return spec.dimension_numbers if isinstance(spec, MatrixViews) else spec
