@@ -1,0 +1,174 @@
+"""``build_optimizer``: one :class:`~fuseopt.optim.config.OptimConfig` -> one optax solver.
+
+The solver a config describes is, from the outside in::
+
+    freeze(                                   # frozen params: zero update, no state
+      skip_nonfinite(                         # NaN/Inf gradient: skip, state untouched
+        MultiSteps(                           # mean over accumulate_steps micro-steps
+          chain(
+            clip_by_global_norm(clip_norm),   # every trainable gradient, all groups
+            partition({group: optimizer(schedule * multiplier, group decay)}),
+          ))))
+
+Each layer is present only when the config asks for it, except the clip,
+which always records the global norm (``clip_norm=0`` does not clip).
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import Any, Callable
+
+import jax.numpy as jnp
+import optax
+
+from fuseopt.optim import groups as groups_lib
+from fuseopt.optim import safeguards
+from fuseopt.optim.config import OptimConfig
+
+__all__ = ["OPTIMIZER_MAP", "build_optimizer", "learning_rate_schedule"]
+
+
+def learning_rate_schedule(config: OptimConfig, steps: int) -> optax.ScalarOrSchedule:
+  """The rate ``config`` names: its schedule over a ``steps``-update run, or its constant rate."""
+  config = OptimConfig.from_dict(config)
+  if config.schedule is not None:
+    return config.schedule.schedule(steps)
+  return config.learning_rate
+
+
+def _scaled(rate: optax.ScalarOrSchedule, multiplier: float) -> optax.ScalarOrSchedule:
+  if multiplier == 1.0:
+    return rate
+  if callable(rate):
+    return lambda count: multiplier * rate(count)
+  return multiplier * rate
+
+
+def _fuseopt(module: str, name: str) -> Callable | None:
+  """fuseopt's own transform when its module has landed, else None (optax steps in)."""
+  try:
+    return getattr(importlib.import_module(module), name)
+  except (ImportError, AttributeError):
+    return None
+
+
+def _moments(config: OptimConfig):
+  return jnp.bfloat16 if config.state_dtype == "bfloat16" else None
+
+
+def _betas(config: OptimConfig, b1="b1", b2="b2", eps="eps") -> dict[str, Any]:
+  out = {}
+  for field, kw in (("b1", b1), ("b2", b2), ("eps", eps)):
+    v = getattr(config, field)
+    if v is not None and kw is not None:
+      out[kw] = v
+  return out
+
+
+def _adam(config, rate, weight_decay):
+  fused = _fuseopt("fuseopt.optim.adam", "adam")
+  kw = {**_betas(config), **config.optimizer_kwargs}
+  if fused is not None:
+    return fused(rate, moment_dtype=_moments(config) or jnp.float32, **kw)
+  return optax.adam(rate, mu_dtype=_moments(config), **kw)
+
+
+def _adamw(config, rate, weight_decay):
+  fused = _fuseopt("fuseopt.optim.adam", "adamw")
+  kw = {**_betas(config), **config.optimizer_kwargs}
+  if fused is not None:
+    return fused(rate, weight_decay=weight_decay, moment_dtype=_moments(config) or jnp.float32, **kw)
+  return optax.adamw(rate, weight_decay=weight_decay, mu_dtype=_moments(config), **kw)
+
+
+def _lamb(config, rate, weight_decay):
+  return optax.lamb(rate, weight_decay=weight_decay, **_betas(config), **config.optimizer_kwargs)
+
+
+def _lion(config, rate, weight_decay):
+  return optax.lion(rate, weight_decay=weight_decay, mu_dtype=_moments(config),
+                    **_betas(config, eps=None), **config.optimizer_kwargs)
+
+
+def _adafactor(config, rate, weight_decay):
+  return optax.adafactor(rate, weight_decay_rate=weight_decay or None,
+                         **_betas(config, b1=None, b2=None), **config.optimizer_kwargs)
+
+
+def _muon_kwargs(config, weight_decay):
+  # Muon's b1/b2 are its AdamW side's; its own momentum is optimizer_kwargs["beta"].
+  kw = {**_betas(config, b1="adam_b1", b2="adam_b2"), **config.optimizer_kwargs}
+  return dict(weight_decay=weight_decay, adam_weight_decay=weight_decay, mu_dtype=_moments(config), **kw)
+
+
+def _muon(config, rate, weight_decay):
+  fused = _fuseopt("fuseopt.optim.muon", "muon")
+  make = fused if fused is not None else optax.contrib.muon
+  return make(rate, **_muon_kwargs(config, weight_decay))
+
+
+_warned_muonclip = []
+
+
+def _muonclip(config, rate, weight_decay):
+  fused = _fuseopt("fuseopt.optim.qk_clip", "muonclip")
+  if fused is not None:
+    return fused(rate, tau=config.qk_clip_tau, **_muon_kwargs(config, weight_decay))
+  if not _warned_muonclip:
+    _warned_muonclip.append(True)
+    warnings.warn("fuseopt.optim.qk_clip.muonclip is not available; 'muonclip' builds plain Muon "
+                  "(no QK-Clip)", RuntimeWarning, stacklevel=3)
+  return _muon(config, rate, weight_decay)
+
+
+# name -> (config, rate, weight_decay) -> GradientTransformation
+OPTIMIZER_MAP: dict[str, Callable[..., optax.GradientTransformation]] = {
+    "adam": _adam,
+    "adamw": _adamw,
+    "lamb": _lamb,
+    "lion": _lion,
+    "adafactor": _adafactor,
+    "muon": _muon,
+    "muonclip": _muonclip,
+}
+
+
+def build_optimizer(config: OptimConfig | dict, steps: int) -> optax.GradientTransformationExtraArgs:
+  """Build the solver ``config`` describes, with its schedule, groups, clip and safeguards.
+
+  Args:
+    config: an :class:`OptimConfig` or its dict.
+    steps: the run's length in optimizer updates (after accumulation), which
+      a schedule decays over unless it names its own end.
+
+  ``param_groups`` runs one solver per group under :func:`optax.partition`,
+  each on the schedule times its ``learning_rate_multiplier`` and with its own
+  weight decay; the global-norm clip still reads every gradient together,
+  before the groups split them. The clip's norm is in the state:
+  :func:`fuseopt.optim.safeguards.global_norm_of` finds it.
+  """
+  config = OptimConfig.from_dict(config)
+  if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+    raise ValueError(f"build_optimizer: steps must be a non-negative integer, got {steps!r}")
+  make = OPTIMIZER_MAP[config.optimizer]
+  rate = learning_rate_schedule(config, steps)
+
+  if config.param_groups:
+    solvers = {}
+    for g in config.param_groups:
+      decay = config.weight_decay if g.weight_decay is None else g.weight_decay
+      solvers[g.name] = make(config, _scaled(rate, g.learning_rate_multiplier), decay)
+    tx = optax.partition(solvers, groups_lib.param_labels(config.param_groups))
+  else:
+    tx = make(config, rate, config.weight_decay)
+
+  tx = optax.chain(safeguards.clip_by_global_norm(config.clip_norm), tx)
+  if config.accumulate_steps > 1:
+    tx = optax.MultiSteps(tx, every_k_schedule=config.accumulate_steps).gradient_transformation()
+  if config.skip_nonfinite:
+    tx = safeguards.skip_nonfinite(tx, config.max_consecutive_skips, config.on_max_skips)
+  if config.frozen or config.trainable is not None:
+    tx = safeguards.freeze(tx, config.frozen, config.trainable)
+  return optax.with_extra_args_support(tx)

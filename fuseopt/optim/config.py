@@ -1,0 +1,233 @@
+"""``OptimConfig``: the one record a training script hands :func:`fuseopt.optim.build_optimizer`.
+
+A validated, frozen dataclass that round-trips through plain dicts and YAML
+(``to_dict``/``from_dict``, ``to_yaml``/``from_yaml``). Unknown keys and bad
+values raise a ``ValueError`` naming the field; ``override("a.b=value", ...)``
+applies command-line style overrides on top of a base config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+from fuseopt.optim import groups as groups_lib
+from fuseopt.optim import schedules as schedules_lib
+
+__all__ = ["OPTIMIZERS", "BF16_STATE_OPTIMIZERS", "STATE_DTYPES", "OptimConfig"]
+
+OPTIMIZERS = ("adam", "adamw", "lamb", "lion", "adafactor", "muon", "muonclip")
+# Optimizers whose moments can be stored in bf16 (state_dtype="bfloat16").
+BF16_STATE_OPTIMIZERS = ("adam", "adamw", "lion", "muon", "muonclip")
+STATE_DTYPES = ("float32", "bfloat16")
+# Weight decay is part of these optimizers' own kwargs; plain Adam has none.
+_NO_DECAY_OPTIMIZERS = ("adam",)
+
+
+class _Loader(yaml.SafeLoader):
+  """SafeLoader that also reads ``1e-3`` (no dot) as a float, as Python and JSON do."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                   |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                   |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                   |[-+]?\.(?:inf|Inf|INF)
+                   |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+
+
+def _load_yaml(text: str):
+  return yaml.load(text, Loader=_Loader)
+
+
+def _suggest(name: str, options: Sequence[str]) -> str:
+  close = difflib.get_close_matches(name, options, n=1)
+  return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _is_number(x) -> bool:
+  return not isinstance(x, bool) and isinstance(x, (int, float))
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  """Everything :func:`~fuseopt.optim.build_optimizer` needs to build a solver.
+
+  Attributes:
+    optimizer: one of :data:`OPTIMIZERS`.
+    learning_rate: a constant rate; give it or ``schedule``, not both.
+    schedule: a schedule record (:mod:`fuseopt.optim.schedules`) or a dict
+      with its ``kind`` and fields.
+    weight_decay: decoupled decay folded into the optimizer's own kwargs
+      (Muon: both the Muon and the AdamW side); a group's ``weight_decay``
+      replaces it. Not allowed for ``adam``.
+    b1, b2, eps: the optimizer's moment rates and epsilon; None keeps its
+      default (Muon: ``b1``/``b2`` are its AdamW side's, its momentum is
+      ``optimizer_kwargs["beta"]``).
+    state_dtype: ``"float32"`` or ``"bfloat16"`` moments; bf16 only for
+      :data:`BF16_STATE_OPTIMIZERS`.
+    param_groups: :class:`~fuseopt.optim.groups.ParamGroup` records (or their
+      dicts); empty means one group for everything.
+    clip_norm: global-norm clip threshold over all gradients; 0 disables the
+      clip (the norm is still reported).
+    accumulate_steps: apply the mean gradient of this many micro-steps
+      (:class:`optax.MultiSteps`); 1 applies every step.
+    skip_nonfinite: skip steps with a NaN/Inf gradient
+      (:func:`~fuseopt.optim.safeguards.skip_nonfinite`).
+    max_consecutive_skips: the bound on consecutive skips (None: unbounded).
+    on_max_skips: ``"raise"`` or ``"apply"`` once the bound is hit.
+    frozen: patterns of parameters that get zero updates and no state.
+    trainable: when set, every parameter matching none of these is frozen
+      too (``("*lora_*",)`` trains only LoRA adapters).
+    qk_clip_tau: MuonClip's logit threshold (``muonclip`` only).
+    optimizer_kwargs: extra keyword arguments for the optimizer, verbatim.
+  """
+
+  optimizer: str = "adamw"
+  learning_rate: float | None = None
+  schedule: schedules_lib.ScheduleBase | None = None
+  weight_decay: float = 0.0
+  b1: float | None = None
+  b2: float | None = None
+  eps: float | None = None
+  state_dtype: str = "float32"
+  param_groups: tuple[groups_lib.ParamGroup, ...] = ()
+  clip_norm: float = 0.0
+  accumulate_steps: int = 1
+  skip_nonfinite: bool = False
+  max_consecutive_skips: int | None = 10
+  on_max_skips: str = "raise"
+  frozen: tuple[str, ...] = ()
+  trainable: tuple[str, ...] | None = None
+  qk_clip_tau: float = 100.0
+  optimizer_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    set_ = lambda k, v: object.__setattr__(self, k, v)
+    if self.optimizer not in OPTIMIZERS:
+      raise ValueError(f"OptimConfig.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}"
+                       + _suggest(str(self.optimizer), OPTIMIZERS))
+    if self.schedule is not None:
+      set_("schedule", schedules_lib.schedule_from_dict(self.schedule))
+    if (self.learning_rate is None) == (self.schedule is None):
+      raise ValueError("OptimConfig.learning_rate / OptimConfig.schedule: give exactly one "
+                       f"(got learning_rate={self.learning_rate!r}, schedule={self.schedule!r})")
+    if self.learning_rate is not None:
+      if not _is_number(self.learning_rate) or self.learning_rate < 0:
+        raise ValueError(f"OptimConfig.learning_rate must be a number >= 0, got {self.learning_rate!r}")
+      set_("learning_rate", float(self.learning_rate))
+    for name, lo, hi in (("weight_decay", 0.0, None), ("clip_norm", 0.0, None), ("qk_clip_tau", 0.0, None)):
+      v = getattr(self, name)
+      if not _is_number(v) or v < lo:
+        raise ValueError(f"OptimConfig.{name} must be a number >= {lo}, got {v!r}")
+      set_(name, float(v))
+    for name in ("b1", "b2"):
+      v = getattr(self, name)
+      if v is not None and (not _is_number(v) or not 0.0 <= v < 1.0):
+        raise ValueError(f"OptimConfig.{name} must be a number in [0, 1) or None, got {v!r}")
+    if self.eps is not None and (not _is_number(self.eps) or self.eps < 0):
+      raise ValueError(f"OptimConfig.eps must be a number >= 0 or None, got {self.eps!r}")
+    if self.state_dtype not in STATE_DTYPES:
+      raise ValueError(f"OptimConfig.state_dtype must be one of {STATE_DTYPES}, got {self.state_dtype!r}")
+    if self.state_dtype == "bfloat16" and self.optimizer not in BF16_STATE_OPTIMIZERS:
+      raise ValueError(f"OptimConfig.state_dtype='bfloat16': optimizer {self.optimizer!r} cannot keep bf16 "
+                       f"moments; use one of {BF16_STATE_OPTIMIZERS} or state_dtype='float32'")
+    if self.optimizer in _NO_DECAY_OPTIMIZERS and self.weight_decay > 0:
+      raise ValueError(f"OptimConfig.weight_decay: optimizer {self.optimizer!r} has no weight decay "
+                       f"(got {self.weight_decay}); use 'adamw'")
+    set_("param_groups", groups_lib.validate_groups(self.param_groups or ()))
+    if self.optimizer in _NO_DECAY_OPTIMIZERS:
+      for g in self.param_groups:
+        if g.weight_decay:
+          raise ValueError(f"OptimConfig.param_groups: group {g.name!r} sets weight_decay={g.weight_decay} "
+                           f"but optimizer {self.optimizer!r} has no weight decay; use 'adamw'")
+    k = self.accumulate_steps
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+      raise ValueError(f"OptimConfig.accumulate_steps must be an integer >= 1, got {k!r}")
+    if not isinstance(self.skip_nonfinite, bool):
+      raise ValueError(f"OptimConfig.skip_nonfinite must be a bool, got {self.skip_nonfinite!r}")
+    m = self.max_consecutive_skips
+    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+      raise ValueError(f"OptimConfig.max_consecutive_skips must be an integer >= 1 or None, got {m!r}")
+    if self.on_max_skips not in ("raise", "apply"):
+      raise ValueError(f"OptimConfig.on_max_skips must be 'raise' or 'apply', got {self.on_max_skips!r}")
+    for name in ("frozen", "trainable"):
+      v = getattr(self, name)
+      if v is None and name == "trainable":
+        continue
+      if isinstance(v, str):
+        v = (v,)
+      if not isinstance(v, (list, tuple)) or not all(isinstance(p, str) and p for p in v):
+        raise ValueError(f"OptimConfig.{name} must be a sequence of fnmatch patterns, got {v!r}")
+      set_(name, tuple(v))
+    if not isinstance(self.optimizer_kwargs, Mapping):
+      raise ValueError(f"OptimConfig.optimizer_kwargs must be a mapping, got {self.optimizer_kwargs!r}")
+    reserved = {"learning_rate", "weight_decay", "b1", "b2", "eps", "mu_dtype", "moment_dtype"} & set(self.optimizer_kwargs)
+    if reserved:
+      raise ValueError(f"OptimConfig.optimizer_kwargs: {sorted(reserved)} are OptimConfig fields; set them there")
+    set_("optimizer_kwargs", dict(self.optimizer_kwargs))
+
+  # ------------------------------------------------------------------ dicts
+
+  def to_dict(self) -> dict[str, Any]:
+    """Plain Python types only (lists, dicts, numbers, strings, None): YAML/JSON safe."""
+    out = {}
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      if f.name == "schedule":
+        v = None if v is None else v.to_dict()
+      elif f.name == "param_groups":
+        v = [g.to_dict() for g in v]
+      elif isinstance(v, tuple):
+        v = list(v)
+      elif isinstance(v, Mapping):
+        v = dict(v)
+      out[f.name] = v
+    return out
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> "OptimConfig":
+    if isinstance(d, OptimConfig):
+      return d
+    if not isinstance(d, Mapping):
+      raise ValueError(f"OptimConfig.from_dict expects a mapping, got {type(d).__name__}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in d if k not in names]
+    if unknown:
+      hints = "".join(_suggest(str(k), names) for k in unknown)
+      raise ValueError(f"OptimConfig got unknown key(s) {unknown}{hints}; valid keys: {names}")
+    return cls(**dict(d))
+
+  def to_yaml(self) -> str:
+    return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+  @classmethod
+  def from_yaml(cls, text: str) -> "OptimConfig":
+    d = _load_yaml(text)
+    return cls.from_dict({} if d is None else d)
+
+  def override(self, *assignments: str) -> "OptimConfig":
+    """A copy with ``"key=value"`` / ``"schedule.peak=1e-3"`` overrides applied (values parsed as YAML)."""
+    d = self.to_dict()
+    for a in assignments:
+      if "=" not in a:
+        raise ValueError(f"OptimConfig.override: expected 'key=value', got {a!r}")
+      key, raw = a.split("=", 1)
+      *parents, leaf = key.strip().split(".")
+      node = d
+      for p in parents:
+        if not isinstance(node.get(p), dict):
+          node[p] = {}
+        node = node[p]
+      node[leaf] = _load_yaml(raw)
+      if key.strip() == "schedule" or key.startswith("schedule."):
+        d["learning_rate"] = None
+      elif key.strip() == "learning_rate":
+        d["schedule"] = None
+    return OptimConfig.from_dict(d)

@@ -1,0 +1,201 @@
+"""Safeguards around a solver: global-norm clipping, non-finite skips, frozen parameters.
+
+Each is an optax transform (or a wrapper of one) the builder composes:
+
+* :func:`clip_by_global_norm` clips by the norm of *every* gradient it is
+  given and keeps that norm in its state, so a trainer can log it;
+* :func:`skip_nonfinite` drops a step whose gradient holds a NaN or Inf
+  without touching the wrapped solver's state (its step count, and so its
+  schedule, stays put);
+* :func:`freeze` gives frozen parameters a zero update and no optimizer state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fuseopt.optim import groups as groups_lib
+
+__all__ = [
+    "ClipByGlobalNormState",
+    "SkipNonfiniteState",
+    "clip_by_global_norm",
+    "freeze",
+    "frozen_labels",
+    "global_norm_of",
+    "skip_nonfinite",
+]
+
+
+class ClipByGlobalNormState(NamedTuple):
+  """The global norm of the last gradient the clip saw (before clipping)."""
+  global_norm: jax.Array
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+  r"""Scale all updates by ``min(1, max_norm / ||g||)`` with ``||g||`` over every leaf.
+
+  .. math:: g \leftarrow g \cdot \min\left(1, \frac{c}{\|g\|_2}\right),
+     \quad \|g\|_2 = \sqrt{\textstyle\sum_{\text{leaves}} \sum g^2}
+
+  Pascanu et al. 2013, "On the difficulty of training recurrent neural
+  networks", arXiv 1211.5063. Unlike :func:`optax.clip_by_global_norm` the
+  norm is kept in the state (``ClipByGlobalNormState.global_norm``), and
+  ``max_norm == 0`` disables the clip while still reporting the norm. Put it
+  before any :func:`optax.partition` so the norm covers every group.
+  """
+  if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or max_norm < 0:
+    raise ValueError(f"clip_by_global_norm: max_norm must be a number >= 0 (0 disables), got {max_norm!r}")
+  max_norm = float(max_norm)
+
+  def init_fn(params):
+    del params
+    return ClipByGlobalNormState(global_norm=jnp.zeros([], jnp.float32))
+
+  def update_fn(updates, state, params=None):
+    del params, state
+    norm = optax.global_norm(updates).astype(jnp.float32)
+    if max_norm > 0:
+      # Divide by max(norm, c), not norm: a zero gradient stays zero, no 0/0.
+      scale = max_norm / jnp.maximum(norm, max_norm)
+      updates = jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates)
+    return updates, ClipByGlobalNormState(global_norm=norm)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+class SkipNonfiniteState(NamedTuple):
+  """State of :func:`skip_nonfinite`.
+
+  Attributes:
+    inner_state: the wrapped solver's state, untouched by a skipped step.
+    consecutive_skips: skipped steps since the last applied one.
+    total_skips: skipped steps over the run.
+    last_finite: whether the last gradient was finite.
+  """
+  inner_state: Any
+  consecutive_skips: jax.Array
+  total_skips: jax.Array
+  last_finite: jax.Array
+
+
+def _all_finite(tree) -> jax.Array:
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+def _raise_if(flag, limit):
+  if flag:
+    raise FloatingPointError(
+        f"skip_nonfinite: {limit} consecutive non-finite gradients; the run is diverging "
+        "(lower the learning rate, or pass on_limit='apply' to apply such steps)")
+
+
+def skip_nonfinite(inner: optax.GradientTransformation, max_consecutive_skips: int | None = 10,
+                   on_limit: str = "raise") -> optax.GradientTransformationExtraArgs:
+  """Skip a step whose gradient holds a NaN or an Inf, as if it never happened.
+
+  A non-finite gradient (any leaf) makes the update all zeros and leaves
+  ``inner``'s state exactly as it was: its step count does not advance, so
+  neither do its schedule, its bias corrections or its accumulation. This is
+  what a PyTorch AMP ``GradScaler`` does with an overflowing fp16 step; it
+  differs from :func:`optax.apply_if_finite` only in what the limit does.
+
+  ``max_consecutive_skips`` bounds a run of skipped steps (None: no bound).
+  A non-finite gradient arriving once that many steps in a row were skipped:
+
+  * ``on_limit="raise"`` raises ``FloatingPointError`` from a host callback,
+    surfacing as a ``JaxRuntimeError`` when the step's results are read
+    (the step itself is still skipped);
+  * ``on_limit="apply"`` applies that gradient (optax.apply_if_finite's
+    behaviour), which spreads the NaN into the parameters for the trainer's
+    own checks to catch, and resets the count.
+
+  The state (:class:`SkipNonfiniteState`) counts consecutive and total skips.
+  """
+  if max_consecutive_skips is not None and (isinstance(max_consecutive_skips, bool)
+                                            or not isinstance(max_consecutive_skips, int)
+                                            or max_consecutive_skips < 1):
+    raise ValueError(f"skip_nonfinite: max_consecutive_skips must be an integer >= 1 or None, "
+                     f"got {max_consecutive_skips!r}")
+  if on_limit not in ("raise", "apply"):
+    raise ValueError(f"skip_nonfinite: on_limit must be 'raise' or 'apply', got {on_limit!r}")
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    return SkipNonfiniteState(inner_state=inner.init(params),
+                              consecutive_skips=jnp.zeros([], jnp.int32),
+                              total_skips=jnp.zeros([], jnp.int32),
+                              last_finite=jnp.array(True))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    finite = _all_finite(updates)
+    new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
+    if max_consecutive_skips is None:
+      apply = finite
+    else:
+      at_limit = jnp.logical_and(~finite, state.consecutive_skips >= max_consecutive_skips)
+      if on_limit == "apply":
+        apply = jnp.logical_or(finite, at_limit)
+      else:
+        apply = finite
+        jax.debug.callback(_raise_if, at_limit, max_consecutive_skips)
+    keep = lambda new, old: jnp.where(apply, new, old)
+    inner_state = jax.tree.map(keep, new_inner, state.inner_state)
+    new_updates = jax.tree.map(lambda u: jnp.where(apply, u, jnp.zeros_like(u)), new_updates)
+    skipped = (~apply).astype(jnp.int32)
+    return new_updates, SkipNonfiniteState(
+        inner_state=inner_state,
+        consecutive_skips=(state.consecutive_skips + 1) * skipped,
+        total_skips=state.total_skips + skipped,
+        last_finite=finite)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def frozen_labels(frozen: Sequence[str] = (), trainable: Sequence[str] | None = None):
+  """Labeller for :func:`freeze`: ``'frozen'`` where a path matches ``frozen``
+  or (when ``trainable`` is given) matches none of ``trainable``; else ``'trainable'``."""
+  frozen, trainable = tuple(frozen), None if trainable is None else tuple(trainable)
+
+  def label(kp, _):
+    path = groups_lib.path_str(kp)
+    if groups_lib.matches_any(path, frozen):
+      return "frozen"
+    if trainable is not None and not groups_lib.matches_any(path, trainable):
+      return "frozen"
+    return "trainable"
+
+  return lambda params: jax.tree_util.tree_map_with_path(label, params)
+
+
+def freeze(inner: optax.GradientTransformation, frozen: Sequence[str] = (),
+           trainable: Sequence[str] | None = None) -> optax.GradientTransformationExtraArgs:
+  """Run ``inner`` on the trainable parameters only; frozen ones get zero updates and no state.
+
+  Frozen: a path matching a ``frozen`` pattern, or, when ``trainable`` is
+  given, one matching none of its patterns (``trainable=('*lora_*',)``
+  trains only LoRA adapters, as a LoRA fine-tune freezes its base). Built on
+  :func:`optax.partition` with :func:`optax.set_to_zero`, so ``inner`` sees
+  (and its clip norm and non-finite check cover) the trainable leaves only,
+  and its state holds ``optax.MaskedNode`` where a frozen leaf would be.
+  """
+  return optax.partition({"trainable": inner, "frozen": optax.set_to_zero()},
+                         frozen_labels(frozen, trainable))
+
+
+def global_norm_of(state) -> jax.Array | None:
+  """The global norm :func:`clip_by_global_norm` recorded somewhere in a solver's state (None if absent)."""
+  found = []
+
+  def visit(x):
+    if isinstance(x, ClipByGlobalNormState):
+      found.append(x.global_norm)
+    return x
+
+  jax.tree.map(visit, state, is_leaf=lambda x: isinstance(x, ClipByGlobalNormState))
+  return found[0] if found else None
