@@ -130,12 +130,12 @@ def measure_ceilings(platform: str | None = None, *, quick: bool = False) -> dic
   n = (1 << 28) if accel and not quick else (1 << 22)
   x = jnp.ones((n,), jnp.float32)
   f = jax.jit(lambda x: x * 1.0001 + 0.5)
-  t = time_fn(f, (x,), iters=10 if accel else 3)
+  t = time_fn(f, (x,), iters=10 if accel else 5)
   bw = 8 * n / (t["min_ms"] * 1e-3) / 1e9
   d = 8192 if accel and not quick else 512
   a = jnp.ones((d, d), jnp.bfloat16)
   g = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
-  t = time_fn(g, (a, a), iters=10 if accel else 3)
+  t = time_fn(g, (a, a), iters=10 if accel else 5)
   tflops = 2 * d ** 3 / (t["min_ms"] * 1e-3) / 1e12
   del x, a
   return {"copy_gbps": bw, "matmul_tflops": tflops, "copy_elements": n, "matmul_dim": d}

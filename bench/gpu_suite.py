@@ -1,0 +1,125 @@
+"""Everything fuseopt measures on one accelerator, in one run (< 8 minutes).
+
+  python bench/gpu_suite.py [OUT_ROOT] [--size full|quick] [--budget-s 420] [--ops OP ...]
+
+Writes ``OUT_ROOT/<device-kind-slug>/suite.json`` (default OUT_ROOT:
+bench/results) in the schema of ``fuseopt.benchmarks.report``, rewritten
+after every case so a run cut short still leaves its rows, plus
+``bench.png`` and ``scaling.png``. Then commit the directory and run
+``fuseopt report`` to render the README's performance table.
+
+What it does:
+1. the ceilings, measured now: copy bandwidth (fp32 ``x*a+b``) and bf16
+   matmul rate;
+2. every bench case of every op module that exists, at the size that suits
+   the device: correctness of each fuseopt variant against its reference on
+   these large inputs (the case's ``check``), and the time of every variant,
+   its baseline in the same run, effective GB/s or TFLOP/s and fraction of
+   the roofline floor; compiled temp/argument/output bytes.
+
+Nothing here names a chip: sizes come from the platform (gpu / tpu) and
+block configs from each op's heuristics, so the same file runs on an H200,
+an L4, an RTX 4090 or a TPU v6e. Cases still running when ``--budget-s``
+is spent are marked ``skipped`` (the default leaves room for start-up and
+compilation inside 8 minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import jax
+
+from fuseopt.benchmarks import core, report
+from fuseopt.benchmarks.cases import CASE_MODULES, all_cases
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("out_root", nargs="?", type=Path, default=Path("bench/results"),
+                  help="results root; the JSON goes to OUT_ROOT/<device-kind-slug>/suite.json")
+  ap.add_argument("--size", choices=("quick", "full"), default=None,
+                  help="default: full on GPU/TPU, quick on the CPU")
+  ap.add_argument("--budget-s", type=float, default=420.0,
+                  help="start no new case after this many seconds (default 420)")
+  ap.add_argument("--ops", nargs="+", choices=CASE_MODULES)
+  ap.add_argument("--rows", nargs="+", metavar="SUBSTR")
+  ap.add_argument("--iters", type=int, default=None)
+  ap.add_argument("--no-plot", action="store_true")
+  args = ap.parse_args(argv)
+
+  t0 = time.perf_counter()
+  platform = jax.default_backend()
+  size = args.size or core.default_size(platform)
+  meta = core.run_meta(size)
+  meta["suite"] = "bench/gpu_suite.py"
+  out_dir = args.out_root / meta["device_slug"]
+  path = out_dir / "suite.json"
+  print(f"gpu_suite: {meta['device_kind']} ({platform}, {jax.device_count()} devices), size {size}, "
+        f"jax {jax.__version__} -> {path}", flush=True)
+  if platform == "cpu":
+    print("gpu_suite: no accelerator; running the CPU sizes (a smoke run)", flush=True)
+
+  errors: dict[str, str] = {}
+  cases = core.select_cases(all_cases(size, platform, args.ops, errors=errors), rows=args.rows)
+  for op, msg in errors.items():
+    print(f"gpu_suite: cases of {op!r} left out: {msg}", flush=True)
+
+  ceilings = core.measure_ceilings(platform, quick=size == "quick")
+  print(f"gpu_suite: ceilings copy {ceilings['copy_gbps']:.0f} GB/s, "
+        f"bf16 matmul {ceilings['matmul_tflops']:.3g} TFLOP/s ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+  def save(rows):
+    meta["wall_s"] = round(time.perf_counter() - t0, 1)
+    report.save_json(report.make_results(meta, ceilings, rows, errors), path)
+
+  rows: list[dict] = []
+  save(rows)
+  iters = args.iters or (10 if platform in ("gpu", "tpu") else 5)
+  for case in cases:
+    elapsed = time.perf_counter() - t0
+    if elapsed > args.budget_s:
+      rows += [{"op": case.op, "case": case.name, "variant": v, "is_baseline": v == case.baseline,
+                "params": case.params, "skipped": "time budget"} for v in case.variants]
+      print(f"  {case.id}: skipped (budget)", flush=True)
+      save(rows)
+      continue
+    try:
+      recs = core.run_case(case, ceilings, iters=iters)
+    except Exception as e:  # noqa: BLE001 - one case must not end the run
+      traceback.print_exc()
+      recs = [{"op": case.op, "case": case.name, "variant": v, "is_baseline": v == case.baseline,
+               "error": f"{type(e).__name__}: {e}"[:500]} for v in case.variants]
+    rows += recs
+    save(rows)
+    for r in recs:
+      what = r.get("error") or (f"{r['ms']:.3f} ms  ratio {r.get('ratio_to_baseline', 0):.2f}  "
+                                f"{report.throughput(r)}")
+      print(f"  {case.id} {r['variant']}: {what}", flush=True)
+    ok = core.check_passed(recs[0].get("check")) if recs else None
+    if ok is not None:
+      print(f"  {case.id} check: {'ok' if ok else 'FAILED'} {recs[0]['check']}", flush=True)
+
+  results = report.make_results(meta, ceilings, rows, errors)
+  report.validate(results)
+  save(rows)
+  print(report.format_header(results))
+  print(report.format_table(rows))
+  if not args.no_plot:
+    try:
+      report.plot(results, out_dir)
+    except Exception:  # noqa: BLE001 - plots are a convenience; the JSON is the record
+      traceback.print_exc()
+  failed = [r for r in rows if "error" in r]
+  bad = sorted({f"{r['op']}/{r['case']}" for r in rows if core.check_passed(r.get("check")) is False})
+  print(f"gpu_suite: {len(rows)} rows, {len(failed)} errors, checks failed: {bad or 'none'}; "
+        f"{time.perf_counter() - t0:.0f} s -> {path}")
+  return 1 if (failed or bad) else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

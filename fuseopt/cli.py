@@ -1,0 +1,135 @@
+"""The ``fuseopt`` command line.
+
+::
+
+  fuseopt bench [--size auto|quick|full] [--ops OP ...] [--rows SUBSTR ...]
+                [--out DIR] [--no-plot] [--iters N] [--budget-s S]
+  fuseopt regression [--update] [--timing] [--ops OP ...] [--rows SUBSTR ...] [--baseline PATH]
+  fuseopt report [--results DIR] [--readme PATH] [--include-cpu] [--print]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from fuseopt.benchmarks.cases import CASE_MODULES
+
+
+def _add_selection(p):
+  p.add_argument("--ops", nargs="+", choices=CASE_MODULES, metavar="OP",
+                 help=f"only these ops (of {', '.join(CASE_MODULES)})")
+  p.add_argument("--rows", nargs="+", metavar="SUBSTR",
+                 help="only cases whose id 'op/case' contains one of these substrings")
+
+
+def build_parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(prog="fuseopt", description="fuseopt: fused optimizer kernels for JAX")
+  sub = ap.add_subparsers(dest="command", required=True)
+
+  b = sub.add_parser("bench", help="run the benchmarks that exist, print the table, save JSON and plots")
+  b.add_argument("--size", choices=("auto", "quick", "full"), default="auto",
+                 help="problem sizes: auto = full on GPU/TPU, quick on the CPU (default)")
+  _add_selection(b)
+  b.add_argument("--out", type=Path, default=None,
+                 help="directory for bench-<size>.json and the PNGs (default bench/results/<device-kind>)")
+  b.add_argument("--no-plot", action="store_true", help="do not draw the PNGs")
+  b.add_argument("--iters", type=int, default=None, help="timed calls per variant (default 10; 5 on the CPU)")
+  b.add_argument("--budget-s", type=float, default=None,
+                 help="start no new case after this many seconds (the rest are marked skipped)")
+  b.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+  r = sub.add_parser("regression", help="compare deterministic compiled figures with bench/baseline/cpu.json")
+  r.add_argument("--update", action="store_true", help="rewrite the baseline from this checkout")
+  r.add_argument("--timing", action="store_true",
+                 help="also measure CPU wall-clock ratios to each case's baseline (report only)")
+  r.add_argument("--baseline", type=Path, default=None, help="baseline file (default bench/baseline/cpu.json)")
+  r.add_argument("--no-progress", action="store_true")
+  _add_selection(r)
+
+  p = sub.add_parser("report", help="render the README performance table from bench/results/**.json")
+  p.add_argument("--results", type=Path, default=Path("bench/results"))
+  p.add_argument("--readme", type=Path, default=Path("README.md"))
+  p.add_argument("--include-cpu", action="store_true", help="also render CPU results")
+  p.add_argument("--print", action="store_true", help="print the markdown instead of editing the README")
+  return ap
+
+
+def cmd_bench(args, out=print) -> int:
+  import jax
+
+  from fuseopt.benchmarks import core, report
+  from fuseopt.benchmarks.cases import all_cases
+
+  platform = jax.default_backend()
+  size = core.default_size(platform) if args.size == "auto" else args.size
+  errors: dict[str, str] = {}
+  cases = core.select_cases(all_cases(size, platform, args.ops, errors=errors), rows=args.rows)
+  for op, msg in errors.items():
+    out(f"warning: cases of {op!r} left out: {msg}")
+  if not cases:
+    out("no benchmark cases selected")
+    return 1
+  meta = core.run_meta(size)
+  out_dir = args.out or Path("bench/results") / meta["device_slug"]
+  json_path = out_dir / f"bench-{size}.json"
+  accel = platform in ("gpu", "tpu")
+  iters = args.iters or (10 if accel else 5)
+  out(f"fuseopt bench: {len(cases)} cases on {meta['device_kind']} ({platform}), size {size}")
+  t0 = time.perf_counter()
+  ceilings = core.measure_ceilings(platform, quick=not accel or size == "quick")
+
+  def save(rows):
+    report.save_json(report.make_results(meta, ceilings, rows, errors), json_path)
+
+  rows = core.run_suite(cases, ceilings, iters=iters, budget_s=args.budget_s,
+                        progress=not args.no_progress, on_case=save)
+  results = report.make_results(meta, ceilings, rows, errors)
+  report.validate(results)
+  report.save_json(results, json_path)
+  out(report.format_header(results))
+  out(report.format_table(rows))
+  out("(* = the case's baseline; ratio = ms / baseline ms; floor = roofline floor / ms)")
+  out(f"saved {json_path}")
+  if not args.no_plot:
+    for p in report.plot(results, out_dir):
+      out(f"saved {p}")
+  out(f"({time.perf_counter() - t0:.0f} s)")
+  failed = [r for r in rows if "error" in r]
+  bad = {f"{r['op']}/{r['case']}" for r in rows if core.check_passed(r.get("check")) is False}
+  if failed:
+    out(f"{len(failed)} variant(s) failed to run")
+  if bad:
+    out(f"correctness check FAILED for: {', '.join(sorted(bad))}")
+  return 1 if (failed or bad) else 0
+
+
+def cmd_regression(args, out=print) -> int:
+  from fuseopt.benchmarks import regression
+  return regression.main(args.update, baseline_path=args.baseline, ops=args.ops, rows=args.rows,
+                         timing=args.timing, progress=not args.no_progress, out=out)
+
+
+def cmd_report(args, out=print) -> int:
+  from fuseopt.benchmarks import report
+  if args.print:
+    out(report.markdown(report.find_results(args.results, include_cpu=args.include_cpu)))
+    return 0
+  changed = report.render_readme(args.readme, args.results, include_cpu=args.include_cpu)
+  out(f"{args.readme}: performance table {'updated' if changed else 'unchanged'}")
+  return 0
+
+
+def main(argv=None) -> int:
+  args = build_parser().parse_args(argv)
+  try:
+    return {"bench": cmd_bench, "regression": cmd_regression, "report": cmd_report}[args.command](args)
+  except ValueError as e:
+    print(f"fuseopt {args.command}: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())
