@@ -99,45 +99,50 @@ def _is_shape(x):
   return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
 
 
-def llama_tree(dtype=jnp.float32, *, key=None, abstract: bool | None = None,
+def _normal(seed: int, i: int, shape, dtype, scale: float):
+  # numpy, not jax.random: one XLA compile per leaf shape costs seconds on
+  # the CPU, and a workload only needs reproducible values.
+  x = np.random.default_rng([seed, i]).standard_normal(shape, dtype=np.float32) * np.float32(scale)
+  return jnp.asarray(x.astype(np.dtype(dtype)))
+
+
+def llama_tree(dtype=jnp.float32, *, seed: int | None = None, abstract: bool | None = None,
                scale: float = 0.02, **dims) -> Any:
   """The Llama-shaped parameter tree.
 
-  ``abstract=True`` (the default when ``key`` is None) gives
+  ``abstract=True`` (the default when ``seed`` is None) gives
   ``jax.ShapeDtypeStruct`` leaves — free to build at 1.2 B parameters, for
-  lowering and ``memory_analysis``. With a ``key`` the leaves are
-  ``scale * normal`` arrays of ``dtype``, one fold of the key per leaf, so a
-  tree is reproducible leaf by leaf. ``dims`` override ``d``, ``ff``,
+  lowering and ``memory_analysis``. With a ``seed`` the leaves are
+  ``scale * normal`` arrays of ``dtype`` on the default device, leaf ``i``
+  drawn from ``numpy.random.default_rng([seed, i])``, so a tree is
+  reproducible leaf by leaf. ``dims`` override ``d``, ``ff``,
   ``layers``, ``vocab``.
   """
   shapes = llama_shapes(**{**LLAMA_1B, **dims})
   if abstract is None:
-    abstract = key is None
+    abstract = seed is None
+  structs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), shapes, is_leaf=_is_shape)
   if abstract:
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), shapes, is_leaf=_is_shape)
-  if key is None:
-    key = jax.random.key(0)
-  leaves, treedef = jax.tree.flatten(shapes, is_leaf=_is_shape)
-  arrays = [(scale * jax.random.normal(jax.random.fold_in(key, i), s, jnp.float32)).astype(dtype)
-            for i, s in enumerate(leaves)]
-  return jax.tree.unflatten(treedef, arrays)
+    return structs
+  return materialize(structs, seed=seed or 0, scale=scale)
 
 
-def llama_tree_cpu(dtype=jnp.float32, *, key=None, abstract: bool | None = None, **dims) -> Any:
+def llama_tree_cpu(dtype=jnp.float32, *, seed: int | None = None, abstract: bool | None = None,
+                   **dims) -> Any:
   """:func:`llama_tree` at CPU size (d=64, ff=256, 2 layers, vocab 512:
   196,928 parameters in 21 leaves): same structure, leaf kinds and aspect
   ratios, small enough for interpret mode and CI."""
-  return llama_tree(dtype, key=key, abstract=abstract, **{**LLAMA_CPU, **dims})
+  return llama_tree(dtype, seed=seed, abstract=abstract, **{**LLAMA_CPU, **dims})
 
 
-def tree_for(platform: str, size: str = "quick", dtype=jnp.float32, *, key=None,
+def tree_for(platform: str, size: str = "quick", dtype=jnp.float32, *, seed: int | None = None,
              abstract: bool | None = None) -> Any:
   """The Llama tree that suits a backend: the full 1.20 B tree on an
   accelerator, the CPU tree on the CPU (``size`` "full" doubles its layers)."""
   if platform in ("gpu", "tpu", "cuda", "rocm"):
-    return llama_tree(dtype, key=key, abstract=abstract)
+    return llama_tree(dtype, seed=seed, abstract=abstract)
   extra = {"layers": 4} if size == "full" else {}
-  return llama_tree_cpu(dtype, key=key, abstract=abstract, **extra)
+  return llama_tree_cpu(dtype, seed=seed, abstract=abstract, **extra)
 
 
 def tree_params(tree) -> int:
@@ -149,15 +154,11 @@ def tree_bytes(tree) -> int:
   return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
 
-def materialize(tree, *, key=None, scale: float = 0.02):
-  """Arrays for a tree of ``ShapeDtypeStruct`` (normal × ``scale``, one key
-  fold per leaf)."""
-  if key is None:
-    key = jax.random.key(0)
+def materialize(tree, *, seed: int = 0, scale: float = 0.02):
+  """Arrays for a tree of ``ShapeDtypeStruct`` (normal × ``scale``; leaf
+  ``i`` from ``numpy.random.default_rng([seed, i])``)."""
   leaves, treedef = jax.tree.flatten(tree)
-  out = [(scale * jax.random.normal(jax.random.fold_in(key, i), s.shape, jnp.float32)).astype(s.dtype)
-         for i, s in enumerate(leaves)]
-  return jax.tree.unflatten(treedef, out)
+  return jax.tree.unflatten(treedef, [_normal(seed, i, s.shape, s.dtype, scale) for i, s in enumerate(leaves)])
 
 
 def matrices(tree) -> list:

@@ -1,0 +1,127 @@
+"""`fuseopt bench` and bench/gpu_suite.py end to end on tiny CPU sizes, the
+results JSON schema, the plots, and the named workloads."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from fuseopt import cli
+from fuseopt.benchmarks import report, workloads
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG = b"\x89PNG\r\n\x1a\n"
+SMALL = ["--ops", "stochastic_round", "--iters", "2", "--no-progress"]
+
+
+def _check_results(path):
+  data = json.loads(Path(path).read_text())
+  report.validate(data)
+  assert data["meta"]["platform"] == "cpu" and data["meta"]["size"] == "quick"
+  assert data["ceilings"]["copy_gbps"] > 0 and data["ceilings"]["matmul_tflops"] > 0
+  rows = data["rows"]
+  assert rows and all("error" not in r for r in rows)
+  assert sum(r["is_baseline"] for r in rows) == len({(r["op"], r["case"]) for r in rows})
+  for r in rows:
+    assert r["ratio_to_baseline"] > 0 and r["baseline_ms"] > 0 and 0 < r["fraction_of_floor"]
+    assert r["gbps"] > 0 and r["temp_bytes"] >= 0 and r["output_bytes"] > 0
+    assert r["check"] and all(v is True for v in r["check"].values())
+  return data
+
+
+def test_bench_cli_no_plot(tmp_path, capsys):
+  assert cli.main(["bench", *SMALL, "--out", str(tmp_path), "--no-plot"]) == 0
+  out = capsys.readouterr().out
+  for col in ("op", "case", "variant", "ms", "base ms", "ratio", "floor", "throughput", "temp"):
+    assert col in out.splitlines()[2]
+  assert "stochastic_round" in out and "xla_convert *" in out
+  _check_results(tmp_path / "bench-quick.json")
+  assert not list(tmp_path.glob("*.png"))
+
+
+def test_bench_cli_with_plots_and_row_filter(tmp_path):
+  assert cli.main(["bench", *SMALL, "--rows", "stochastic_round/", "--out", str(tmp_path)]) == 0
+  _check_results(tmp_path / "bench-quick.json")
+  for name in ("bench.png", "scaling.png"):
+    assert (tmp_path / name).read_bytes()[:8] == PNG
+
+
+def test_bench_cli_no_rows_selected(tmp_path, capsys):
+  assert cli.main(["bench", "--rows", "no-such-case", "--out", str(tmp_path), "--no-progress"]) == 1
+  assert "no benchmark cases selected" in capsys.readouterr().out
+
+
+def test_console_script_entry_point(tmp_path):
+  proc = subprocess.run([sys.executable, "-m", "fuseopt.cli", "bench", *SMALL, "--no-plot", "--out",
+                         str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  _check_results(tmp_path / "bench-quick.json")
+
+
+def test_gpu_suite_runs_on_cpu(tmp_path):
+  spec = importlib.util.spec_from_file_location("gpu_suite", ROOT / "bench" / "gpu_suite.py")
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  assert mod.main([str(tmp_path), "--ops", "stochastic_round", "--iters", "2", "--no-plot"]) == 0
+  data = _check_results(tmp_path / "cpu" / "suite.json")
+  assert data["meta"]["suite"] == "bench/gpu_suite.py" and data["meta"]["device_slug"] == "cpu"
+
+
+def test_gpu_suite_budget_marks_cases_skipped(tmp_path):
+  spec = importlib.util.spec_from_file_location("gpu_suite", ROOT / "bench" / "gpu_suite.py")
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  assert mod.main([str(tmp_path), "--ops", "stochastic_round", "--budget-s", "0", "--no-plot"]) == 0
+  data = json.loads((tmp_path / "cpu" / "suite.json").read_text())
+  report.validate(data)
+  assert data["rows"] and all(r["skipped"] == "time budget" for r in data["rows"])
+
+
+def test_validate_rejects_bad_results():
+  good = report.make_results({"device_kind": "x", "platform": "gpu", "size": "full", "jax": "0"}, {},
+                             [{"op": "a", "case": "b", "variant": "c", "is_baseline": True, "ms": 1.0}])
+  report.validate(good)
+  with pytest.raises(ValueError, match="schema"):
+    report.validate({**good, "schema": "other"})
+  with pytest.raises(ValueError, match="ms must be > 0"):
+    report.validate({**good, "rows": [{**good["rows"][0], "ms": 0.0}]})
+  with pytest.raises(ValueError, match="missing 'variant'"):
+    report.validate({**good, "rows": [{"op": "a", "case": "b", "is_baseline": True}]})
+
+
+def test_llama_tree_matches_anchors():
+  tree = workloads.llama_tree()
+  leaves = jax.tree.leaves(tree)
+  assert len(leaves) == 147 and workloads.tree_params(tree) == 1_204_881_408
+  assert all(isinstance(x, jax.ShapeDtypeStruct) and x.dtype == jnp.float32 for x in leaves)
+  # ANCHORS.md: the layers' matrices need 53.6 TFLOP of standard 5-step NS.
+  tflop = sum(workloads.ns_flops(m.shape) for m in workloads.matrices(tree)) / 1e12
+  assert round(tflop, 1) == 53.6
+  assert len(workloads.matrices(tree)) == 16 * 7
+
+
+def test_cpu_tree_is_the_same_structure_and_reproducible():
+  small = workloads.llama_tree_cpu()
+  assert jax.tree.structure(workloads.llama_tree(layers=2)) == jax.tree.structure(small)
+  a = workloads.llama_tree_cpu(jnp.bfloat16, seed=3)
+  b = workloads.materialize(workloads.llama_tree_cpu(jnp.bfloat16), seed=3)
+  c = workloads.llama_tree_cpu(jnp.bfloat16, seed=4)
+  assert not bool((jax.tree.leaves(a)[0] == jax.tree.leaves(c)[0]).all())
+  assert workloads.tree_params(a) == 196_928 and workloads.tree_bytes(a) == 2 * 196_928
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert x.dtype == jnp.bfloat16 and bool((x == y).all())
+  assert workloads.tree_params(workloads.tree_for("gpu")) == 1_204_881_408
+  assert workloads.tree_params(workloads.tree_for("cpu", "full")) > workloads.tree_params(small)
+
+
+def test_ns_shapes_and_flops():
+  assert workloads.NS_SHAPES[0] == (1024, 1024) and (16, 2048, 2048) in workloads.NS_SHAPES
+  assert set(workloads.NS_OPTAX_H200_MS) == set(workloads.NS_SHAPES)
+  assert workloads.ns_flops((2048, 8192)) == workloads.ns_flops((8192, 2048)) == 5 * (4 * 2048**2 * 8192 + 2 * 2048**3)
+  assert workloads.ns_flops((4, 128, 128)) == 4 * workloads.ns_flops((128, 128))
+  assert workloads.shape_name((16, 2048, 2048)) == "16x2048x2048"
