@@ -58,7 +58,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
   def update_fn(updates, state, params=None):
     del params, state
-    norm = optax.global_norm(updates).astype(jnp.float32)
+    norm = optax.tree.norm(updates).astype(jnp.float32)
     if max_norm > 0:
       # Divide by max(norm, c), not norm: a zero gradient stays zero, no 0/0.
       scale = max_norm / jnp.maximum(norm, max_norm)

@@ -1,0 +1,245 @@
+"""build_optimizer: every optimizer, groups, clip, accumulation, safeguards, YAML."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from fuseopt.optim import schedules as S
+from fuseopt.optim import safeguards
+from fuseopt.optim.builder import build_optimizer
+from fuseopt.optim.config import OPTIMIZERS, OptimConfig
+from fuseopt.optim.groups import ParamGroup, mup_param_groups
+
+
+def tree(fill=1.0):
+  return {"embed_tokens": {"embedding": jnp.full((16, 8), fill)},
+          "layers_0": {"q_proj": {"kernel": jnp.full((8, 8), fill), "bias": jnp.full((8,), fill)},
+                       "norm": {"scale": jnp.full((8,), fill)}}}
+
+
+def grads(seed=0):
+  keys = jax.random.split(jax.random.key(seed), 4)
+  return jax.tree.map(lambda p, k: jax.random.normal(k, p.shape), tree(), jax.tree.unflatten(
+      jax.tree.structure(tree()), list(keys)))
+
+
+def run(tx, gs, params=None):
+  """Updates and states after each of the gradients ``gs``."""
+  params = tree() if params is None else params
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  outs = []
+  for g in gs:
+    u, state = update(g, state, params)
+    outs.append((u, state))
+  return outs
+
+
+def assert_trees_equal(a, b):
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+
+
+def assert_trees_close(a, b, rtol=1e-6, atol=1e-7):
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol), a, b)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_every_optimizer_builds_and_steps(name):
+  cfg = OptimConfig(optimizer=name, schedule=S.Cosine(peak=1e-2, warmup_steps=1),
+                    weight_decay=0.0 if name == "adam" else 0.1, clip_norm=1.0)
+  with pytest.warns(RuntimeWarning) if name == "muonclip" and not _has_muonclip() else _nothing():
+    tx = build_optimizer(cfg, steps=10)
+  (u1, _), (u2, _) = run(tx, [grads(0), grads(1)])
+  if name != "adafactor":  # optax's adafactor decays weights by an absolute rate, not lr-scaled
+    assert all(bool(jnp.all(u == 0)) for u in jax.tree.leaves(u1))  # warmup starts at rate 0
+  for u in jax.tree.leaves(u2):
+    assert bool(jnp.all(jnp.isfinite(u))) and bool(jnp.any(u != 0))
+
+
+def _has_muonclip():
+  try:
+    from fuseopt.optim.qk_clip import muonclip  # noqa: F401
+    return True
+  except ImportError:
+    return False
+
+
+class _nothing:
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *a):
+    return False
+
+
+def test_bf16_state():
+  cfg = OptimConfig(optimizer="adamw", learning_rate=1e-3, state_dtype="bfloat16")
+  (_, state), = run(build_optimizer(cfg, 10), [grads()])
+  dtypes = {x.dtype for x in jax.tree.leaves(state) if x.shape == (16, 8)}
+  assert jnp.dtype(jnp.bfloat16) in dtypes
+  with pytest.raises(ValueError, match="state_dtype.*lamb"):
+    OptimConfig(optimizer="lamb", learning_rate=1e-3, state_dtype="bfloat16")
+  with pytest.raises(ValueError, match="state_dtype.*adafactor"):
+    OptimConfig(optimizer="adafactor", learning_rate=1e-3, state_dtype="bfloat16")
+
+
+def test_groups_get_their_rate_and_decay():
+  # AdamW's first step moves each weight by lr * (sign(g) + wd * p) (m/sqrt(v) = sign(g)).
+  lr, wd = 1e-2, 0.1
+  cfg = OptimConfig(optimizer="adamw", learning_rate=lr, weight_decay=wd, eps=0.0,
+                    param_groups=mup_param_groups(4.0))
+  g = jax.tree.map(jnp.ones_like, tree())
+  (u, _), = run(build_optimizer(cfg, 10), [g])
+  np.testing.assert_allclose(u["embed_tokens"]["embedding"], -lr * (1 + wd), rtol=1e-5)  # base rate, decay
+  np.testing.assert_allclose(u["layers_0"]["q_proj"]["kernel"], -lr / 4 * (1 + wd), rtol=1e-5)  # muP rate
+  np.testing.assert_allclose(u["layers_0"]["q_proj"]["bias"], -lr, rtol=1e-5)  # no decay
+  np.testing.assert_allclose(u["layers_0"]["norm"]["scale"], -lr, rtol=1e-5)
+
+
+def test_clip_sees_all_grads_across_groups():
+  # Two groups whose gradients have norms 6 and 8: the global norm is 10, so
+  # the clip to 1 scales both by 1/10 (a per-group clip would give 1/6, 1/8).
+  params = {"a": jnp.ones((4,)), "b": jnp.ones((16,))}
+  g = {"a": jnp.full((4,), 3.0), "b": jnp.full((16,), 2.0)}
+  groups = (ParamGroup("a", ("a",)), ParamGroup("b", ("b",), 0.5))
+  # eps = 1 makes Adam's step g / (|g| + 1): not scale invariant, so the clip shows.
+  base = dict(optimizer="adam", learning_rate=1.0, eps=1.0, param_groups=groups)
+  (clipped, state), = run(build_optimizer(OptimConfig(clip_norm=1.0, **base), 10), [g], params)
+  (manual, _), = run(build_optimizer(OptimConfig(**base), 10), [jax.tree.map(lambda x: x / 10, g)], params)
+  assert_trees_close(clipped, manual)
+  np.testing.assert_allclose(safeguards.global_norm_of(state), 10.0, rtol=1e-6)
+  np.testing.assert_allclose(clipped["a"], -0.3 / 1.3, rtol=1e-5)
+
+
+def test_clip_zero_reports_without_clipping():
+  base = dict(optimizer="adam", learning_rate=1.0, eps=1.0)
+  g = jax.tree.map(lambda x: 5 * x, grads())
+  (u0, state), = run(build_optimizer(OptimConfig(clip_norm=0.0, **base), 10), [g])
+  (u1, _), = run(optax.adam(1.0, eps=1.0), [g])
+  assert_trees_close(u0, u1)
+  np.testing.assert_allclose(safeguards.global_norm_of(state), optax.tree.norm(g), rtol=1e-6)
+
+
+def _nan_like(g):
+  out = jax.tree.map(lambda x: x, g)
+  out["layers_0"]["norm"]["scale"] = out["layers_0"]["norm"]["scale"].at[3].set(jnp.nan)
+  return out
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_skipped_step_leaves_state_and_schedule_untouched(name):
+  # Linear warmup makes every step's rate different: if the NaN step advanced
+  # the count, the following update would not match the run without it.
+  cfg = OptimConfig(optimizer=name, schedule=S.Linear(peak=1e-2, warmup_steps=4), weight_decay=0.1,
+                    clip_norm=1.0, skip_nonfinite=True)
+  tx = build_optimizer(cfg, 10)
+  g0, g1 = grads(0), grads(1)
+  skipped = run(tx, [g0, _nan_like(g1), g1])
+  clean = run(tx, [g0, g1])
+  (_, s0), (u_nan, s_nan), (u2, s2) = skipped
+  # The whole update is zero: the Muon side and the AdamW side together.
+  for u in jax.tree.leaves(u_nan):
+    assert bool(jnp.all(u == 0))
+  assert_trees_equal(s_nan.inner_state, s0.inner_state)
+  assert int(s_nan.consecutive_skips) == 1 and int(s_nan.total_skips) == 1 and not bool(s_nan.last_finite)
+  assert_trees_equal(u2, clean[1][0])
+  assert_trees_equal(s2.inner_state, clean[1][1].inner_state)
+  assert int(s2.consecutive_skips) == 0 and int(s2.total_skips) == 1
+
+
+def test_skip_limit_raise_and_apply():
+  bad = _nan_like(grads())
+  cfg = OptimConfig(optimizer="adamw", learning_rate=1e-2, skip_nonfinite=True, max_consecutive_skips=2)
+  outs = run(build_optimizer(cfg, 10), [bad, bad])
+  assert int(outs[-1][1].consecutive_skips) == 2
+  with pytest.raises(Exception, match="consecutive non-finite"):
+    jax.block_until_ready(run(build_optimizer(cfg, 10), [bad, bad, bad]))
+  cfg = OptimConfig(optimizer="adamw", learning_rate=1e-2, skip_nonfinite=True, max_consecutive_skips=2,
+                    on_max_skips="apply")
+  (_, _), (_, _), (u, s) = run(build_optimizer(cfg, 10), [bad, bad, bad])
+  assert not bool(jnp.all(jnp.isfinite(u["layers_0"]["norm"]["scale"])))  # applied, NaN and all
+  assert int(s.consecutive_skips) == 0 and int(s.total_skips) == 2
+
+
+def test_accumulation_is_multisteps():
+  # k = 2 micro-steps apply the mean gradient once; the schedule counts applied updates only.
+  base = dict(optimizer="adamw", schedule=S.Linear(peak=1e-2, warmup_steps=2), weight_decay=0.1)
+  micro = [grads(i) for i in range(4)]
+  acc = run(build_optimizer(OptimConfig(accumulate_steps=2, **base), 10), micro)
+  ref = run(build_optimizer(OptimConfig(**base), 10),
+            [jax.tree.map(lambda a, b: (a + b) / 2, micro[0], micro[1]),
+             jax.tree.map(lambda a, b: (a + b) / 2, micro[2], micro[3])])
+  for u in jax.tree.leaves(acc[0][0]) + jax.tree.leaves(acc[2][0]):
+    assert bool(jnp.all(u == 0))
+  assert_trees_close(acc[1][0], ref[0][0])
+  assert_trees_close(acc[3][0], ref[1][0])
+
+
+def test_frozen_params_get_zero_updates_and_hold_no_state():
+  params = {"base": {"kernel": jnp.ones((8, 8))},
+            "lora_a": jnp.ones((8, 2)), "lora_b": jnp.ones((2, 8))}
+  g = jax.tree.map(lambda p: jnp.full(p.shape, 2.0), params)
+  for cfg in (OptimConfig(optimizer="adamw", learning_rate=1e-2, trainable=("lora_*",), clip_norm=1.0),
+              OptimConfig(optimizer="adamw", learning_rate=1e-2, frozen=("base/*",), clip_norm=1.0,
+                          skip_nonfinite=True, accumulate_steps=2)):
+    tx = build_optimizer(cfg, 10)
+    state = tx.init(params)
+    assert not any(x.shape == (8, 8) for x in jax.tree.leaves(state))  # no moments, no accumulator
+    u, state = jax.jit(tx.update)(g, state, params)
+    u, state = jax.jit(tx.update)(g, state, params)
+    assert bool(jnp.all(u["base"]["kernel"] == 0))
+    assert bool(jnp.any(u["lora_a"] != 0))
+    # The clip's norm covers the trainable gradients only: 2 * sqrt(32).
+    np.testing.assert_allclose(safeguards.global_norm_of(state), 2 * np.sqrt(32), rtol=1e-6)
+
+
+def test_yaml_and_dict_round_trip():
+  cfg = OptimConfig(
+      optimizer="muon", weight_decay=0.1, b1=0.9, b2=0.95, state_dtype="bfloat16",
+      schedule=S.Power(peak=0.02, warmup_steps=100, a=0.1, tail=S.PowerTail(start=800, end=1e-5)),
+      param_groups=mup_param_groups(4.0), clip_norm=1.0, accumulate_steps=4, skip_nonfinite=True,
+      frozen=("*frozen*",), trainable=("*lora_*",), optimizer_kwargs={"beta": 0.9, "ns_steps": 5})
+  assert OptimConfig.from_yaml(cfg.to_yaml()) == cfg
+  assert OptimConfig.from_dict(cfg.to_dict()) == cfg
+  for s in (S.Cosine(peak=1e-3, warmup_steps=5), S.WSD(peak=1e-3, decay_fraction=0.1, decay="linear")):
+    c = OptimConfig(schedule=s)
+    assert OptimConfig.from_yaml(c.to_yaml()) == c
+
+
+def test_hand_written_yaml_and_overrides():
+  cfg = OptimConfig.from_yaml("""
+optimizer: adamw
+schedule: {kind: wsd, peak: 3e-4, warmup_steps: 100, decay_fraction: 0.2}
+weight_decay: 0.1
+param_groups:
+  - {name: no_decay, patterns: ['*/bias', '*/scale'], weight_decay: 0.0}
+  - {name: rest, patterns: ['*']}
+""")
+  assert cfg.schedule == S.WSD(peak=3e-4, warmup_steps=100, decay_fraction=0.2)
+  assert cfg.param_groups[0].weight_decay == 0.0
+  over = cfg.override("optimizer=muon", "schedule.peak=1e-3", "clip_norm=1")
+  assert (over.optimizer, over.schedule.peak, over.clip_norm) == ("muon", 1e-3, 1.0)
+  assert cfg.override("learning_rate=2e-4").schedule is None
+
+
+@pytest.mark.parametrize("d,match", [
+    ({"learning_rate": 1e-3, "lr_schedule": "wsd"}, r"unknown key.*lr_schedule"),
+    ({"learning_rate": 1e-3, "weight_decy": 0.1}, r"did you mean 'weight_decay'"),
+    ({"learning_rate": 1e-3, "optimizer": "adamx"}, r"optimizer.*did you mean 'adam"),
+    ({"learning_rate": 1e-3, "optimizer": "adam", "weight_decay": 0.1}, r"weight_decay.*adamw"),
+    ({}, r"learning_rate / OptimConfig.schedule"),
+    ({"learning_rate": 1e-3, "schedule": {"kind": "constant", "peak": 1.0}}, r"exactly one"),
+    ({"learning_rate": -1.0}, r"learning_rate"),
+    ({"learning_rate": 1e-3, "accumulate_steps": 0}, r"accumulate_steps"),
+    ({"learning_rate": 1e-3, "clip_norm": -1.0}, r"clip_norm"),
+    ({"learning_rate": 1e-3, "b2": 1.0}, r"b2"),
+    ({"learning_rate": 1e-3, "on_max_skips": "ignore"}, r"on_max_skips"),
+    ({"learning_rate": 1e-3, "optimizer_kwargs": {"weight_decay": 0.1}}, r"optimizer_kwargs"),
+    ({"schedule": {"kind": "wsd", "peak": 1.0}}, r"WSD.decay_steps"),
+    ({"learning_rate": 1e-3, "param_groups": [{"name": "a", "patterns": []}]}, r"patterns is empty"),
+])
+def test_bad_configs_raise(d, match):
+  with pytest.raises(ValueError, match=match):
+    OptimConfig.from_dict(d)
