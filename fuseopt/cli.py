@@ -17,6 +17,8 @@ from pathlib import Path
 
 from fuseopt.benchmarks.cases import CASE_MODULES
 
+CPU_BUDGET_S = 240.0  # `fuseopt bench` on a laptop-class CPU stays within a few minutes
+
 
 def _add_selection(p):
   p.add_argument("--ops", nargs="+", choices=CASE_MODULES, metavar="OP",
@@ -38,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
   b.add_argument("--no-plot", action="store_true", help="do not draw the PNGs")
   b.add_argument("--iters", type=int, default=None, help="timed calls per variant (default 10; 5 on the CPU)")
   b.add_argument("--budget-s", type=float, default=None,
-                 help="start no new case after this many seconds (the rest are marked skipped)")
+                 help="start no new case after this many seconds (the rest are marked skipped); "
+                      f"default {CPU_BUDGET_S:.0f} on the CPU, none on an accelerator")
   b.add_argument("--no-progress", action="store_true", help="no progress bar")
 
   r = sub.add_parser("regression", help="compare deterministic compiled figures with bench/baseline/cpu.json")
@@ -84,7 +87,8 @@ def cmd_bench(args, out=print) -> int:
   def save(rows):
     report.save_json(report.make_results(meta, ceilings, rows, errors), json_path)
 
-  rows = core.run_suite(cases, ceilings, iters=iters, budget_s=args.budget_s,
+  budget = args.budget_s if args.budget_s is not None else (None if accel else CPU_BUDGET_S)
+  rows = core.run_suite(cases, ceilings, iters=iters, budget_s=budget,
                         progress=not args.no_progress, on_case=save)
   results = report.make_results(meta, ceilings, rows, errors)
   report.validate(results)
