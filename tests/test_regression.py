@@ -3,6 +3,7 @@ quick CPU bench case against bench/baseline/cpu.json (compile only)."""
 
 import copy
 import math
+import warnings
 
 import jax
 import pytest
@@ -36,6 +37,9 @@ def test_wallclock_ratios_are_reported_not_enforced():
   lines = regression.compare_wallclock(ratios, regression.load_baseline())
   print("\n".join(lines))
   assert len(lines) == len(ratios)
+  for line in lines:  # surfaces in CI's warnings summary; never fails the run
+    if "SLOWER" in line:
+      warnings.warn(f"CPU wall-clock (noise margin {regression.WALLCLOCK_NOISE:.0%}): {line}", stacklevel=1)
 
 
 def _base(figures):
