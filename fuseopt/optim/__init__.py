@@ -27,6 +27,11 @@ _EXPORTS = {
     "HEAD_AXES": "fuseopt.optim.muon_axes",
     "scale_by_qk_clip": "fuseopt.optim.qk_clip",
     "QK_PROJECTIONS": "fuseopt.optim.qk_clip",
+    "muonclip": "fuseopt.optim.qk_clip",
+    "MLAHeadDims": "fuseopt.optim.qk_clip",
+    "PROJECTION_ROLES": "fuseopt.optim.qk_clip",
+    "LAYER_AXES": "fuseopt.optim.muon_axes",
+    "logical_axes": "fuseopt.optim.muon_axes",
     # groups.py, config.py, builder.py
     "ParamGroup": "fuseopt.optim.groups",
     "NO_DECAY_PATTERNS": "fuseopt.optim.groups",
