@@ -125,3 +125,30 @@ def test_ns_shapes_and_flops():
   assert workloads.ns_flops((2048, 8192)) == workloads.ns_flops((8192, 2048)) == 5 * (4 * 2048**2 * 8192 + 2 * 2048**3)
   assert workloads.ns_flops((4, 128, 128)) == 4 * workloads.ns_flops((128, 128))
   assert workloads.shape_name((16, 2048, 2048)) == "16x2048x2048"
+
+
+def test_run_case_donation_errors_and_checks():
+  from fuseopt.benchmarks import core
+
+  def donating():
+    return jax.jit(lambda x: x * 2, donate_argnums=0), (jnp.ones((256,)),)
+
+  def plain():
+    return jax.jit(lambda x: x + x), (jnp.ones((256,)),)
+
+  def broken():
+    return jax.jit(lambda x: x @ x.T), (jnp.ones((3,)), jnp.ones((3,)))
+
+  case = core.Case(op="t", name="256", variants={"fuseopt[a]": donating, "fuseopt[b]": broken, "base": plain},
+                   baseline="base", bytes=2048, params=256, state_bytes={"fuseopt[a]": 512},
+                   check=lambda outs: {"equal": bool((outs["fuseopt[a]"] == outs["base"]).all())})
+  recs = {r["variant"]: r for r in core.run_case(case, {"copy_gbps": 1.0, "matmul_tflops": 1.0}, iters=3)}
+  assert recs["fuseopt[a]"]["alias_bytes"] == 1024 and recs["fuseopt[a]"]["ms"] > 0
+  assert recs["fuseopt[a]"]["state_bytes_per_param"] == 2.0
+  assert "TypeError" in recs["fuseopt[b]"]["error"] and "ms" not in recs["fuseopt[b]"]
+  assert recs["base"]["ratio_to_baseline"] == 1.0 and recs["fuseopt[a]"]["check"] == {"equal": True}
+  assert core.check_passed({"equal": True}) and core.check_passed({"equal": False}) is False
+  assert core.device_slug("NVIDIA GeForce RTX 4090") == "nvidia-geforce-rtx-4090"
+  assert core.device_slug("TPU v6 lite") == "tpu-v6-lite"
+  assert core.hlo_counts("  %f = (f32[2], f32[2]) fusion(%a), kind=kLoop\n  ROOT %c = f32[2] custom-call(%f)\n") == {
+      "hlo_ops": 2, "hlo_fusions": 1, "custom_calls": 1}

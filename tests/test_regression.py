@@ -126,3 +126,23 @@ def test_update_then_check_round_trip(tmp_path, monkeypatch):
   lines.clear()
   assert regression.main(False, baseline_path=path, progress=False, out=lines.append) == 1
   assert any(f"{vid}: hlo_fusions" in line for line in "\n".join(lines).splitlines())
+
+
+def test_collect_records_state_bytes_and_errors(monkeypatch):
+  import jax.numpy as jnp
+
+  from fuseopt.benchmarks.core import Case
+
+  def good():
+    return jax.jit(lambda x: x * 2, donate_argnums=0), (jnp.ones((64,)),)
+
+  def bad():
+    raise RuntimeError("cannot build")
+
+  case = Case(op="fake", name="64", variants={"fuseopt[xla]": good, "broken": bad}, baseline="fuseopt[xla]",
+              state_bytes={"fuseopt[xla]": 128})
+  monkeypatch.setattr(regression, "all_cases", lambda size, platform, ops=None, errors=None: [case])
+  got = regression.collect()["figures"]
+  assert got["fake/64/fuseopt[xla]"]["state_bytes"] == 128
+  assert got["fake/64/fuseopt[xla]"]["alias_bytes"] == 256  # the donated buffer is reused
+  assert "RuntimeError: cannot build" in got["fake/64/broken"]["error"]

@@ -10,7 +10,8 @@ figure             tolerance                                              fails 
 temp_bytes         +max(10 %, 64 KiB)                                     it grows
 argument_bytes,    exact                                                  it moves
 output_bytes,
-alias_bytes
+alias_bytes,
+state_bytes        (optimizer state, as the case declares it)
 hlo_ops            ±max(2 %, 1) instructions (fused bodies included)      it moves
 hlo_fusions        ±1                                                     it moves
 custom_calls       exact (kernel launches per step)                       it moves
@@ -58,7 +59,7 @@ DEFAULT_BASELINE = Path("bench/baseline/cpu.json")
 SIZE = "quick"
 WALLCLOCK_NOISE = 0.25   # a CPU ratio within ±25 % of the baseline's is noise
 
-FIGURES = ("temp_bytes", "argument_bytes", "output_bytes", "alias_bytes", "hlo_ops",
+FIGURES = ("temp_bytes", "argument_bytes", "output_bytes", "alias_bytes", "state_bytes", "hlo_ops",
            "hlo_fusions", "custom_calls", "cost_flops", "cost_bytes")
 
 
@@ -77,6 +78,7 @@ TOLERANCES: dict[str, Tolerance] = {
     "argument_bytes": Tolerance(),
     "output_bytes": Tolerance(),
     "alias_bytes": Tolerance(),
+    "state_bytes": Tolerance(),
     "hlo_ops": Tolerance(rel=0.02, abs=1),
     "hlo_fusions": Tolerance(abs=1),
     "custom_calls": Tolerance(),
@@ -121,6 +123,8 @@ def collect(ops=None, *, rows=None, progress: bool = False) -> dict[str, Any]:
         fn, args, _ = core.build_variant(build)
         stats = core.compiled_stats(fn, args)
         figures[vid] = {k: stats[k] for k in FIGURES if k in stats}
+        if label in case.state_bytes:
+          figures[vid]["state_bytes"] = int(case.state_bytes[label])
       except Exception as e:  # noqa: BLE001 - recorded, compared below
         figures[vid] = {"error": f"{type(e).__name__}: {e}"[:300]}
   ops_present = sorted({c.op for c in cases})
