@@ -252,7 +252,7 @@ def find_results(root: Path | str, *, include_cpu: bool = False) -> list[dict]:
 
 def markdown(results_list: list[dict]) -> str:
   if not results_list:
-    return "_No accelerator results committed yet: run `python bench/gpu_suite.py bench/results` on a GPU or TPU._"
+    return "_No accelerator results committed yet: run `python bench/gpu_suite.py bench/results` on a GPU or TPU._\n"
   parts = []
   for res in results_list:
     m, c = res["meta"], res["ceilings"]
@@ -281,11 +281,14 @@ def render_readme(readme: Path | str, results_root: Path | str, *, include_cpu: 
   tables of :func:`find_results`. Returns whether the file changed."""
   readme = Path(readme)
   text = readme.read_text()
-  i, j = text.find(README_START), text.find(README_END)
-  if i < 0 or j < i:
-    raise ValueError(f"{readme}: needs the markers {README_START} and {README_END} (in that order)")
+  # Markers count only on lines of their own (prose may quote them).
+  start = re.search(rf"^{re.escape(README_START)}[ \t]*\n", text, re.M)
+  end = re.search(rf"^{re.escape(README_END)}[ \t]*$", text, re.M)
+  if not start or not end or end.start() < start.end():
+    raise ValueError(f"{readme}: needs the markers {README_START} and {README_END}, "
+                     "each on a line of its own, in that order")
   body = markdown(find_results(results_root, include_cpu=include_cpu))
-  new = text[:i + len(README_START)] + "\n" + body + text[j:]
+  new = text[:start.end()] + body + text[end.start():]
   if new != text:
     readme.write_text(new)
   return new != text
