@@ -261,8 +261,9 @@ def markdown(results_list: list[dict]) -> str:
                  f"bf16 matmul {c.get('matmul_tflops', 0):.3g} TFLOP/s"
                  + (f" (`{res['_path']}`)" if res.get("_path") else ""))
     parts.append("")
-    parts.append("| op | case | variant | ms | vs baseline | % of floor | throughput | temp memory | check |")
-    parts.append("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    parts.append("| op | case | variant | ms | vs baseline | % of floor | throughput | temp memory "
+                 "| state B/param | check |")
+    parts.append("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for r in res["rows"]:
       if "ms" not in r or "error" in r:
         continue
@@ -271,7 +272,8 @@ def markdown(results_list: list[dict]) -> str:
                                                      else f"{ratio:.2f}× slower" if ratio else "-")
       floor = f"{100 * r['fraction_of_floor']:.0f}%" if r.get("fraction_of_floor") else "-"
       parts.append(f"| {r['op']} | {r['case']} | {r['variant']} | {r['ms']:.3f} | {vs} | {floor} | "
-                   f"{throughput(r)} | {fmt_bytes(r.get('temp_bytes'))} | {_check(r)} |")
+                   f"{throughput(r)} | {fmt_bytes(r.get('temp_bytes'))} | "
+                   f"{_num(r.get('state_bytes_per_param'), '.1f')} | {_check(r)} |")
     parts.append("")
   return "\n".join(parts).rstrip() + "\n"
 
