@@ -97,16 +97,20 @@ def _adafactor(config, rate, weight_decay):
                          **_betas(config, b1=None, b2=None), **config.optimizer_kwargs)
 
 
-def _muon_kwargs(config, weight_decay):
+def _muon_kwargs(config, weight_decay, fused: bool):
   # Muon's b1/b2 are its AdamW side's; its own momentum is optimizer_kwargs["beta"].
-  kw = {**_betas(config, b1="adam_b1", b2="adam_b2"), **config.optimizer_kwargs}
-  return dict(weight_decay=weight_decay, adam_weight_decay=weight_decay, mu_dtype=_moments(config), **kw)
+  kw = dict(weight_decay=weight_decay, adam_weight_decay=weight_decay, mu_dtype=_moments(config),
+            **_betas(config, b1="adam_b1", b2="adam_b2"))
+  if fused and config.state_dtype == "bfloat16":
+    kw["adam_moment_dtype"] = jnp.bfloat16  # both AdamW-side moments; optax's muon has mu only
+  return {**kw, **config.optimizer_kwargs}
 
 
 def _muon(config, rate, weight_decay):
   fused = _fuseopt("fuseopt.optim.muon", "muon")
-  make = fused if fused is not None else optax.contrib.muon
-  return make(rate, **_muon_kwargs(config, weight_decay))
+  if fused is not None:
+    return fused(rate, **_muon_kwargs(config, weight_decay, True))
+  return optax.contrib.muon(rate, **_muon_kwargs(config, weight_decay, False))
 
 
 _warned_muonclip = []
@@ -115,7 +119,8 @@ _warned_muonclip = []
 def _muonclip(config, rate, weight_decay):
   fused = _fuseopt("fuseopt.optim.qk_clip", "muonclip")
   if fused is not None:
-    return fused(rate, tau=config.qk_clip_tau, **_muon_kwargs(config, weight_decay))
+    has_muon = _fuseopt("fuseopt.optim.muon", "muon") is not None
+    return fused(rate, tau=config.qk_clip_tau, **_muon_kwargs(config, weight_decay, has_muon))
   if not _warned_muonclip:
     _warned_muonclip.append(True)
     warnings.warn("fuseopt.optim.qk_clip.muonclip is not available; 'muonclip' builds plain Muon "
