@@ -39,6 +39,10 @@ _EXPORTS = {
     "param_labels": "fuseopt.optim.groups",
     "OptimConfig": "fuseopt.optim.config",
     "build_optimizer": "fuseopt.optim.builder",
+    "learning_rate_schedule": "fuseopt.optim.builder",
+    "skip_nonfinite": "fuseopt.optim.safeguards",
+    "global_norm_of": "fuseopt.optim.safeguards",
+    "freeze": "fuseopt.optim.safeguards",
 }
 
 __all__ = sorted(_EXPORTS) + ["schedules"]
