@@ -60,6 +60,12 @@ LAYER_AXES = frozenset({"layers", "layer", "stack"})
 HEAD_AXES = frozenset({"heads", "head_dim", "kv"})
 
 
+def _is_masked(x) -> bool:
+  """optax's placeholder for a leaf masked out of a partition: optax.contrib.muon
+  calls a callable spec with its masked updates, so one shows up there."""
+  return type(x).__name__ == "MaskedNode" and isinstance(x, tuple)
+
+
 def _key_str(key) -> str:
   for attr in ("key", "name", "idx"):
     if hasattr(key, attr):
@@ -222,7 +228,9 @@ def muon_weight_dimension_numbers(
 
   Returns:
     A tree of ``MuonDimensionNumbers`` / None with the structure of
-    ``params``.
+    ``params``. Pass it as is, or pass
+    ``functools.partial(muon_weight_dimension_numbers, axes=axes)`` as the
+    callable form (optax's masked placeholders pass through).
   """
   rules = dict(selection_axes=_as_frozenset("selection_axes", selection_axes),
                batch_axes=_as_frozenset("batch_axes", batch_axes),
@@ -231,7 +239,7 @@ def muon_weight_dimension_numbers(
   if axes is None:
     axes = logical_axes(params)
   params = _unbox(params)
-  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
+  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_masked)
   try:
     axes_leaves = treedef.flatten_up_to(axes)
   except (ValueError, TypeError) as e:
@@ -240,6 +248,9 @@ def muon_weight_dimension_numbers(
         f"tuple, box with .names, or None per parameter): {e}") from None
   out = []
   for (path, leaf), names in zip(leaves_with_path, axes_leaves):
+    if _is_masked(leaf):
+      out.append(leaf)
+      continue
     path_s = _path_str(path)
     if not _is_names(names):
       raise ValueError(f"muon_weight_dimension_numbers: axes at {path_s} must be a tuple of axis "

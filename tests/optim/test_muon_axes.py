@@ -1,5 +1,7 @@
 """muon_weight_dimension_numbers: the Muon/AdamW split from logical axes."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -292,3 +294,19 @@ def test_model_tree_through_optax_muon():
 def test_module_exports():
   assert set(muon_axes.__all__) >= {"muon_weight_dimension_numbers", "SELECTION_AXES",
                                     "BATCH_AXES", "HEAD_AXES", "LAYER_AXES", "logical_axes"}
+
+
+def test_callable_form_in_optax_muon():
+  """optax.contrib.muon calls a callable spec with its masked updates too."""
+  rng = np.random.default_rng(3)
+  params = {"q": jnp.asarray(rng.standard_normal((4, 2, 3)), jnp.float32),
+            "emb": jnp.asarray(rng.standard_normal((10, 4)), jnp.float32),
+            "b": jnp.ones(3)}
+  axes = {"q": ("embed", "heads", "head_dim"), "emb": ("vocab", "embed"), "b": None}
+  as_tree = optax.contrib.muon(0.1, ns_steps=1,
+                               muon_weight_dimension_numbers=muon_weight_dimension_numbers(params, axes))
+  as_fn = optax.contrib.muon(0.1, ns_steps=1, muon_weight_dimension_numbers=functools.partial(
+      muon_weight_dimension_numbers, axes=axes))
+  u_tree = _run(as_tree, params, [params])[0]
+  u_fn = _run(as_fn, params, [params])[0]
+  jax.tree.map(np.testing.assert_array_equal, u_fn, u_tree)
