@@ -14,6 +14,7 @@ _EXPORTS = {
     "derive_seed": "fuseopt.kernels.counter_hash",
     "adam_update": "fuseopt.kernels.adam",
     "adam_update_reference": "fuseopt.kernels.adam",
+    "adam_update_tree": "fuseopt.kernels.adam",
     "newton_schulz": "fuseopt.kernels.newton_schulz",
     "newton_schulz_reference": "fuseopt.kernels.newton_schulz",
 }

@@ -26,9 +26,11 @@ Backends:
   of temporaries on the 1.2 B tree);
 - ``triton``: a 1-D grid over the flattened leaf, ``block`` elements a
   program (power of two), ragged tail masked;
-- ``mosaic_tpu``: the leaf viewed as ``(rows, 128)``, ``block_rows`` rows a
-  grid step. Leaves whose size is not a multiple of 128 run the reference
-  (they are biases and norms: small).
+- ``mosaic_tpu``: the leaf viewed as ``(rows, 128)``, at most ``block_rows``
+  rows a grid step, the block dividing the rows (or the whole leaf). Leaves
+  whose size is not a multiple of 128, or whose row count has no multiple of
+  16 up to ``block_rows`` as divisor, run the reference (on LLM trees these
+  are at most biases and norms: small).
 
 Non-finite gradients propagate as in optax: an element whose gradient is NaN
 gets NaN mu, nu and parameter; ``+-Inf`` gives ``mu = +-Inf``, ``nu = +Inf``
@@ -147,17 +149,28 @@ def _store_mosaic(x32, dtype, index, seed):
 
 
 # --------------------------------------------------------------- reference --
-def _reference_flat(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype):
+def _reference(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, order_for_in_place=False):
   s = lambda k: scalars[k]
   apply = p is not None
   f32 = lambda x: x.astype(jnp.float32)
   out, mu_new, nu_new = _adam_math(s, f32(p) if apply else None, f32(g), f32(mu), f32(nu),
                                    nesterov=nesterov, apply=apply)
-  n = g.shape[0]
-  # A fresh iota per rounding: XLA fuses each into its consumer rather than
-  # materialising one shared index array (shared/ANCHORS.md).
-  idx = lambda: jax.lax.iota(jnp.uint32, n)
-  return (_store(out, out_dtype, idx(), seeds[0] if apply else jnp.uint32(0)),
+  shape = g.shape
+  # A fresh flat iota per rounding: XLA fuses each into its consumer rather
+  # than materialising one shared index array (shared/ANCHORS.md).
+  idx = lambda: jax.lax.iota(jnp.uint32, g.size).reshape(shape)
+  out = _store(out, out_dtype, idx(), seeds[0] if apply else jnp.uint32(0))
+  if order_for_in_place:
+    # XLA's CPU backend emits the three outputs as three loop fusions, each
+    # re-reading the old moments; unordered, they make XLA copy the donated
+    # moments (a whole leaf of temporaries). The barrier runs the param
+    # fusion first, so each moment fusion can then overwrite its input.
+    # (On GPU XLA fuses all three into one pass, which the barrier would
+    # split.)
+    out, g, mu, nu = jax.lax.optimization_barrier((out, g, mu, nu))
+    _, mu_new, nu_new = _adam_math(s, None, f32(g), f32(mu), f32(nu),
+                                   nesterov=False, apply=False)
+  return (out,
           _store(mu_new, mu.dtype, idx(), seeds[1]),
           _store(nu_new, nu.dtype, idx(), seeds[2]))
 
@@ -232,11 +245,25 @@ def _mosaic_kernel(s_ref, seed_ref, *refs, block_rows, nesterov, apply):
   nu_out[...] = _store_mosaic(nu_new, nu_out.dtype, index, seed(2))
 
 
+def _mosaic_block_rows(rows: int, most: int) -> int | None:
+  """Rows a grid step: the whole leaf if it fits in ``most`` rows (a
+  full-extent block is legal for any count), else the largest multiple of 16
+  (bf16 sublane packing) up to ``most`` that divides ``rows``; ``None`` if
+  there is none (the leaf then runs the reference). Dividing blocks keep the
+  in-place outputs free of padded edge blocks."""
+  if rows <= most:
+    return rows
+  for b in range(most - most % 16, 15, -16):
+    if rows % b == 0:
+      return b
+  return None
+
+
 def _adam_mosaic(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpret):
   from jax.experimental.pallas import tpu as pltpu
   (n,) = g.shape
   rows = n // LANES
-  block_rows = config.block_rows
+  block_rows = _mosaic_block_rows(rows, config.block_rows)
   apply = p is not None
   arrays = tuple(a.reshape(rows, LANES) for a in ((p, g, mu, nu) if apply else (g, mu, nu)))
   spec = pl.BlockSpec((block_rows, LANES), lambda i: (i, 0))
@@ -316,13 +343,19 @@ def _check(p, g, mu, nu):
 
 def _run(impl, scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, interpret, config):
   shape = g.shape
-  flat = lambda a: None if a is None else jnp.asarray(a).reshape(-1)
-  p, g, mu, nu = flat(p), flat(g), flat(mu), flat(nu)
-  n = g.shape[0]
+  n = g.size
   kw = dict(nesterov=nesterov, out_dtype=out_dtype)
-  if n == 0 or impl == "xla" or (impl == "mosaic_tpu" and n % LANES):
-    outs = _reference_flat(scalars, seeds, p, g, mu, nu, **kw)
-  elif impl == "triton":
+  if impl == "mosaic_tpu" and (n % LANES or _mosaic_block_rows(
+      n // LANES, (config or mosaic_heuristic(n)).block_rows) is None):
+    impl = "xla"
+  if n == 0 or impl == "xla":
+    # In the leaf's own shape: a reshape between a donated input and its
+    # in-place output makes XLA copy the leaf.
+    return _reference(scalars, seeds, p, g, mu, nu,
+                      order_for_in_place=_backend.current_platform((g,)) == "cpu", **kw)
+  flat = lambda a: None if a is None else a.reshape(-1)
+  p, g, mu, nu = flat(p), flat(g), flat(mu), flat(nu)
+  if impl == "triton":
     config = config or triton_heuristic(n)
     if not isinstance(config, TritonConfig):
       raise TypeError(f"adam_update: config must be a TritonConfig for triton, got {config!r}")
