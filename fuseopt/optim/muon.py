@@ -1,23 +1,453 @@
-"""Muon: momentum orthogonalised by Newton-Schulz, batched across the tree."""
+"""Muon: momentum orthogonalised by Newton-Schulz, batched across the tree.
+
+Drop-in for :func:`optax.contrib.muon` / :func:`optax.contrib.scale_by_muon`
+(same arguments, same state layout: one momentum leaf per parameter), with
+three differences in how the work is done:
+
+* Every Muon matrix of the tree is cut into ``(batch, rows, cols)`` families
+  (batch axes such as a stacked-layers or experts axis stay a batch, never a
+  Python loop), and all families of the same ``(rows, cols)`` across the
+  tree go through ONE call of :func:`fuseopt.kernels.newton_schulz`. A
+  family that is alone in its shape is handed over as a reshape of the
+  momentum (no copy); several are joined by a concatenate that XLA fuses
+  into the elementwise momentum/Nesterov pass that produces them, so no
+  separate stacked copy of the leaves exists (``jnp.stack`` of finished
+  leaves is what cost optax-style code 14.5 GB of temp memory).
+* The iteration runs in ``ns_dtype`` (bf16 by default, fp32 accumulation)
+  with the coefficients of ``coeffs`` ("jordan", "polar_express" or a
+  table); pass ``ns_dtype=jnp.float32`` for optax's fp32 numerics.
+* :class:`~fuseopt.optim.matrix_views.MatrixViews` may stand where
+  dimension numbers go, to orthogonalise several matrices held in one tensor
+  independently; ``skip_inactive=True`` freezes matrices whose gradient is
+  all zero this step (unrouted experts).
+"""
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+import importlib
+import math
+import sys
+import types
+from typing import Any, Callable, NamedTuple, Optional
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
+from optax.transforms import _masking
+
+from fuseopt.optim import matrix_views
+from fuseopt.optim.matrix_views import DIMENSION_NUMBER_TYPES, MatrixViews, MuonDimensionNumbers
+
+__all__ = ["MuonDimensionNumbers", "MatrixViews", "MuonState", "scale_by_muon", "muon"]
+
+JORDAN_COEFFS = (3.4445, -4.7750, 2.0315)
+_DION_COEFFS = (
+    (4.0848, -6.8946, 2.9270),
+    (3.9505, -6.3029, 2.6377),
+    (3.7418, -5.5913, 2.3037),
+    (2.8769, -3.1427, 1.2046),
+    (2.8366, -3.0525, 1.2012),
+)
+# optax.contrib.muon's preset names.
+_OPTAX_PRESETS = {"standard": JORDAN_COEFFS, "dion": _DION_COEFFS}
+_PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten")
 
 
-class MuonDimensionNumbers(NamedTuple):
-  """Which axes of a weight form the matrix that Muon orthogonalises.
+def _is_spec(x) -> bool:
+  return isinstance(x, DIMENSION_NUMBER_TYPES + (MatrixViews,))
 
-  The same fields as :class:`optax.contrib.MuonDimensionNumbers`: for
-  ``y = x W`` the reduction axes are contracted with ``x`` and the output
-  axes index ``y``; several axes on one side are flattened into one matrix
-  dimension, and every other axis is an implicit batch axis (each index an
-  independent matrix). fuseopt's transforms accept optax's instances too.
+
+def _is_spec_or_none(x) -> bool:
+  return x is None or _is_spec(x) or isinstance(x, _masking.MaskedNode)
+
+
+class MuonState(NamedTuple):
+  """State of :func:`scale_by_muon`; the fields of optax's ``MuonState``."""
+  count: jax.Array  # int32 scalar
+  mu: optax.Updates  # one momentum leaf per parameter, as stored
+  ns_coeffs: jax.Array  # (steps, 3) float32, for inspection; the update uses the static table
+
+
+def _coeff_table(ns_coeffs, ns_steps) -> tuple[tuple[float, float, float], ...]:
+  """optax's ``ns_coeffs``/``ns_steps`` as a static (steps, 3) table."""
+  if isinstance(ns_coeffs, str):
+    if ns_coeffs not in _OPTAX_PRESETS:
+      raise ValueError(f"muon: unknown ns_coeffs preset {ns_coeffs!r}; expected one of "
+                       f"{sorted(_OPTAX_PRESETS)} or a (3,) / (steps, 3) table")
+    ns_coeffs = _OPTAX_PRESETS[ns_coeffs]
+  table = np.asarray(ns_coeffs, np.float64)
+  if table.ndim not in (1, 2) or table.shape[-1] != 3:
+    raise ValueError(f"muon: ns_coeffs must have shape (3,) or (steps, 3), got {table.shape}")
+  steps = int(ns_steps)
+  if table.ndim == 1:
+    if steps < 1:
+      raise ValueError(f"muon: ns_steps must be >= 1, got {ns_steps}")
+    table = np.tile(table, (steps, 1))
+  elif table.shape[0] > steps:
+    raise ValueError(f"muon: ns_coeffs has {table.shape[0]} rows, more than ns_steps={ns_steps}")
+  return tuple(tuple(float(c) for c in row) for row in table)
+
+
+def _resolve_coeffs(coeffs, ns_coeffs, ns_steps):
+  """What the kernel gets: ``(coeffs, steps)``."""
+  if coeffs is None:
+    return _coeff_table(ns_coeffs, ns_steps), None
+  if isinstance(coeffs, str):
+    if coeffs not in ("jordan", "polar_express"):
+      raise ValueError(f"muon: coeffs must be 'jordan', 'polar_express' or a (steps, 3) table, got {coeffs!r}")
+    return coeffs, int(ns_steps)
+  table = np.asarray(coeffs, np.float64)
+  if table.ndim != 2 or table.shape[-1] != 3:
+    raise ValueError(f"muon: a coeffs table must have shape (steps, 3), got {table.shape}")
+  return tuple(tuple(float(c) for c in row) for row in table), None
+
+
+def _orthogonalize(x, *, coeffs, steps, ns_dtype, eps, preconditioning, implementation, interpret):
+  """Newton-Schulz on a ``(batch, rows, cols)`` array."""
+  if preconditioning == "frobenius":
+    # The module, looked up per call: importing it makes ``kernels.newton_schulz``
+    # name the module or the function depending on import order.
+    ns = importlib.import_module("fuseopt.kernels.newton_schulz")
+    y = ns.newton_schulz(x, coeffs=coeffs, steps=steps, ns_dtype=ns_dtype, eps=eps,
+                              implementation=implementation, interpret=interpret)
+    return y
+  # optax's other preconditionings have no kernel: optax's own iteration, in ns_dtype.
+  if isinstance(coeffs, str):
+    raise ValueError(f"muon: preconditioning={preconditioning!r} needs a numeric coefficient table, "
+                     f"got coeffs={coeffs!r}")
+  from optax.contrib import _muon as optax_muon
+  table = jnp.asarray(coeffs, ns_dtype)
+  return optax_muon.orthogonalize_via_newton_schulz(
+      x.astype(ns_dtype), table, table.shape[0], preconditioning, eps,
+      optax.contrib.MuonDimensionNumbers(1, 2))
+
+
+def _broadcast_specs(specs, tree):
+  """Spreads a spec tree that may be a prefix of ``tree`` over its leaves."""
+  def spread(spec, sub):
+    if isinstance(spec, _masking.MaskedNode):
+      return spec
+    return jax.tree.map(lambda _: spec, sub)
+  return jax.tree.map(spread, specs, tree, is_leaf=_is_spec_or_none)
+
+
+def _leaf_specs(weight_dimension_numbers, updates, treedef):
+  if weight_dimension_numbers is None:
+    return [MuonDimensionNumbers()] * treedef.num_leaves
+  specs = weight_dimension_numbers(updates) if callable(weight_dimension_numbers) else weight_dimension_numbers
+  if _is_spec(specs):
+    return [specs] * treedef.num_leaves
+  return treedef.flatten_up_to(_broadcast_specs(specs, updates))
+
+
+def _matrix_axes(spec, ndim):
+  red, out = matrix_views.normalize_dimension_numbers(
+      matrix_views.base_dimension_numbers(spec), (1,) * ndim)
+  return red + out
+
+
+def _active(g, spec):
+  """True for each matrix (index of the batch axes) whose gradient is not all zero."""
+  return jnp.any(g != 0, axis=_matrix_axes(spec, g.ndim), keepdims=True)
+
+
+def scale_by_muon(
+    ns_coeffs=JORDAN_COEFFS,
+    ns_steps: int = 5,
+    beta: float = 0.95,
+    eps: float = 1e-8,
+    mu_dtype: Optional[Any] = None,
+    *,
+    nesterov: bool = True,
+    adaptive: bool = False,
+    preconditioning: str = "frobenius",
+    weight_dimension_numbers=None,
+    coeffs=None,
+    ns_dtype=jnp.bfloat16,
+    shape_scaling: bool = False,
+    consistent_rms: Optional[float] = None,
+    skip_inactive: bool = False,
+    implementation: Optional[str] = None,
+    interpret: bool = False,
+) -> optax.GradientTransformation:
+  r"""Muon's direction: Newton-Schulz orthogonalised (Nesterov) momentum.
+
+  .. math::
+    m_t = \beta m_{t-1} + (1-\beta) g_t, \qquad
+    \hat m_t = \beta \frac{m_t}{1-\beta^{t+1}} + (1-\beta)\frac{g_t}{1-\beta^t}
+    \ (\text{Nesterov; else } m_t/(1-\beta^t)), \qquad
+    u_t = \mathrm{NS}_5(\hat m_t / \|\hat m_t\|_F)
+
+  where NS applies ``X <- aX + (bA + cA^2)X``, ``A = XX^T``, per step of the
+  coefficient table, to each matrix that ``weight_dimension_numbers`` cuts
+  from a leaf (Jordan 2024, modded-nanogpt; Bernstein & Newhouse 2024,
+  arXiv 2409.20325). Same arguments and state as
+  :func:`optax.contrib.scale_by_muon`, plus:
+
+  Args:
+    ns_coeffs, ns_steps, beta, eps, mu_dtype, nesterov, adaptive,
+      preconditioning, weight_dimension_numbers: as in optax (a tree of
+      :class:`MuonDimensionNumbers` -- optax's or fuseopt's -- or of
+      :class:`MatrixViews`, a prefix of the updates, or a callable of the
+      updates returning one; ``None`` leaves pass the momentum through; a
+      ``None`` argument means every leaf is a 2-D matrix).
+    coeffs: ``"jordan"`` (Jordan's (3.4445, -4.7750, 2.0315) x ``ns_steps``),
+      ``"polar_express"`` (Amsel et al. 2025, arXiv 2505.16932) or a
+      ``(steps, 3)`` table; overrides ``ns_coeffs`` when given.
+    ns_dtype: dtype of the iteration (fp32 accumulation); bf16 by default.
+    shape_scaling: multiply each matrix's result by optax's width factor
+      ``sqrt(max(1, fan_out/fan_in))``, or by ``sqrt(max(fan_in, fan_out)) *
+      consistent_rms`` when ``consistent_rms`` is set (Liu et al. 2025, arXiv
+      2502.16982); fan-in/out are those of the matrix (of the view).
+      :func:`muon` turns this on; optax does it in a separate transform.
+    skip_inactive: a matrix whose gradient is all zero this step (an expert
+      that no token reached) keeps its momentum and gets a zero update.
+    implementation, interpret: forwarded to :func:`fuseopt.kernels.newton_schulz`.
   """
-  reduction_axis: Sequence[int] | int = 0
-  output_axis: Sequence[int] | int = 1
+  if preconditioning not in _PRECONDITIONINGS:
+    raise ValueError(f"scale_by_muon: unknown preconditioning {preconditioning!r}; "
+                     f"expected one of {_PRECONDITIONINGS}")
+  kernel_coeffs, kernel_steps = _resolve_coeffs(coeffs, ns_coeffs, ns_steps)
+  state_table = (_coeff_table(ns_coeffs, ns_steps) if not isinstance(kernel_coeffs, tuple)
+                 else kernel_coeffs)
+  mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+  ns_dtype = jnp.dtype(ns_dtype)
+
+  def init_fn(params):
+    return MuonState(count=jnp.zeros([], jnp.int32),
+                     mu=optax.tree.zeros_like(params, dtype=mu_dtype),
+                     ns_coeffs=jnp.asarray(state_table, jnp.float32))
+
+  def update_fn(updates, state, params=None):
+    del params
+    g_leaves, treedef = jax.tree.flatten(updates)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(updates)[0]]
+    specs = _leaf_specs(weight_dimension_numbers, updates, treedef)
+    m_old = treedef.flatten_up_to(state.mu)
+
+    count_inc = optax.safe_increment(state.count)
+    # Bias corrections as optax computes them (same rounding).
+    bc1 = 1 - jnp.asarray(beta, jnp.float32) ** count_inc
+    bc2 = 1 - jnp.asarray(beta, jnp.float32) ** optax.safe_increment(count_inc)
+    active = [(_active(g, s) if skip_inactive and s is not None else None)
+              for g, s in zip(g_leaves, specs)]
+    mu_leaves, mu_hat = [], []
+    for g, m, s, a in zip(g_leaves, m_old, specs, active):
+      m_new = (1 - beta) * g + beta * m
+      if a is not None:
+        m_new = jnp.where(a, m_new, m)
+      if nesterov:
+        h = beta * (m_new / bc2.astype(m_new.dtype)) + (1 - beta) * (g / bc1.astype(g.dtype))
+      else:
+        h = m_new / bc1.astype(m_new.dtype)
+      mu_leaves.append(m_new)
+      mu_hat.append(h)
+
+    # Cut every Muon leaf into (batch, rows, cols) families; group them by shape.
+    plans = [None] * len(mu_hat)
+    groups: dict[tuple, list[tuple[int, int]]] = {}
+    for i, (h, s) in enumerate(zip(mu_hat, specs)):
+      if s is None:
+        continue
+      pieces, merge = matrix_views.split(h, s, paths[i])
+      plans[i] = (pieces, merge)
+      for j, p in enumerate(pieces):
+        groups.setdefault(p.matrix.shape[1:] + (p.matrix.dtype,), []).append((i, j))
+
+    results: dict[tuple[int, int], jax.Array] = {}
+    for members in groups.values():
+      mats = [plans[i][0][j].matrix for i, j in members]
+      x = mats[0] if len(mats) == 1 else jnp.concatenate(mats, axis=0)
+      y = _orthogonalize(x, coeffs=kernel_coeffs, steps=kernel_steps, ns_dtype=ns_dtype, eps=eps,
+                         preconditioning=preconditioning, implementation=implementation,
+                         interpret=interpret)
+      offset = 0
+      for (i, j), mat in zip(members, mats):
+        b = mat.shape[0]
+        results[(i, j)] = y if len(mats) == 1 else jax.lax.slice_in_dim(y, offset, offset + b, axis=0)
+        offset += b
+
+    out = []
+    for i, (h, s) in enumerate(zip(mu_hat, specs)):
+      if s is None:
+        out.append(h)
+        continue
+      pieces, merge = plans[i]
+      ys = [results[(i, j)].astype(h.dtype) for j in range(len(pieces))]
+      if adaptive:
+        # optax's dual-norm scale <mu_hat, NS(mu_hat)> over the whole leaf, before shape scaling.
+        dual = sum(jnp.sum(p.matrix * y) for p, y in zip(pieces, ys))
+        ys = [dual * y for y in ys]
+      if shape_scaling:
+        scaled = []
+        for y in ys:
+          fan_in, fan_out = y.shape[1], y.shape[2]
+          if consistent_rms is not None:
+            scale = jnp.sqrt(jnp.maximum(fan_in, fan_out)) * consistent_rms
+          else:
+            scale = jnp.sqrt(jnp.maximum(1, fan_out / fan_in))
+          scaled.append(scale * y)
+        ys = scaled
+      u = merge([p.unflatten(y) for p, y in zip(pieces, ys)])
+      if active[i] is not None:
+        u = jnp.where(active[i], u, jnp.zeros((), u.dtype))
+      out.append(u)
+
+    mu_leaves = [m if mu_dtype is None else m.astype(mu_dtype) for m in mu_leaves]
+    return (treedef.unflatten(out),
+            MuonState(count=count_inc, mu=treedef.unflatten(mu_leaves), ns_coeffs=state.ns_coeffs))
+
+  return optax.GradientTransformation(init_fn, update_fn)
 
 
-DIMENSION_NUMBER_TYPES = (MuonDimensionNumbers, optax.contrib.MuonDimensionNumbers)
+def _add_decayed_weights_active(weight_decay, dims_fn) -> optax.GradientTransformation:
+  """``u + wd * p`` except on matrices whose Muon update is exactly zero
+  (the ones :func:`scale_by_muon` froze with ``skip_inactive``)."""
+  def update_fn(updates, state, params):
+    if params is None:
+      raise ValueError("muon: weight decay needs params; pass params= to update()")
+    leaves, treedef = jax.tree.flatten(updates)
+    specs = _leaf_specs(dims_fn, updates, treedef)
+    p_leaves = treedef.flatten_up_to(params)
+    out = []
+    for u, p, s in zip(leaves, p_leaves, specs):
+      if s is None:
+        out.append(u + weight_decay * p)
+      else:
+        out.append(u + jnp.where(_active(u, s), weight_decay * p, jnp.zeros((), p.dtype)))
+    return treedef.unflatten(out), state
+  return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
+def _adamw(learning_rate, b1, b2, eps, eps_root, weight_decay, mu_dtype, moment_dtype, nesterov):
+  """fuseopt's AdamW; ``moment_dtype=None`` keeps optax's dtypes (mu in
+  ``mu_dtype`` or the parameter's, nu in the parameter's)."""
+  # ``fuseopt.optim.adam`` may name the function, not the module.
+  fadam = importlib.import_module("fuseopt.optim.adam")
+  if moment_dtype is not None:
+    mu_dtype = moment_dtype
+  return fadam.adamw(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
+                     weight_decay=weight_decay, nesterov=nesterov, moment_dtype=moment_dtype)
+
+
+def muon(
+    learning_rate: optax.ScalarOrSchedule,
+    ns_coeffs=JORDAN_COEFFS,
+    ns_steps: int = 5,
+    beta: float = 0.95,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    weight_decay_mask: Optional[Any] = None,
+    mu_dtype: Optional[Any] = None,
+    *,
+    nesterov: bool = True,
+    adaptive: bool = False,
+    preconditioning: str = "frobenius",
+    adam_b1: float = 0.9,
+    adam_b2: float = 0.999,
+    adam_eps_root: float = 0.0,
+    adam_weight_decay: float = 0.0,
+    adam_learning_rate: Optional[optax.ScalarOrSchedule] = None,
+    muon_weight_dimension_numbers=None,
+    consistent_rms: Optional[float] = None,
+    coeffs=None,
+    ns_dtype=jnp.bfloat16,
+    adam_moment_dtype: Optional[Any] = None,
+    skip_inactive: bool = False,
+    implementation: Optional[str] = None,
+    interpret: bool = False,
+) -> optax.GradientTransformation:
+  r"""Muon for the matrices, AdamW for everything else.
+
+  Muon branch: :func:`scale_by_muon` (with the width scaling
+  ``sqrt(max(1, fan_out/fan_in))``, or ``sqrt(max(fan_in, fan_out)) *
+  consistent_rms``), then ``+ weight_decay * p`` (``weight_decay_mask``
+  selects leaves) and ``* -learning_rate``:
+
+  .. math::
+    W \leftarrow W - \eta\,(s\,\mathrm{NS}(\hat m) + \lambda W)
+
+  AdamW branch (Loshchilov & Hutter 2019): fuseopt's :func:`~fuseopt.optim.adamw`
+  with ``adam_b1, adam_b2, eps, adam_eps_root, adam_weight_decay`` at
+  ``adam_learning_rate`` (default: ``learning_rate``); both moments in
+  ``adam_moment_dtype`` when given (``jnp.bfloat16`` halves its state,
+  written back with stochastic rounding), else optax's dtypes (mu in
+  ``mu_dtype``, nu in the parameter's dtype).
+
+  ``muon_weight_dimension_numbers`` picks the sides: a tree (or prefix) of
+  :class:`MuonDimensionNumbers` / :class:`MatrixViews` with ``None`` where
+  AdamW steps in, or a callable of the params returning one; ``None`` means
+  "every 2-D leaf is a Muon matrix, the rest AdamW" -- all as in
+  :func:`optax.contrib.muon`, whose arguments this accepts. Extra arguments
+  (``coeffs``, ``ns_dtype``, ``skip_inactive``, ``implementation``,
+  ``interpret``) are described in :func:`scale_by_muon`; with
+  ``skip_inactive`` a frozen matrix also gets no weight decay.
+
+  Tied weights (one embedding used again as the LM head) are ONE leaf of the
+  params tree used twice by the model: ``jax.grad`` sums both uses into its
+  gradient and it gets one optimizer state. Two leaves holding the same
+  array are two parameters to optax and to fuseopt.
+  """
+  if adam_learning_rate is None:
+    adam_learning_rate = learning_rate
+
+  if muon_weight_dimension_numbers is None:
+    def param_labels(params):
+      return jax.tree.map(lambda x: "muon" if jnp.ndim(x) == 2 else "adam", params)
+    dims_source = MuonDimensionNumbers()
+  else:
+    def param_labels(params):
+      dims = (muon_weight_dimension_numbers(params) if callable(muon_weight_dimension_numbers)
+              else muon_weight_dimension_numbers)
+      return jax.tree.map(
+          lambda d, sub: jax.tree.map(lambda _: "adam" if d is None else "muon", sub),
+          dims, params, is_leaf=_is_spec_or_none)
+    dims_source = muon_weight_dimension_numbers
+
+  def dims_fn(tree):
+    # ``tree`` is the Muon branch's view of the updates (MaskedNode where AdamW
+    # owns a leaf): spread the specs over it, keeping MaskedNode in place.
+    dims = dims_source(tree) if callable(dims_source) else dims_source
+    if _is_spec(dims):
+      return jax.tree.map(lambda _: dims, tree)
+    return _broadcast_specs(dims, tree)
+
+  if skip_inactive:
+    decay = _add_decayed_weights_active(weight_decay, dims_fn)
+    if weight_decay_mask is not None:
+      decay = optax.masked(decay, weight_decay_mask)
+  else:
+    decay = optax.add_decayed_weights(weight_decay, weight_decay_mask)
+
+  return optax.partition(
+      transforms={
+          "muon": optax.chain(
+              scale_by_muon(
+                  ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=beta, eps=eps, mu_dtype=mu_dtype,
+                  nesterov=nesterov, adaptive=adaptive, preconditioning=preconditioning,
+                  weight_dimension_numbers=dims_fn, coeffs=coeffs, ns_dtype=ns_dtype,
+                  shape_scaling=True, consistent_rms=consistent_rms,
+                  skip_inactive=skip_inactive, implementation=implementation,
+                  interpret=interpret),
+              decay,
+              optax.scale_by_learning_rate(learning_rate),
+          ),
+          "adam": _adamw(adam_learning_rate, adam_b1, adam_b2, eps, adam_eps_root,
+                         adam_weight_decay, mu_dtype, adam_moment_dtype, nesterov),
+      },
+      param_labels=param_labels,
+  )
+
+
+class _CallableModule(types.ModuleType):
+  """Importing this module (``from fuseopt.optim.muon import ...``) makes the
+  package attribute ``fuseopt.optim.muon`` the module rather than the
+  function it exports under the same name; calling it still means
+  :func:`muon`."""
+
+  def __call__(self, *args, **kwargs):
+    return muon(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

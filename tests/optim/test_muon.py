@@ -1,0 +1,177 @@
+"""fuseopt.optim.muon against optax.contrib.muon, and its own guarantees."""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from fuseopt.optim.muon import MuonDimensionNumbers as MDN
+from fuseopt.optim.muon import muon, scale_by_muon
+from tests.optim import _muon_trees as T
+
+JORDAN = (3.4445, -4.7750, 2.0315)
+# The module (fuseopt.kernels.newton_schulz names the function once imported).
+ns_kernel = importlib.import_module("fuseopt.kernels.newton_schulz")
+
+
+def _rel(a, b):
+  return float(jnp.linalg.norm((a - b).ravel()) / jnp.maximum(jnp.linalg.norm(a.ravel()), 1e-30))
+
+
+def _run_both(ref, mine, steps=2, params=None):
+  p = T.llama_tree(jax.random.key(0)) if params is None else params
+  sr, sm = ref.init(p), mine.init(p)
+  pr = pm = p
+  ref_up, mine_up = jax.jit(ref.update), jax.jit(mine.update)
+  worst = 0.0
+  for t in range(steps):
+    g = T.llama_tree(jax.random.key(t + 1))
+    ur, sr = ref_up(g, sr, pr)
+    um, sm = mine_up(g, sm, pm)
+    assert jax.tree.structure(ur) == jax.tree.structure(um)
+    for a, b in zip(jax.tree.leaves(ur), jax.tree.leaves(um)):
+      assert a.shape == b.shape and a.dtype == b.dtype
+      worst = max(worst, _rel(a, b))
+    pr, pm = optax.apply_updates(pr, ur), optax.apply_updates(pm, um)
+  return worst, sr, sm
+
+
+@pytest.mark.parametrize("variant", ["default", "options"])
+def test_matches_optax_fp32_jordan(variant):
+  dims = T.llama_dims(None)
+  kw = dict(learning_rate=0.02, weight_decay=0.1, ns_coeffs=JORDAN,
+            weight_decay_mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p))
+  if variant == "options":
+    kw.update(nesterov=False, consistent_rms=0.2, beta=0.9,
+              adam_b1=0.8, adam_b2=0.99, adam_eps_root=1e-9, adam_weight_decay=0.01,
+              adam_learning_rate=optax.linear_schedule(0.01, 0.001, 5))
+  ref = optax.contrib.muon(muon_weight_dimension_numbers=T.optax_dims(dims), **kw)
+  mine = muon(muon_weight_dimension_numbers=dims, ns_dtype=jnp.float32, implementation="xla", **kw)
+  worst, sr, sm = _run_both(ref, mine)
+  assert worst < 1e-4
+  # Same state layout as optax: one momentum leaf per Muon parameter.
+  assert jax.tree.structure(sr.inner_states["muon"].inner_state[0].mu) == \
+      jax.tree.structure(sm.inner_states["muon"].inner_state[0].mu)
+
+
+def test_callable_dims_and_optax_instances():
+  """A callable returning optax's own MuonDimensionNumbers is accepted."""
+  kw = dict(learning_rate=0.02, ns_coeffs="standard")
+  dims_fn = lambda p: T.optax_dims(T.llama_dims(p))
+  ref = optax.contrib.muon(muon_weight_dimension_numbers=dims_fn, **kw)
+  mine = muon(muon_weight_dimension_numbers=dims_fn, ns_dtype=jnp.float32, **kw)
+  worst, _, _ = _run_both(ref, mine, steps=2)
+  assert worst < 1e-4
+
+
+def test_default_2d_rule_matches_optax():
+  """No dimension numbers: every 2-D leaf is Muon, the rest AdamW."""
+  k = jax.random.split(jax.random.key(3), 3)
+  p = {"w1": jax.random.normal(k[0], (24, 40)), "w2": jax.random.normal(k[1], (40, 24)),
+       "b": jax.random.normal(k[2], (40,))}
+  ref = optax.contrib.muon(learning_rate=0.1)
+  mine = muon(learning_rate=0.1, ns_dtype=jnp.float32, coeffs="jordan")
+  sr, sm = ref.init(p), mine.init(p)
+  ref_up, mine_up = jax.jit(ref.update), jax.jit(mine.update)
+  for t in range(2):
+    g = jax.tree.map(lambda x, t=t: jnp.sin(x * (t + 2.0)), p)
+    ur, sr = ref_up(g, sr, p)
+    um, sm = mine_up(g, sm, p)
+    for a, b in zip(jax.tree.leaves(ur), jax.tree.leaves(um)):
+      assert _rel(a, b) < 1e-4
+
+
+def test_scale_by_muon_matches_optax_adaptive():
+  p = {"a": jax.random.normal(jax.random.key(1), (3, 16, 24)),
+       "b": jax.random.normal(jax.random.key(2), (24, 16))}
+  dims = {"a": MDN(1, 2), "b": MDN(0, 1)}
+  odims = {"a": optax.contrib.MuonDimensionNumbers(1, 2), "b": optax.contrib.MuonDimensionNumbers()}
+  ref = optax.contrib.scale_by_muon(adaptive=True, weight_dimension_numbers=odims, mu_dtype=jnp.bfloat16)
+  mine = scale_by_muon(adaptive=True, weight_dimension_numbers=dims, ns_dtype=jnp.float32,
+                       mu_dtype=jnp.bfloat16)
+  sr, sm = ref.init(p), mine.init(p)
+  ref_up, mine_up = jax.jit(ref.update), jax.jit(mine.update)
+  for t in range(2):
+    g = jax.tree.map(lambda x, t=t: jnp.cos(x + t), p)
+    ur, sr = ref_up(g, sr)
+    um, sm = mine_up(g, sm)
+    for a, b in zip(jax.tree.leaves(ur), jax.tree.leaves(um)):
+      assert _rel(a, b) < 1e-4
+  assert sm.mu["a"].dtype == jnp.bfloat16
+
+
+def test_one_batched_ns_call_per_shape(monkeypatch):
+  """Same-shaped matrices of the whole tree (stacked or not) share one NS call."""
+  calls = []
+  real = ns_kernel.newton_schulz
+
+  def spy(x, **kw):
+    calls.append(x.shape)
+    return real(x, **kw)
+  monkeypatch.setattr(ns_kernel, "newton_schulz", spy)
+  p = T.llama_tree(jax.random.key(0))
+  tx = muon(learning_rate=0.1, muon_weight_dimension_numbers=T.llama_dims)
+  jax.eval_shape(tx.update, p, tx.init(p), p)  # tracing is enough to see the calls
+  # (D, FF): layers.gate (L), layers.up (L), extra_mlp.gate (1); (FF, D): down x (L + 1);
+  # (D, H*HD): wq, wk; (H*HD, D): wo.
+  assert sorted(calls) == sorted([(2 * T.L + 1, T.D, T.FF), (T.L + 1, T.FF, T.D),
+                                  (2 * T.L, T.D, T.H * T.HD), (T.L, T.H * T.HD, T.D)])
+
+
+@pytest.mark.parametrize("coeffs", ["jordan", "polar_express"])
+def test_bf16_singular_values_in_band(coeffs):
+  g = jax.random.normal(jax.random.key(7), (2, 48, 96))
+  tx = scale_by_muon(coeffs=coeffs, weight_dimension_numbers=MDN(1, 2), ns_dtype=jnp.bfloat16)
+  u, _ = tx.update(g, tx.init(g))
+  assert u.dtype == jnp.float32
+  s = np.linalg.svd(np.asarray(u), compute_uv=False)
+  lo, hi = ns_kernel.singular_value_band(coeffs, 5)
+  # Band of the exact polynomials (Jordan about [0.68, 1.12] here), widened for bf16 rounding.
+  assert lo - 0.1 <= s.min() and s.max() <= hi + 0.1, (s.min(), s.max(), lo, hi)
+  assert s.min() > 0.3 and s.max() < 1.5
+
+
+def test_zero_grads_give_zero_update():
+  p = T.llama_tree(jax.random.key(0))
+  tx = muon(learning_rate=0.1, muon_weight_dimension_numbers=T.llama_dims)
+  g = jax.tree.map(jnp.zeros_like, p)
+  u, s = jax.jit(tx.update)(g, tx.init(p), p)
+  for leaf in jax.tree.leaves(u):
+    assert bool(jnp.all(leaf == 0))
+  for leaf in jax.tree.leaves(s):
+    assert bool(jnp.all(jnp.isfinite(leaf)))
+
+
+def test_nan_grad_gives_nan_not_crash():
+  g = {"w": jnp.full((8, 16), jnp.nan)}
+  tx = scale_by_muon()
+  u, _ = tx.update(g, tx.init(g))
+  assert bool(jnp.all(jnp.isnan(u["w"])))
+
+
+def test_adam_side_bf16_moments():
+  p = T.llama_tree(jax.random.key(0))
+  tx = muon(learning_rate=0.1, muon_weight_dimension_numbers=T.llama_dims,
+            adam_moment_dtype=jnp.bfloat16)
+  u, s = jax.jit(tx.update)(p, tx.init(p), p)
+  adam_state = s.inner_states["adam"].inner_state[0]
+  assert adam_state.mu["embed"].dtype == jnp.bfloat16 and adam_state.nu["embed"].dtype == jnp.bfloat16
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(u))
+
+
+def test_bad_inputs_raise_clear_errors():
+  g = {"layers": {"norm": jnp.ones((4,))}}
+  tx = scale_by_muon(weight_dimension_numbers={"layers": {"norm": MDN(0, 1)}})
+  with pytest.raises(ValueError, match=r"\['layers'\]\['norm'\].*rank 1"):
+    tx.update(g, tx.init(g))
+  g = {"w": jnp.ones((4, 5, 6))}
+  tx = scale_by_muon(weight_dimension_numbers={"w": MDN((0, 1), 1)})
+  with pytest.raises(ValueError, match="distinct"):
+    tx.update(g, tx.init(g))
+  with pytest.raises(ValueError, match="preconditioning"):
+    scale_by_muon(preconditioning="bogus")
+  with pytest.raises(ValueError, match="coeffs"):
+    scale_by_muon(coeffs="newton")
