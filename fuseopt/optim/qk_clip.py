@@ -76,6 +76,11 @@ def _resolve_roles(projections) -> dict[str, str]:
   return {name: PROJECTION_ROLES[name] for name in projections}
 
 
+def _is_masked(x) -> bool:
+  """optax's placeholder for a leaf of another partition (optax.partition)."""
+  return type(x).__name__ == "MaskedNode" and isinstance(x, tuple)
+
+
 def _keys_of(path) -> tuple[str, ...]:
   keys = []
   for k in path:
@@ -143,7 +148,7 @@ def _module_updates(stats_path, stats, module_path, module, roles, tau, mla):
   widths: dict[str, int] = {}
   for name, role in present.items():
     for keys, leaf, is_bias in _projection_leaves(module_path, name, module[name]):
-      if leaf is None:
+      if leaf is None or _is_masked(leaf):  # another parameter group's leaf
         continue
       shape = tuple(jnp.shape(leaf))
       lead = len(stack) + (0 if is_bias else 1)
@@ -163,6 +168,8 @@ def _module_updates(stats_path, stats, module_path, module, roles, tau, mla):
       widths[role] = width
       leaves.append((keys, shape, lead, role, path_s))
 
+  if not leaves:
+    return {}
   scales = _column_scales(gamma, widths, mode, mla, where)
   return {keys: (scales[role], lead) for keys, shape, lead, role, path_s in leaves}
 

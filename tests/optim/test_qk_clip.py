@@ -312,3 +312,23 @@ def test_muonclip_helper():
     _assert_scaled(params, u_plain, u, ("attn", n), col)
   with pytest.raises(ValueError, match="tau"):
     muonclip(0.1, tau=0.0)
+
+
+def test_inside_parameter_groups():
+  """Under optax.partition each group's clip sees only its own leaves (the
+  others are masked) and gets the whole qk_stats."""
+  rng = np.random.default_rng(12)
+  params = _flat_mha_tree(rng)
+  params["embed"] = _arr(rng, 10, 8)
+  grads = jax.tree.map(lambda x: _arr(rng, *x.shape), params)
+  labels = jax.tree.map(lambda _: "a", params)
+  labels["attn"]["k_proj"] = labels["embed"] = "b"
+  clip = lambda: optax.chain(optax.sgd(0.1), scale_by_qk_clip(100.0))
+  tx = optax.partition({"a": clip(), "b": clip()}, labels)
+  stats = {"attn": jnp.array([400.0, 20.0])}
+  u, _ = tx.update(grads, tx.init(params), params, qk_stats=stats)
+  plain = jax.tree.map(lambda g: -0.1 * g, grads)
+  col = [.5] * 4 + [1] * 4
+  for n in ("q_proj", "k_proj"):
+    _assert_scaled(params, plain, u, ("attn", n), col)
+  np.testing.assert_allclose(u["embed"], plain["embed"], rtol=1e-6)
