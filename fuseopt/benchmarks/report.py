@@ -140,6 +140,22 @@ def _matrix_elems(name: str) -> int | None:
   return None
 
 
+def _compact(v: float) -> str:
+  for div, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+    if abs(v) >= div:
+      return f"{v / div:g}{suffix}"
+  return f"{v:g}"
+
+
+def _plain_log_ticks(*axes):
+  # Log axes label minor ticks as "3×10^0" by default, which overlap.
+  from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+  for a in axes:
+    a.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    a.set_major_formatter(FuncFormatter(lambda v, _: _compact(v)))
+    a.set_minor_formatter(NullFormatter())
+
+
 def plot(results: dict, out_dir: Path | str) -> list[Path]:
   """Writes ``bench.png`` (per case: best fuseopt variant, baseline and the
   roofline floor, log time) and ``scaling.png`` (time against parameter
@@ -185,6 +201,7 @@ def plot(results: dict, out_dir: Path | str) -> list[Path]:
   ax.set_yticks(range(len(names)), names)
   ax.set_ylim(len(names) - 0.5, -0.5)
   ax.set_xscale("log")
+  _plain_log_ticks(ax.xaxis)
   ax.grid(True, axis="x", which="both", alpha=0.3)
   ax.set_xlabel("ms per call (log)")
   ax.set_title(title, fontsize=9)
@@ -204,7 +221,8 @@ def plot(results: dict, out_dir: Path | str) -> list[Path]:
       series_p.setdefault(key, []).append((r["params"], r["ms"]))
     me = _matrix_elems(r["case"])
     if me is not None:
-      series_m.setdefault(key, []).append((me, r["ms"]))
+      stacked = " (stacked)" if r["case"].count("x") >= 2 else ""
+      series_m.setdefault(key + stacked, []).append((me, r["ms"]))
   for ax_, series, xl in ((a1, series_p, "parameters"), (a2, series_m, "matrix elements (m·n, × batch)")):
     for key, pts in sorted(series.items()):
       pts.sort()
@@ -212,6 +230,7 @@ def plot(results: dict, out_dir: Path | str) -> list[Path]:
     if series:
       ax_.set_xscale("log")
       ax_.set_yscale("log")
+      _plain_log_ticks(ax_.xaxis, ax_.yaxis)
       ax_.legend(fontsize=6)
     else:
       ax_.text(0.5, 0.5, "no rows", ha="center", va="center", transform=ax_.transAxes)
