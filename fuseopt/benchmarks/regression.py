@@ -58,6 +58,18 @@ SCHEMA = "fuseopt-regression/1"
 DEFAULT_BASELINE = Path("bench/baseline/cpu.json")
 SIZE = "quick"
 WALLCLOCK_NOISE = 0.25   # a CPU ratio within ±25 % of the baseline's is noise
+# The test suite runs with 8 emulated CPU devices (tests/conftest.py); the
+# CLI sets the same so that a case that shards over jax.devices() compiles
+# to the same program in CI and in `fuseopt regression --update`.
+CPU_DEVICES = 8
+
+
+def use_test_devices() -> None:
+  """Asks for :data:`CPU_DEVICES` CPU devices if no backend exists yet."""
+  try:
+    jax.config.update("jax_num_cpu_devices", CPU_DEVICES)
+  except Exception:  # noqa: BLE001 - backends already initialised: compare() notes the count
+    pass
 
 FIGURES = ("temp_bytes", "argument_bytes", "output_bytes", "alias_bytes", "state_bytes", "hlo_ops",
            "hlo_fusions", "custom_calls", "cost_flops", "cost_bytes")
@@ -148,7 +160,7 @@ def wallclock(ops=None, *, rows=None, iters: int = 10, budget_s: float | None = 
 def make_baseline(collected: dict[str, Any], ratios: dict[str, float] | None = None) -> dict[str, Any]:
   return {
       "schema": SCHEMA,
-      "meta": {"jax": jax.__version__, "size": SIZE, "platform": "cpu",
+      "meta": {"jax": jax.__version__, "size": SIZE, "platform": "cpu", "num_devices": jax.device_count(),
                "generated_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "command": "fuseopt regression --update"},
       "tolerances": {k: dataclasses.asdict(v) for k, v in TOLERANCES.items()},
@@ -220,6 +232,10 @@ def compare(current: dict[str, Any], baseline: dict[str, Any]) -> Report:
     rep.enforced = False
     rep.notes.append(f"baseline made with jax {baseline['meta'].get('jax')}, running jax {jax.__version__}: "
                      "figures compared but not enforced")
+  nd = baseline["meta"].get("num_devices")
+  if nd is not None and nd != jax.device_count():
+    rep.notes.append(f"baseline made with {nd} CPU devices, running with {jax.device_count()}: "
+                     "figures of cases that shard may differ")
   cur, base = current["figures"], baseline["figures"]
   for op, msg in sorted(current.get("module_errors", {}).items()):
     rep.notes.append(f"case module {op!r} did not load: {msg}")
@@ -285,6 +301,7 @@ def compare_wallclock(ratios: dict[str, float], baseline: dict[str, Any]) -> lis
 def main(update: bool = False, *, baseline_path=None, ops=None, rows=None, timing: bool = False,
          progress: bool = True, out=print) -> int:
   """``fuseopt regression [--update] [--timing]``; returns the exit status."""
+  use_test_devices()
   t0 = time.perf_counter()
   current = collect(ops, rows=rows, progress=progress)
   path = Path(baseline_path) if baseline_path else default_baseline_path()
