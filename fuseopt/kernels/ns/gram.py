@@ -9,6 +9,8 @@ same kernel serves three NS products:
   alpha=c, beta=b on the square A; see :mod:`.poly`);
 - Gram NS's ``Z = a·I + b·R + c·R R`` (gamma=a).
 
+With ``beta != 0`` the input must be square and *symmetric* (it is A or R in
+every use): the mirror tile carries the transposed ``beta·X`` tile.
 Products accumulate in fp32; the epilogue runs in fp32 and the tile is
 rounded once to the output dtype.
 
@@ -85,18 +87,25 @@ def num_pairs(tiles: int) -> int:
   return tiles * (tiles + 1) // 2
 
 
+def _round_up(v, g):
+  return -(-v // g) * g
+
+
 def triton_heuristic(batch: int, m: int, k: int) -> TritonConfig:
   # 128-tiles unless that leaves most of the 132 SMs idle (e.g. 1024²: 36
-  # programs); then 64-tiles (136 programs).
-  tiles = pl.cdiv(m, 128)
-  if m <= 64 or batch * num_pairs(tiles) < H200_SMS:
+  # programs; 64-tiles give 136) or would pad m beyond a multiple of 64.
+  mp = _round_up(m, 64)
+  if mp % 128 or batch * num_pairs(mp // 128) < H200_SMS:
     return TritonConfig(bm=64, bk=64, num_warps=4, num_stages=3)
   return TritonConfig(bm=128, bk=64, num_warps=8, num_stages=3)
 
 
 def mosaic_heuristic(batch: int, m: int, k: int) -> MosaicConfig:
-  bm = 256 if m >= 512 else 128
-  bk = 512 if k >= 1024 else (256 if k >= 256 else 128)
+  # The largest blocks that divide the 128-padded sizes, so no padding beyond
+  # 128 (the same config serves X Xᵀ, K = k, and A A, K = m: bk divides both).
+  mp, kp = _round_up(m, 128), _round_up(k, 128)
+  bm = 256 if (m >= 512 and mp % 256 == 0) else 128
+  bk = next(b for b in (512, 256, 128) if mp % b == 0 and kp % b == 0)
   return MosaicConfig(bm=bm, bk=bk)
 
 
@@ -115,7 +124,8 @@ def granules(config) -> tuple[int, int]:
 def sym_reference(x, *, alpha=1.0, beta=0.0, gamma=0.0, out_dtype=None):
   """alpha·X Xᵀ + beta·X + gamma·I for batched X (B, m, k); fp32 accumulation."""
   out_dtype = out_dtype or x.dtype
-  acc = alpha * jnp.einsum("bik,bjk->bij", x, x, preferred_element_type=F32)
+  precision = jax.lax.Precision.HIGHEST if x.dtype == F32 else None
+  acc = alpha * jnp.einsum("bik,bjk->bij", x, x, preferred_element_type=F32, precision=precision)
   if beta:
     acc = acc + beta * x.astype(F32)
   if gamma:
@@ -276,7 +286,8 @@ def _pad_to(x, m_mult, k_mult):
 
 def sym(x, *, alpha=1.0, beta=0.0, gamma=0.0, out_dtype=None, implementation="triton",
         interpret=False, config=None):
-  """alpha·X Xᵀ + beta·X + gamma·I for X of shape (B, m, k) (square if beta/gamma).
+  """alpha·X Xᵀ + beta·X + gamma·I for X of shape (B, m, k) (square if beta/gamma;
+  symmetric if beta, since the lower triangle is the mirror of the upper).
 
   ``interpret`` is the pallas_call value (``True`` or ``pltpu.InterpretParams``).
   """

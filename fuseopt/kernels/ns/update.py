@@ -82,9 +82,11 @@ def triton_heuristic(batch: int, m: int, n: int) -> TritonConfig:
 
 
 def mosaic_heuristic(batch: int, m: int, n: int) -> MosaicConfig:
-  bm = 256 if m >= 256 else 128
-  bk = 512 if m >= 512 else (256 if m >= 256 else 128)
-  bn = 512 if n >= 512 else (256 if n >= 256 else 128)
+  # The largest blocks that divide the 128-padded sizes (no extra padding).
+  mp, np_ = -(-m // 128) * 128, -(-n // 128) * 128
+  bm = 256 if mp % 256 == 0 else 128
+  bk = next(b for b in (512, 256, 128) if mp % b == 0)
+  bn = next(b for b in (512, 256, 128) if np_ % b == 0)
   return MosaicConfig(bm, bn, bk)
 
 
@@ -98,7 +100,8 @@ def heuristic(implementation: str, batch: int, m: int, n: int):
 def matmul_reference(b, x, *, a=0.0, out_dtype=None):
   """a·X + B X, batched, fp32 accumulation and epilogue, one rounding."""
   out_dtype = out_dtype or x.dtype
-  acc = jnp.einsum("bij,bjk->bik", b, x, preferred_element_type=F32)
+  precision = jax.lax.Precision.HIGHEST if x.dtype == F32 else None
+  acc = jnp.einsum("bij,bjk->bik", b, x, preferred_element_type=F32, precision=precision)
   if a:
     acc = acc + a * x.astype(F32)
   return acc.astype(out_dtype)
