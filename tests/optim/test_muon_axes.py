@@ -264,6 +264,9 @@ def test_fuseopt_muon_accepts_the_tree():
   u3 = _run(opt3, {"q": w}, [{"q": g}])[0]["q"]
   u2 = _run(fmuon.muon(0.1), {"q": w.reshape(e, h * d)}, [{"q": g.reshape(e, h * d)}])[0]["q"]
   np.testing.assert_allclose(u3.reshape(e, h * d), u2, rtol=2e-2, atol=2e-3)
+  as_fn = fmuon.muon(0.1, muon_weight_dimension_numbers=functools.partial(
+      muon_weight_dimension_numbers, axes={"q": ("embed", "heads", "head_dim")}))
+  np.testing.assert_array_equal(_run(as_fn, {"q": w}, [{"q": g}])[0]["q"], u3)
 
 
 def test_model_tree_through_optax_muon():
