@@ -1,0 +1,49 @@
+"""pytest-benchmark suite: Newton–Schulz (5 steps, bf16 input); every variant
+of every case of fuseopt.benchmarks.cases.newton_schulz (CPU: small shapes)."""
+
+import math
+
+import jax
+import pytest
+
+from fuseopt.benchmarks.cases import newton_schulz as ns_cases
+
+_PLATFORM = jax.default_backend()
+_CASES = {size: ns_cases.cases(size, _PLATFORM) for size in ("quick", "full")}
+_IDS = sorted({(c.name, v) for cs in _CASES.values() for c in cs for v in c.variants})
+
+
+@pytest.mark.parametrize("name,variant", _IDS, ids=[f"{n}-{v}" for n, v in _IDS])
+def test_newton_schulz(bench_variant, bench_size, name, variant):
+  case = next((c for c in _CASES[bench_size] if c.name == name), None)
+  if case is None or variant not in case.variants:
+    pytest.skip(f"{name}/{variant} is not a {bench_size} case")
+  info = bench_variant(case, variant)
+  # bf16 in, bf16 out of the same shape: the op returns nothing else.
+  assert info["output_bytes"] == 2 * math.prod(int(d) for d in name.split("x"))
+
+
+def test_newton_schulz_check():
+  """The case's correctness check passes on the CPU shapes (kernel vs reference
+  vs optax)."""
+  from fuseopt.benchmarks import core
+  case = _CASES["quick"][1]  # a wide shape: standard and Gram variants
+  outs = {}
+  for label, build in case.variants.items():
+    fn, args, _ = core.build_variant(build)
+    outs[label] = fn(*args)
+  figures = case.check(outs)
+  assert core.check_passed(figures), figures
+
+
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+def test_accelerator_variants_lower(platform):
+  """Dry run of the accelerator rows without one: every variant of the
+  stacked and the wide anchor shapes lowers for an H200 / a TPU v5e."""
+  import jax.numpy as jnp
+  from tests.kernels import harness
+  target = harness.targets_for("triton" if platform == "gpu" else "mosaic_tpu")[0]
+  for shape in ((16, 2048, 2048), (2048, 8192)):
+    for label, fn in ns_cases.variant_fns(shape, platform).items():
+      harness.lower_for(target, fn, jax.ShapeDtypeStruct(shape, jnp.bfloat16),
+                        expect_kernel=label.startswith("fuseopt[") and "xla" not in label)

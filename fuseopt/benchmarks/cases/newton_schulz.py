@@ -1,0 +1,133 @@
+"""Newton–Schulz, 5 steps, bf16 input: the per-shape table of ANCHORS.md.
+
+Variants (Jordan's coefficients everywhere, so every output can be compared
+with optax's; Polar Express costs the same FLOPs):
+
+- ``optax_ns_bf16`` (baseline): ``optax.contrib``'s
+  ``orthogonalize_via_newton_schulz`` on the bf16 input (it iterates in the
+  input dtype), vmapped over a stack;
+- ``fuseopt[xla]``: the reference (plain jnp; bf16 iterates, fp32
+  accumulation);
+- ``fuseopt[xla,gram]``: Gram NS (aspect ratio >= 2 only);
+- on a GPU / TPU: ``fuseopt[<impl>]`` (the default dispatch: fused kernel for
+  small matrices, symmetric kernels + XLA dot otherwise),
+  ``fuseopt[<impl>+pallas_update]`` (the update ``a·X + B X`` as the Pallas
+  GEMM with fused epilogue instead of XLA's dot) and ``fuseopt[<impl>,gram]``.
+
+``flops`` is the standard count 5·(4m²n + 2m³) per matrix (m <= n), so a
+symmetric or Gram variant can exceed the matmul ceiling in effective
+TFLOP/s. The ``check`` gives each fuseopt variant's relative Frobenius error
+against the reference (passes below 3e-2; 5e-2 for Gram NS, whose bf16
+error differs in kind) and against optax (a sanity bound of 0.15: optax
+rounds the coefficients themselves to bf16, a slightly different polynomial;
+about 4% apart at the CPU sizes).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fuseopt.benchmarks import workloads
+from fuseopt.benchmarks.core import Case
+
+ns = importlib.import_module("fuseopt.kernels.newton_schulz")
+
+STEPS = 5
+COEFFS = "jordan"
+
+
+def _impls(platform):
+  return {"gpu": ("triton",), "tpu": ("mosaic_tpu",)}.get(platform, ())
+
+
+def shapes(size: str, platform: str):
+  if platform in ("gpu", "tpu"):
+    return workloads.NS_SHAPES if size == "full" else workloads.NS_SHAPES_QUICK
+  return workloads.NS_SHAPES_CPU if size == "full" else workloads.NS_SHAPES_CPU_QUICK
+
+
+def flops(shape) -> float:
+  *batch, m, n = shape
+  return math.prod(batch) * ns.ns_flops(m, n, STEPS)
+
+
+def optax_ns(x):
+  """optax.contrib's NS on x (bf16 in, bf16 iterates), a stack vmapped."""
+  from optax.contrib import _muon
+  coeffs = jnp.asarray(ns.JORDAN, x.dtype)
+  f = functools.partial(_muon.orthogonalize_via_newton_schulz, ns_coeffs=coeffs, ns_steps=STEPS)
+  for _ in range(x.ndim - 2):
+    f = jax.vmap(f)
+  return f(x)
+
+
+def _rel_err(a, b):
+  a = jnp.asarray(a, jnp.float32)
+  b = jnp.asarray(b, jnp.float32)
+  return float(jnp.linalg.norm((a - b).ravel()) / jnp.linalg.norm(b.ravel()))
+
+
+def check(outs):
+  ref = outs.get("fuseopt[xla]")
+  base = outs.get("optax_ns_bf16")
+  figures = {}
+  for label, out in outs.items():
+    if not label.startswith("fuseopt"):
+      continue
+    tol = 5e-2 if "gram" in label else 3e-2
+    if ref is not None and label != "fuseopt[xla]":
+      e = _rel_err(out, ref)
+      figures[f"rel_err_vs_reference[{label}]"] = e
+      figures[f"ok[{label}]"] = bool(np.isfinite(e) and e < tol)
+    if base is not None:
+      e = _rel_err(out, base)
+      figures[f"rel_err_vs_optax[{label}]"] = e
+      # optax rounds the coefficients to bf16 (3.4445 → 3.4375, ...) and
+      # its products to bf16, so it is a different polynomial: a sanity bound.
+      figures[f"ok_vs_optax[{label}]"] = bool(np.isfinite(e) and e < 0.15)
+  return figures
+
+
+def variant_fns(shape, platform: str) -> dict:
+  """label -> un-jitted function of the bf16 input, for one shape."""
+  *batch, m, n = shape
+  wide = max(m, n) >= ns.GRAM_AUTO_ASPECT * min(m, n)
+
+  def fuse(impl, **kw):
+    return lambda x: ns.newton_schulz(x, coeffs=COEFFS, steps=STEPS, implementation=impl, **kw)
+
+  fns = {"optax_ns_bf16": optax_ns, "fuseopt[xla]": fuse("xla")}
+  if wide:
+    fns["fuseopt[xla,gram]"] = fuse("xla", gram=True)
+  for impl in _impls(platform):
+    from fuseopt.kernels.ns import update
+    fns[f"fuseopt[{impl}]"] = fuse(impl)
+    config = ns.TiledConfig(matmul=update.heuristic(impl, math.prod(batch), min(m, n), max(m, n)))
+    fns[f"fuseopt[{impl}+pallas_update]"] = fuse(impl, config=config)
+    if wide:
+      fns[f"fuseopt[{impl},gram]"] = fuse(impl, gram=True)
+  return fns
+
+
+def cases(size: str, platform: str):
+  out = []
+  for shape in shapes(size, platform):
+    def make_x(shape=shape):
+      return jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(jnp.bfloat16)
+
+    def variant(fn, shape=shape):
+      def build():
+        return jax.jit(fn), (make_x(shape),)
+      return build
+
+    variants = {label: variant(fn) for label, fn in variant_fns(shape, platform).items()}
+    out.append(Case(op="newton_schulz", name="x".join(map(str, shape)), variants=variants,
+                    baseline="optax_ns_bf16", flops=flops(shape), params=math.prod(shape),
+                    check=check))
+  return out
