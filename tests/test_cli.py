@@ -97,3 +97,15 @@ def test_regression_command_exit_codes(tmp_path, capsys):
   assert cli.main(["regression", *sel]) == 1
   out = capsys.readouterr().out
   assert f"FAIL: {vid}: argument_bytes" in out and "(-1.0 MiB" in out
+
+
+def test_demo_trains_and_reports_state_bytes(capsys, monkeypatch):
+  everything = cli._demo_optimizers()
+  keep = ("optax.adamw (fp32 moments)", "fuseopt.optim.adamw (bf16 moments)")  # compiles cost seconds
+  monkeypatch.setattr(cli, "_demo_optimizers", lambda: {k: everything[k] for k in keep})
+  assert cli.main(["demo", "--steps", "20"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  rows = {k: next(l for l in lines if l.startswith(k)).split() for k in keep}
+  for k, cells in rows.items():
+    assert float(cells[-3]) < float(cells[-4])  # the loss went down
+  assert float(rows[keep[0]][-2]) == 8.0 and float(rows[keep[1]][-2]) == 4.0  # state bytes per parameter

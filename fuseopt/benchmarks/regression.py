@@ -303,8 +303,11 @@ def main(update: bool = False, *, baseline_path=None, ops=None, rows=None, timin
   """``fuseopt regression [--update] [--timing]``; returns the exit status."""
   use_test_devices()
   t0 = time.perf_counter()
-  current = collect(ops, rows=rows, progress=progress)
   path = Path(baseline_path) if baseline_path else default_baseline_path()
+  if not update and not path.exists():
+    out(f"no baseline at {path}: run `fuseopt regression --update` to create it")
+    return 1
+  current = collect(ops, rows=rows, progress=progress)
   if update:
     if ops or rows:
       raise ValueError("--update rewrites the whole baseline: do not combine it with --ops/--rows")
@@ -317,9 +320,6 @@ def main(update: bool = False, *, baseline_path=None, ops=None, rows=None, timin
         f"in {time.perf_counter() - t0:.0f} s")
     return 0
   baseline = load_baseline(path)
-  if baseline is None:
-    out(f"no baseline at {path}: run `fuseopt regression --update` to create it")
-    return 1
   if ops or rows:
     keep = set(current["figures"])
     baseline = {**baseline, "figures": {k: v for k, v in baseline["figures"].items() if k in keep}}
