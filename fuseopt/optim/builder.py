@@ -171,7 +171,10 @@ def build_optimizer(config: OptimConfig | dict, steps: int) -> optax.GradientTra
 
   tx = optax.chain(safeguards.clip_by_global_norm(config.clip_norm), tx)
   if config.accumulate_steps > 1:
-    tx = optax.MultiSteps(tx, every_k_schedule=config.accumulate_steps).gradient_transformation()
+    # Not .gradient_transformation(): that plain GradientTransformation would
+    # drop extra args (MuonClip's qk_stats) on their way to the solver.
+    multi = optax.MultiSteps(tx, every_k_schedule=config.accumulate_steps)
+    tx = optax.GradientTransformationExtraArgs(multi.init, multi.update)
   if config.skip_nonfinite:
     tx = safeguards.skip_nonfinite(tx, config.max_consecutive_skips, config.on_max_skips)
   if config.frozen or config.trainable is not None:

@@ -53,29 +53,12 @@ def assert_trees_close(a, b, rtol=1e-6, atol=1e-7):
 def test_every_optimizer_builds_and_steps(name):
   cfg = OptimConfig(optimizer=name, schedule=S.Cosine(peak=1e-2, warmup_steps=1),
                     weight_decay=0.0 if name == "adam" else 0.1, clip_norm=1.0)
-  with pytest.warns(RuntimeWarning) if name == "muonclip" and not _has_muonclip() else _nothing():
-    tx = build_optimizer(cfg, steps=10)
+  tx = build_optimizer(cfg, steps=10)
   (u1, _), (u2, _) = run(tx, [grads(0), grads(1)])
   if name != "adafactor":  # optax's adafactor decays weights by an absolute rate, not lr-scaled
     assert all(bool(jnp.all(u == 0)) for u in jax.tree.leaves(u1))  # warmup starts at rate 0
   for u in jax.tree.leaves(u2):
     assert bool(jnp.all(jnp.isfinite(u))) and bool(jnp.any(u != 0))
-
-
-def _has_muonclip():
-  try:
-    from fuseopt.optim.qk_clip import muonclip  # noqa: F401
-    return True
-  except ImportError:
-    return False
-
-
-class _nothing:
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *a):
-    return False
 
 
 def test_bf16_state():
@@ -197,6 +180,27 @@ def test_frozen_params_get_zero_updates_and_hold_no_state():
     assert bool(jnp.any(u["lora_a"] != 0))
     # The clip's norm covers the trainable gradients only: 2 * sqrt(32).
     np.testing.assert_allclose(safeguards.global_norm_of(state), 2 * np.sqrt(32), rtol=1e-6)
+
+
+def test_muonclip_gets_qk_stats_through_every_layer():
+  # qk_stats must reach QK-Clip through freeze, skip_nonfinite, MultiSteps,
+  # the clip and the group partition: the q/k updates differ from plain Muon's,
+  # the rest do not.
+  params = {"embed_tokens": {"embedding": jnp.ones((16, 8))},
+            "attn": {"q_proj": {"kernel": jnp.ones((8, 8))}, "k_proj": {"kernel": jnp.ones((8, 8))}},
+            "norm": {"scale": jnp.ones((8,))}, "lora": jnp.ones((8, 2))}
+  g = jax.tree.map(lambda p: 0.1 * jnp.ones_like(p), params)
+  layers = dict(learning_rate=1e-2, accumulate_steps=2, skip_nonfinite=True, frozen=("lora",), clip_norm=1.0,
+                param_groups=mup_param_groups(2.0))
+  clip = build_optimizer(OptimConfig(optimizer="muonclip", qk_clip_tau=100.0, **layers), 10)
+  plain = build_optimizer(OptimConfig(optimizer="muon", **layers), 10)
+  cs, ps = clip.init(params), plain.init(params)
+  clip_update, plain_update = jax.jit(clip.update), jax.jit(plain.update)
+  for _ in range(2):
+    u, cs = clip_update(g, cs, params, qk_stats={"attn": jnp.array([200.0, 50.0])})
+    r, ps = plain_update(g, ps, params)
+  assert float(jnp.abs(u["attn"]["q_proj"]["kernel"] - r["attn"]["q_proj"]["kernel"]).max()) > 1e-3
+  assert_trees_equal(u["embed_tokens"], r["embed_tokens"])
 
 
 def test_yaml_and_dict_round_trip():
