@@ -167,7 +167,7 @@ def _reference(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, order_for_i
     # fusion first, so each moment fusion can then overwrite its input.
     # (On GPU XLA fuses all three into one pass, which the barrier would
     # split.)
-    out, g, mu, nu = jax.lax.optimization_barrier((out, g, mu, nu))
+    out, mu, nu = jax.lax.optimization_barrier((out, mu, nu))
     _, mu_new, nu_new = _adam_math(s, None, f32(g), f32(mu), f32(nu),
                                    nesterov=False, apply=False)
   return (out,

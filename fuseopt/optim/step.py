@@ -51,8 +51,18 @@ def step(tx: Any, grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
 
     tx = fuseopt.optim.adamw(1e-3, weight_decay=0.1)
     state = tx.init(params)
-    train_step = jax.jit(fuseopt.optim.step, static_argnums=0, donate_argnums=(2, 3))
-    params, state = train_step(tx, grads, state, params)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def update(params, state, grads):
+      return fuseopt.optim.step(tx, grads, state, params)
+
+    params, state = update(params, state, grads)
+
+  Put ``params`` before ``state`` in the donated signature: JAX pairs donated
+  inputs with outputs of the same shape and dtype first come, first served,
+  so where a moment and its parameter share both (bf16 params with bf16
+  moments), ``jit(step, donate_argnums=(2, 3))`` would hand the moment's
+  buffer to the new parameter and XLA would copy every such leaf.
   """
   hp = getattr(tx, "fuseopt_adam", None)
   if hp is None:
