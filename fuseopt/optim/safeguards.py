@@ -143,7 +143,9 @@ def skip_nonfinite(inner: optax.GradientTransformation, max_consecutive_skips: i
         apply = jnp.logical_or(finite, at_limit)
       else:
         apply = finite
-        jax.debug.callback(_raise_if, at_limit, max_consecutive_skips)
+        # Inside a cond so a healthy step makes no host round trip.
+        jax.lax.cond(at_limit, lambda: jax.debug.callback(_raise_if, True, max_consecutive_skips),
+                     lambda: None)
     keep = lambda new, old: jnp.where(apply, new, old)
     inner_state = jax.tree.map(keep, new_inner, state.inner_state)
     new_updates = jax.tree.map(lambda u: jnp.where(apply, u, jnp.zeros_like(u)), new_updates)
