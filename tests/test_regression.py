@@ -139,10 +139,11 @@ def test_collect_records_state_bytes_and_errors(monkeypatch):
   def bad():
     raise RuntimeError("cannot build")
 
-  case = Case(op="fake", name="64", variants={"fuseopt[xla]": good, "broken": bad}, baseline="fuseopt[xla]",
-              state_bytes={"fuseopt[xla]": 128})
+  case = Case(op="fake", name="64", variants={"fuseopt[xla]": good, "fuseopt[broken]": bad, "optax": good},
+              baseline="optax", state_bytes={"fuseopt[xla]": 128})
   monkeypatch.setattr(regression, "all_cases", lambda size, platform, ops=None, errors=None: [case])
   got = regression.collect()["figures"]
   assert got["fake/64/fuseopt[xla]"]["state_bytes"] == 128
   assert got["fake/64/fuseopt[xla]"]["alias_bytes"] == 256  # the donated buffer is reused
-  assert "RuntimeError: cannot build" in got["fake/64/broken"]["error"]
+  assert "RuntimeError: cannot build" in got["fake/64/fuseopt[broken]"]["error"]
+  assert "fake/64/optax" not in got  # baselines are not fuseopt's code

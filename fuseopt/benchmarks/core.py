@@ -105,9 +105,9 @@ def compiled_stats(fn: Callable, args: tuple) -> dict[str, Any]:
   return stats_of(compile_fn(fn, args))
 
 
-def compile_fn(fn: Callable, args: tuple):
+def compile_fn(fn: Callable, args: tuple, compiler_options: dict | None = None):
   lowered = fn.lower(*args) if hasattr(fn, "lower") else jax.jit(fn).lower(*args)
-  return lowered.compile()
+  return lowered.compile(compiler_options=compiler_options) if compiler_options else lowered.compile()
 
 
 def stats_of(compiled) -> dict[str, Any]:
