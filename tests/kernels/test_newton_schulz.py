@@ -84,7 +84,7 @@ def test_flop_counts():
   assert ns.ns_flops(8192, 2048) == ns.ns_flops(2048, 8192)
   assert ns.ns_flops(2048, 8192, symmetric=True) == 5 * (3 * 2048**2 * 8192 + 2048**3)
   # Gram NS saves FLOPs on a wide matrix and not on a square one.
-  assert ns.ns_flops(2048, 8192, gram=True) < 0.7 * ns.ns_flops(2048, 8192)
+  assert ns.ns_flops(2048, 8192, gram=True) < 0.8 * ns.ns_flops(2048, 8192)
   assert ns.ns_flops(4096, 4096, gram=True) > ns.ns_flops(4096, 4096)
 
 
@@ -105,8 +105,9 @@ def test_gram_reference_matches_standard_fp32(request):
   x = jax.random.normal(harness.fresh_key(request), (3, 40, 160), jnp.float32)
   for coeffs in ("jordan", "polar_express"):
     std = ns.newton_schulz_reference(x, coeffs=coeffs, ns_dtype=jnp.float32)
-    grm = ns.newton_schulz_reference(x, coeffs=coeffs, ns_dtype=jnp.float32, gram=True)
-    assert _rel_err(grm, std) < 1e-3, coeffs
+    for restarts in (True, (2,), (1, 3)):
+      grm = ns.newton_schulz_reference(x, coeffs=coeffs, ns_dtype=jnp.float32, gram=restarts)
+      assert _rel_err(grm, std) < 1e-3, (coeffs, restarts)
 
 
 @pytest.mark.parametrize("coeffs,band", [("jordan", (0.45, 1.25)), ("polar_express", (0.8, 1.17))])
@@ -239,6 +240,8 @@ def test_bad_arguments():
   x = jnp.ones((8, 16))
   with pytest.raises(ValueError, match="gram"):
     ns.newton_schulz(x, gram="yes", implementation="xla")
+  with pytest.raises(ValueError, match="gram"):
+    ns.newton_schulz(x, gram=(0, 2), implementation="xla")
   with pytest.raises(ValueError, match="ns_dtype"):
     ns.newton_schulz(x, ns_dtype=jnp.int8)
   with pytest.raises(TypeError, match="floating"):
