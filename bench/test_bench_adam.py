@@ -1,0 +1,38 @@
+"""pytest-benchmark suite: one AdamW update of the CPU Llama tree; every
+variant of fuseopt.benchmarks.cases.adam (optax fp32 / mu bf16, fuseopt
+drop-in, the fused step with fp32 and with bf16 params)."""
+
+import jax
+import numpy as np
+import pytest
+
+from fuseopt.benchmarks.cases import adam as adam_cases
+
+_PLATFORM = jax.default_backend()
+_CASES = {size: adam_cases.cases(size, _PLATFORM) for size in ("quick", "full")}
+_IDS = sorted({(c.name, v) for cs in _CASES.values() for c in cs for v in c.variants})
+
+
+@pytest.mark.parametrize("name,variant", _IDS, ids=[f"{n}-{v}" for n, v in _IDS])
+def test_adam(bench_variant, bench_size, name, variant):
+  case = next((c for c in _CASES[bench_size] if c.name == name), None)
+  if case is None or variant not in case.variants:
+    pytest.skip(f"{name}/{variant} is not a {bench_size} case")
+  info = bench_variant(case, variant)
+  # The fused step writes params and moments in place: no leaf-sized
+  # temporaries (XLA's temp for the optax steps is of the order of 100 bytes).
+  if variant.startswith("fuseopt_step"):
+    assert info["temp_bytes"] < 0.01 * case.state_bytes[variant], info["temp_bytes"]
+
+
+def test_adam_check_agrees_with_optax():
+  """The cases' correctness check on CPU outputs (no timing)."""
+  from fuseopt.benchmarks import core
+  case = _CASES["quick"][0]
+  outs = {}
+  for label in ("optax_adamw_fp32", "fuseopt_step"):
+    fn, args, refresh = core.build_variant(case.variants[label])
+    outs[label] = fn(*args)
+  figures = case.check(outs)
+  assert figures["ok[fuseopt_step]"] and np.isfinite(figures["rel_err_vs_optax[fuseopt_step]"])
+  assert figures["bytes_per_param[fuseopt_step]"] == 20
