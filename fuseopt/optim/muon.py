@@ -24,6 +24,7 @@ three differences in how the work is done:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import sys
@@ -42,6 +43,8 @@ from fuseopt.optim.matrix_views import DIMENSION_NUMBER_TYPES, MatrixViews, Muon
 __all__ = ["MuonDimensionNumbers", "MatrixViews", "MuonState", "scale_by_muon", "muon"]
 
 JORDAN_COEFFS = (3.4445, -4.7750, 2.0315)
+# Most matrix elements per Newton-Schulz call (see scale_by_muon).
+DEFAULT_NS_MAX_ELEMENTS = 1 << 27
 _DION_COEFFS = (
     (4.0848, -6.8946, 2.9270),
     (3.9505, -6.3029, 2.6377),
@@ -103,14 +106,14 @@ def _resolve_coeffs(coeffs, ns_coeffs, ns_steps):
   return tuple(tuple(float(c) for c in row) for row in table), None
 
 
-def _orthogonalize(x, *, coeffs, steps, ns_dtype, eps, preconditioning, implementation, interpret):
+def _orthogonalize(x, *, coeffs, steps, ns_dtype, eps, preconditioning, gram, implementation, interpret):
   """Newton-Schulz on a ``(batch, rows, cols)`` array."""
   if preconditioning == "frobenius":
     # The module, looked up per call: importing it makes ``kernels.newton_schulz``
     # name the module or the function depending on import order.
     ns = importlib.import_module("fuseopt.kernels.newton_schulz")
     y = ns.newton_schulz(x, coeffs=coeffs, steps=steps, ns_dtype=ns_dtype, eps=eps,
-                              implementation=implementation, interpret=interpret)
+                              gram=gram, implementation=implementation, interpret=interpret)
     return y
   # optax's other preconditionings have no kernel: optax's own iteration, in ns_dtype.
   if isinstance(coeffs, str):
@@ -121,6 +124,40 @@ def _orthogonalize(x, *, coeffs, steps, ns_dtype, eps, preconditioning, implemen
   return optax_muon.orthogonalize_via_newton_schulz(
       x.astype(ns_dtype), table, table.shape[0], preconditioning, eps,
       optax.contrib.MuonDimensionNumbers(1, 2))
+
+
+def _chunked(mats, max_elements, ns):
+  """Runs ``ns`` over the matrices of ``mats`` (same (rows, cols), each a
+  (batch, rows, cols) array), as few calls as ``max_elements`` per call
+  allows; yields ``(index into mats, [result parts in batch order])``."""
+  rows, cols = mats[0].shape[1:]
+  per_call = len(mats) and sum(m.shape[0] for m in mats)
+  if max_elements is not None:
+    per_call = max(1, int(max_elements) // (rows * cols))
+  calls, current, room = [], [], per_call
+  for k, m in enumerate(mats):
+    start = 0
+    while start < m.shape[0]:
+      take = min(room, m.shape[0] - start)
+      current.append((k, start, start + take))
+      start += take
+      room -= take
+      if room == 0:
+        calls.append(current)
+        current, room = [], per_call
+  if current:
+    calls.append(current)
+  parts: dict[int, list] = {}
+  for call in calls:
+    xs = [mats[k] if (a, b) == (0, mats[k].shape[0]) else jax.lax.slice_in_dim(mats[k], a, b)
+          for k, a, b in call]
+    y = ns(xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=0))
+    offset = 0
+    for k, a, b in call:
+      parts.setdefault(k, []).append(
+          y if len(call) == 1 else jax.lax.slice_in_dim(y, offset, offset + b - a))
+      offset += b - a
+  return list(parts.items())
 
 
 def _broadcast_specs(specs, tree):
@@ -168,6 +205,8 @@ def scale_by_muon(
     shape_scaling: bool = False,
     consistent_rms: Optional[float] = None,
     skip_inactive: bool = False,
+    gram: bool | str = False,
+    ns_max_elements: Optional[int] = DEFAULT_NS_MAX_ELEMENTS,
     implementation: Optional[str] = None,
     interpret: bool = False,
 ) -> optax.GradientTransformation:
@@ -203,7 +242,13 @@ def scale_by_muon(
       :func:`muon` turns this on; optax does it in a separate transform.
     skip_inactive: a matrix whose gradient is all zero this step (an expert
       that no token reached) keeps its momentum and gets a zero update.
-    implementation, interpret: forwarded to :func:`fuseopt.kernels.newton_schulz`.
+    ns_max_elements: the most matrix elements one NS call takes (default
+      2^27: 256 MB of bf16 input). Same-shaped matrices beyond it go into
+      several calls, each still batched, so XLA can free one call's
+      temporaries before the next; ``None``: one call per shape.
+    gram, implementation, interpret: forwarded to
+      :func:`fuseopt.kernels.newton_schulz` (``gram="auto"``: Gram
+      Newton-Schulz for matrices of aspect ratio >= 2).
   """
   if preconditioning not in _PRECONDITIONINGS:
     raise ValueError(f"scale_by_muon: unknown preconditioning {preconditioning!r}; "
@@ -256,17 +301,13 @@ def scale_by_muon(
         groups.setdefault(p.matrix.shape[1:] + (p.matrix.dtype,), []).append((i, j))
 
     results: dict[tuple[int, int], jax.Array] = {}
+    ns = functools.partial(_orthogonalize, coeffs=kernel_coeffs, steps=kernel_steps,
+                           ns_dtype=ns_dtype, eps=eps, preconditioning=preconditioning, gram=gram,
+                           implementation=implementation, interpret=interpret)
     for members in groups.values():
       mats = [plans[i][0][j].matrix for i, j in members]
-      x = mats[0] if len(mats) == 1 else jnp.concatenate(mats, axis=0)
-      y = _orthogonalize(x, coeffs=kernel_coeffs, steps=kernel_steps, ns_dtype=ns_dtype, eps=eps,
-                         preconditioning=preconditioning, implementation=implementation,
-                         interpret=interpret)
-      offset = 0
-      for (i, j), mat in zip(members, mats):
-        b = mat.shape[0]
-        results[(i, j)] = y if len(mats) == 1 else jax.lax.slice_in_dim(y, offset, offset + b, axis=0)
-        offset += b
+      for k, parts in _chunked(mats, ns_max_elements, ns):
+        results[members[k]] = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
 
     out = []
     for i, (h, s) in enumerate(zip(mu_hat, specs)):
@@ -355,6 +396,8 @@ def muon(
     ns_dtype=jnp.bfloat16,
     adam_moment_dtype: Optional[Any] = None,
     skip_inactive: bool = False,
+    gram: bool | str = False,
+    ns_max_elements: Optional[int] = DEFAULT_NS_MAX_ELEMENTS,
     implementation: Optional[str] = None,
     interpret: bool = False,
 ) -> optax.GradientTransformation:
@@ -380,8 +423,8 @@ def muon(
   AdamW steps in, or a callable of the params returning one; ``None`` means
   "every 2-D leaf is a Muon matrix, the rest AdamW" -- all as in
   :func:`optax.contrib.muon`, whose arguments this accepts. Extra arguments
-  (``coeffs``, ``ns_dtype``, ``skip_inactive``, ``implementation``,
-  ``interpret``) are described in :func:`scale_by_muon`; with
+  (``coeffs``, ``ns_dtype``, ``skip_inactive``, ``gram``,
+  ``ns_max_elements``, ``implementation``, ``interpret``) are described in :func:`scale_by_muon`; with
   ``skip_inactive`` a frozen matrix also gets no weight decay.
 
   Tied weights (one embedding used again as the LM head) are ONE leaf of the
@@ -428,7 +471,8 @@ def muon(
                   nesterov=nesterov, adaptive=adaptive, preconditioning=preconditioning,
                   weight_dimension_numbers=dims_fn, coeffs=coeffs, ns_dtype=ns_dtype,
                   shape_scaling=True, consistent_rms=consistent_rms,
-                  skip_inactive=skip_inactive, implementation=implementation,
+                  skip_inactive=skip_inactive, gram=gram, ns_max_elements=ns_max_elements,
+                  implementation=implementation,
                   interpret=interpret),
               decay,
               optax.scale_by_learning_rate(learning_rate),

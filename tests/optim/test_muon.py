@@ -178,3 +178,25 @@ def test_bad_inputs_raise_clear_errors():
     scale_by_muon(preconditioning="bogus")
   with pytest.raises(ValueError, match="coeffs"):
     scale_by_muon(coeffs="newton")
+
+
+def test_ns_max_elements_splits_calls_without_changing_results(monkeypatch):
+  calls = []
+  real = ns_kernel.newton_schulz
+
+  def spy(x, **kw):
+    calls.append(x.shape[0])
+    return real(x, **kw)
+  monkeypatch.setattr(ns_kernel, "newton_schulz", spy)
+  g = {"a": jax.random.normal(jax.random.key(8), (3, 8, 12)),
+       "b": jax.random.normal(jax.random.key(9), (8, 12)),
+       "c": jax.random.normal(jax.random.key(10), (2, 8, 12))}
+  dims = {"a": MDN(1, 2), "b": MDN(), "c": MDN(1, 2)}
+  outs = {}
+  for cap in (None, 2 * 8 * 12):
+    calls.clear()
+    tx = scale_by_muon(weight_dimension_numbers=dims, ns_max_elements=cap, ns_dtype=jnp.float32)
+    outs[cap], _ = jax.jit(tx.update)(g, tx.init(g))
+    assert calls == ([6] if cap is None else [2, 2, 2])
+  for a, b in zip(jax.tree.leaves(outs[None]), jax.tree.leaves(outs[2 * 8 * 12])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)

@@ -1,0 +1,133 @@
+"""Hybrid Muon + AdamW: one update of the Llama-shaped tree of ANCHORS.md.
+
+The layers' matrices (q/k/v/o, gate/up/down: 112 leaves, stored per layer)
+take Muon, the embedding, LM head and norms AdamW. One call is a full
+optimizer step, ``(params, grads, state) -> (params', state')``, with params
+and state donated. On a GPU/TPU ("full") the 1.20 B tree (d=2048, ff=8192,
+16 layers, vocab 32000); on the CPU the scaled-down tree of
+:func:`fuseopt.benchmarks.workloads.llama_tree_cpu`.
+
+Variants (Jordan's coefficients, 5 steps, lr 0.02, weight decay 0.1):
+
+- ``optax_muon`` (baseline): ``optax.contrib.muon``, fp32 grads and
+  momentum, so NS in fp32 (ANCHORS: 194.7 ms, 8.67 GB temp on an H200);
+- ``optax_muon_bf16``: optax's best configuration, bf16 grads and
+  ``mu_dtype=bf16`` so NS in bf16 (100.1 ms, 4.41 GB);
+- ``fuseopt_muon``: :func:`fuseopt.optim.muon`, fp32 grads and momentum,
+  NS in bf16 with fp32 accumulation, one batched NS call per matrix shape;
+- ``fuseopt_muon[gram]``: the same with Gram NS for the 1:4 MLP matrices;
+- ``fuseopt_muon[bf16_adam]``: the same with bf16 AdamW moments.
+
+The figure that matters besides time is ``temp_bytes`` (XLA's temporary
+memory from ``memory_analysis``; target <= 1 GB on the 1.20 B tree). The
+check compares each variant's parameter change with optax's fp32 one
+(relative Frobenius error; bf16 NS is a few percent off fp32 NS).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fuseopt.benchmarks import workloads
+from fuseopt.benchmarks.core import Case
+
+fmuon = importlib.import_module("fuseopt.optim.muon")
+
+LR = 0.02
+WD = 0.1
+COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+def muon_dims(params, cls=fmuon.MuonDimensionNumbers):
+  """Muon for the layers' 2-D matrices, AdamW (None) for the rest."""
+  def pick(path, x):
+    name = jax.tree_util.keystr(path)
+    if len(x.shape) == 2 and "embed" not in name and "lm_head" not in name:
+      return cls(0, 1)
+    return None
+  return jax.tree_util.tree_map_with_path(pick, params)
+
+
+def optimizers() -> dict:
+  """label -> (optax transformation, grads dtype)."""
+  optax_dims = lambda p: muon_dims(p, optax.contrib.MuonDimensionNumbers)
+  common = dict(learning_rate=LR, weight_decay=WD, muon_weight_dimension_numbers=muon_dims)
+  return {
+      "optax_muon": (optax.contrib.muon(learning_rate=LR, weight_decay=WD, ns_coeffs=COEFFS,
+                                        muon_weight_dimension_numbers=optax_dims), jnp.float32),
+      "optax_muon_bf16": (optax.contrib.muon(learning_rate=LR, weight_decay=WD, ns_coeffs=COEFFS,
+                                             mu_dtype=jnp.bfloat16,
+                                             muon_weight_dimension_numbers=optax_dims), jnp.bfloat16),
+      "fuseopt_muon": (fmuon.muon(coeffs="jordan", **common), jnp.float32),
+      "fuseopt_muon[gram]": (fmuon.muon(coeffs="jordan", gram="auto", **common), jnp.float32),
+      "fuseopt_muon[bf16_adam]": (fmuon.muon(coeffs="jordan", adam_moment_dtype=jnp.bfloat16, **common),
+                                  jnp.float32),
+  }
+
+
+def step_fn(tx):
+  def step(params, grads, state):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+  return jax.jit(step, donate_argnums=(0, 2))
+
+
+def _rel(a, b):
+  num = sum(float(jnp.sum((x.astype(jnp.float32) - y.astype(jnp.float32)) ** 2))
+            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  den = sum(float(jnp.sum(y.astype(jnp.float32) ** 2)) for y in jax.tree.leaves(b))
+  return (num / max(den, 1e-30)) ** 0.5
+
+
+def cases(size: str, platform: str):
+  struct = workloads.tree_for(platform, size, jnp.float32, abstract=True)
+  n = workloads.tree_params(struct)
+  cache = {}
+
+  def data():
+    if not cache:
+      cache["params"] = workloads.materialize(struct, seed=0)
+      cache["grads"] = workloads.materialize(struct, seed=1, scale=1.0)
+    return cache["params"], cache["grads"]
+
+  opts = optimizers()
+
+  def variant(label):
+    def build():
+      tx, gdtype = opts[label]
+      params, grads = data()
+      grads = jax.tree.map(lambda g: g.astype(gdtype), grads)
+
+      def refresh():  # params and state are donated: fresh buffers per call
+        p = jax.tree.map(jnp.copy, params)
+        return p, grads, tx.init(p)
+      return step_fn(tx), refresh(), refresh
+    return build
+
+  def check(outs):
+    params, _ = data()
+    delta = {k: jax.tree.map(lambda a, b: a - b, v[0], params) for k, v in outs.items()}
+    ref = delta.get("optax_muon")
+    figures = {}
+    for label, d in delta.items():
+      finite = all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(d))
+      figures[f"finite[{label}]"] = finite
+      if ref is not None and label != "optax_muon":
+        e = _rel(d, ref)
+        figures[f"rel_err_vs_optax[{label}]"] = e
+        # bf16 NS against fp32 NS: a few percent (Jordan's band is wide).
+        figures[f"ok[{label}]"] = bool(finite and np.isfinite(e) and e < 0.1)
+    return figures
+
+  name = "llama1.2b" if platform in ("gpu", "tpu") else f"llama_cpu_{n}"
+  state_bytes = {}
+  for label, (tx, _) in opts.items():
+    st = jax.eval_shape(tx.init, struct)
+    state_bytes[label] = int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(st)))
+  return [Case(op="muon", name=name, variants={k: variant(k) for k in opts}, baseline="optax_muon",
+               params=n, state_bytes=state_bytes, check=check)]
