@@ -125,6 +125,16 @@ def test_singular_value_band_bf16(request, coeffs, band, gram_ns):
   assert band[0] <= s.min() and s.max() <= band[1], (s.min(), s.max())
 
 
+@pytest.mark.parametrize("impl", BACKENDS)
+def test_singular_value_band_kernel(request, impl):
+  """The same band through a kernel path (the fused kernel, interpret mode)."""
+  x = _well_conditioned(harness.fresh_key(request), 64, 256).T   # tall: transposed in and out
+  y = ns.newton_schulz(x.astype(jnp.bfloat16), implementation=impl, interpret=True)
+  assert y.shape == (256, 64) and y.dtype == jnp.bfloat16
+  s = np.linalg.svd(np.asarray(y, np.float64), compute_uv=False)
+  assert 0.8 <= s.min() and s.max() <= 1.17, (s.min(), s.max())
+
+
 # -------------------------------------------------------- kernels vs refs --
 SYM_CASES = {
     "triton": [((2, 100, 200), {}, gram.TritonConfig(64, 64, 4, 3)),       # ragged, wide
