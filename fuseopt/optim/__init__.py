@@ -20,6 +20,8 @@ _EXPORTS = {
     "muon": "fuseopt.optim.muon",
     "scale_by_muon": "fuseopt.optim.muon",
     "MuonDimensionNumbers": "fuseopt.optim.muon",
+    "MatrixViews": "fuseopt.optim.matrix_views",
+    "mla_kv_b_proj_views": "fuseopt.optim.matrix_views",
     # muon_axes.py, matrix views, qk_clip.py
     "muon_weight_dimension_numbers": "fuseopt.optim.muon_axes",
     "SELECTION_AXES": "fuseopt.optim.muon_axes",
