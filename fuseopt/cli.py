@@ -150,7 +150,7 @@ def cmd_bench(args, out=print) -> int:
   t0 = time.perf_counter()
   ceilings = core.measure_ceilings(platform, quick=not accel or size == "quick")
 
-  def save(rows):
+  def save(case, new, rows):
     report.save_json(report.make_results(meta, ceilings, rows, errors), json_path)
 
   budget = args.budget_s if args.budget_s is not None else (None if accel else CPU_BUDGET_S)

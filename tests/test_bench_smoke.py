@@ -152,3 +152,33 @@ def test_run_case_donation_errors_and_checks():
   assert core.device_slug("TPU v6 lite") == "tpu-v6-lite"
   assert core.hlo_counts("  %f = (f32[2], f32[2]) fusion(%a), kind=kLoop\n  ROOT %c = f32[2] custom-call(%f)\n") == {
       "hlo_ops": 2, "hlo_fusions": 1, "custom_calls": 1}
+
+
+def test_run_suite_shares_the_budget_among_ops(monkeypatch):
+  from fuseopt.benchmarks import core
+
+  clock = [0.0]  # a fake clock: every case takes 1 s, whatever the machine's load
+
+  def tick():
+    clock[0] += 1e-4
+    return clock[0]
+
+  monkeypatch.setattr(core.time, "perf_counter", tick)
+
+  def slow():
+    clock[0] += 1.0
+    return jax.jit(lambda x: x + 1), (jnp.ones((8,)),)
+
+  def case(op, name):
+    return core.Case(op=op, name=name, variants={"base": slow}, baseline="base")
+
+  cases = [case("a", "1"), case("a", "2"), case("a", "3"), case("b", "1"), case("b", "2"), case("c", "1")]
+  seen = []
+  recs = core.run_suite(cases, {"copy_gbps": 1.0, "matmul_tflops": 1.0}, iters=1, budget_s=3.5,
+                        on_case=lambda c, new, all_: seen.append(c.id))
+  ran = [f"{r['op']}/{r['case']}" for r in recs if "ms" in r]
+  # a's share is 3.5/3: a/1 (1 s) and a/2 start; b's share (3.5-2)/2: b/1;
+  # c/1 starts at 3 s < 3.5 s; nothing else.
+  assert ran == ["a/1", "a/2", "b/1", "c/1"], ran
+  assert all(r["skipped"] == "time budget" for r in recs if "ms" not in r)
+  assert seen == [c.id for c in cases]

@@ -328,12 +328,26 @@ def select_cases(cases, *, rows=None):
   return [c for c in cases if any(r in c.id for r in rows)]
 
 
+def skipped_records(case: Case, why: str) -> list[dict[str, Any]]:
+  return [{"op": case.op, "case": case.name, "variant": v, "is_baseline": v == case.baseline,
+           "params": case.params, "skipped": why} for v in case.variants]
+
+
 def run_suite(cases, ceilings, *, iters: int = 10, min_time: float = 0.0, budget_s: float | None = None,
-              progress: bool = False, on_case: Callable[[list], None] | None = None) -> list[dict[str, Any]]:
-  """Runs cases one after another; stops starting new ones after
-  ``budget_s`` seconds (the rest are recorded as ``skipped``)."""
-  records = []
+              progress: bool = False,
+              on_case: Callable[[Case, list, list], None] | None = None) -> list[dict[str, Any]]:
+  """Runs cases one after another and returns all records.
+
+  With ``budget_s``, the time is shared fairly among ops (in their order):
+  op k of K may start cases until ``(budget_s - elapsed) / (K - k)`` of its
+  own time has gone, and starts its first case while any budget is left,
+  so that every op gets rows even when an early op's cases are slow; cases
+  not started are recorded as ``skipped``. ``on_case(case, new_records, all_records)`` is
+  called after each case (e.g. to save partial results).
+  """
+  records: list[dict[str, Any]] = []
   start = time.perf_counter()
+  ops = list(dict.fromkeys(c.op for c in cases))
   bar = None
   if progress:
     try:
@@ -341,19 +355,30 @@ def run_suite(cases, ceilings, *, iters: int = 10, min_time: float = 0.0, budget
       bar = tqdm(total=len(cases), unit="case", dynamic_ncols=True)
     except ImportError:
       bar = None
-  for case in cases:
-    if bar is not None:
-      bar.set_description(case.id[:40])
-    if budget_s is not None and time.perf_counter() - start > budget_s:
-      recs = [{"op": case.op, "case": case.name, "variant": v, "is_baseline": v == case.baseline,
-               "params": case.params, "skipped": "time budget"} for v in case.variants]
-    else:
-      recs = run_case(case, ceilings, iters=iters, min_time=min_time)
-    records.extend(recs)
-    if on_case is not None:
-      on_case(records)
-    if bar is not None:
-      bar.update(1)
+  for k, op in enumerate(ops):
+    op_start = time.perf_counter()
+    share = None
+    if budget_s is not None:
+      share = max(0.0, budget_s - (op_start - start)) / (len(ops) - k)
+    for n, case in enumerate(c for c in cases if c.op == op):
+      if bar is not None:
+        bar.set_description(case.id[:40])
+      over_total = budget_s is not None and time.perf_counter() - start > budget_s
+      over_share = share is not None and time.perf_counter() - op_start > share
+      if over_total or (n > 0 and over_share):
+        recs = skipped_records(case, "time budget")
+      else:
+        try:
+          recs = run_case(case, ceilings, iters=iters, min_time=min_time)
+        except Exception as e:  # noqa: BLE001 - one case must not end the run
+          recs = [{**r, "error": f"{type(e).__name__}: {e}"[:500]} for r in skipped_records(case, "")]
+          for r in recs:
+            r.pop("skipped")
+      records.extend(recs)
+      if on_case is not None:
+        on_case(case, recs, records)
+      if bar is not None:
+        bar.update(1)
   if bar is not None:
     bar.close()
   return records
