@@ -125,7 +125,7 @@ def test_singular_value_band_bf16(request, coeffs, band, gram_ns):
   assert band[0] <= s.min() and s.max() <= band[1], (s.min(), s.max())
 
 
-@pytest.mark.parametrize("impl", BACKENDS)
+@pytest.mark.parametrize("impl", ("triton",))
 def test_singular_value_band_kernel(request, impl):
   """The same band through a kernel path (the fused kernel, interpret mode)."""
   x = _well_conditioned(harness.fresh_key(request), 64, 256).T   # tall: transposed in and out
@@ -138,7 +138,7 @@ def test_singular_value_band_kernel(request, impl):
 # -------------------------------------------------------- kernels vs refs --
 SYM_CASES = {
     "triton": [((2, 100, 200), {}, gram.TritonConfig(64, 64, 4, 3)),       # ragged, wide
-               ((1, 100, 100), dict(alpha=0.5, beta=-2.0, gamma=3.0), gram.TritonConfig(32, 32, 4, 3))],
+               ((1, 100, 100), dict(alpha=0.5, beta=-2.0, gamma=3.0), gram.TritonConfig(64, 32, 4, 3))],
     "mosaic_tpu": [((2, 100, 200), {}, gram.MosaicConfig(128, 128)),
                    ((1, 200, 200), dict(alpha=0.5, beta=-2.0, gamma=3.0), gram.MosaicConfig(128, 128))],
 }
@@ -267,6 +267,19 @@ def test_jit_and_vmap():
   assert _rel_err(got, want) < 1e-2  # XLA may fuse the bf16 roundings differently
   got = jax.vmap(lambda v: ns.newton_schulz(v, implementation="triton", interpret=True))(x)
   assert _rel_err(got, want) < 3e-2
+
+
+@pytest.mark.parametrize("impl", ("triton",))
+def test_sharded_batch_equals_unsharded(impl):
+  """A stack sharded over 8 devices (shard_map): each device orthogonalises its
+  own matrices, bitwise as the unsharded call (per-matrix normalisation)."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+  x = jax.random.normal(jax.random.key(5), (8, 16, 40), jnp.float32)
+  run = lambda v: ns.newton_schulz(v, implementation=impl, interpret=True)  # noqa: E731
+  whole = jax.jit(run)(x)
+  f = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+  harness.assert_bitwise_equal(f(jax.device_put(x, NamedSharding(mesh, P("x")))), whole)
 
 
 # ---------------------------------------------------------------- lowering --
