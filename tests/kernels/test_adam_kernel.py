@@ -99,25 +99,37 @@ def test_moments_are_the_stochastic_rounding_of_fp32_moments(backend):
   (and nu likewise): same hash, same per-leaf flat index, documented seed."""
   p, g, mu, nu = _inputs(jax.random.key(4), (3, 1000), F32, F32, BF16)
   count, seed, leaf = 11, 123, 4
-  _, mu_new, nu_new = adam_update(p, g, mu, nu, count=count, seed=seed, leaf_index=leaf,
-                                  implementation=backend, interpret=True)
-  mu32 = 0.1 * g + 0.9 * mu.astype(F32)
-  nu32 = (1 - 0.999) * (g * g) + 0.999 * nu.astype(F32)
-  s_mu = counter_hash.derive_seed(seed, count, leaf, counter_hash.STREAM_MU)
-  s_nu = counter_hash.derive_seed(seed, count, leaf, counter_hash.STREAM_NU)
-  harness.assert_bitwise_equal(mu_new, stochastic_round_bf16(mu32, s_mu), "mu")
-  harness.assert_bitwise_equal(nu_new, stochastic_round_bf16(nu32, s_nu), "nu")
+  _, mu_new, nu_new = jax.jit(lambda *a: adam_update(
+      *a, count=count, seed=seed, leaf_index=leaf, implementation=backend,
+      interpret=True))(p, g, mu, nu)
+
+  @jax.jit
+  def expected(g, mu, nu):
+    mu32 = 0.1 * g + 0.9 * mu.astype(F32)
+    nu32 = (1 - 0.999) * (g * g) + 0.999 * nu.astype(F32)
+    s_mu = counter_hash.derive_seed(seed, count, leaf, counter_hash.STREAM_MU)
+    s_nu = counter_hash.derive_seed(seed, count, leaf, counter_hash.STREAM_NU)
+    return (stochastic_round_bf16(mu32, s_mu), stochastic_round_bf16(nu32, s_nu),
+            stochastic_round_bf16(mu32, s_nu))
+
+  want_mu, want_nu, mu_with_nu_seed = expected(g, mu, nu)
+  harness.assert_bitwise_equal(mu_new, want_mu, "mu")
+  harness.assert_bitwise_equal(nu_new, want_nu, "nu")
   # Streams are independent lanes: the same values would round differently.
-  assert not np.array_equal(harness.bits(stochastic_round_bf16(mu32, s_nu)), harness.bits(mu_new))
+  assert not np.array_equal(harness.bits(mu_with_nu_seed), harness.bits(mu_new))
 
 
 def test_bf16_params_are_rounded_with_the_param_stream():
   p, g, mu, nu = _inputs(jax.random.key(5), (2048,), BF16, F32, BF16)
-  new_p, _, _ = adam_update_reference(p, g, mu, nu, count=2, seed=9, leaf_index=1,
-                                      learning_rate=1e-3, weight_decay=0.0)
-  u, _, _ = adam_update_reference(None, g, mu, nu, count=2)
-  want = stochastic_round_bf16(p.astype(F32) + (-1e-3) * u,
-                               counter_hash.derive_seed(9, 2, 1, counter_hash.STREAM_PARAM))
+  @jax.jit
+  def both(p, g, mu, nu):
+    new_p, _, _ = adam_update_reference(p, g, mu, nu, count=2, seed=9, leaf_index=1,
+                                        learning_rate=1e-3, weight_decay=0.0)
+    u, _, _ = adam_update_reference(None, g, mu, nu, count=2)
+    return new_p, stochastic_round_bf16(
+        p.astype(F32) + (-1e-3) * u, counter_hash.derive_seed(9, 2, 1, counter_hash.STREAM_PARAM))
+
+  new_p, want = both(p, g, mu, nu)
   _compare((new_p,), (want,), "bf16 params")
 
 
@@ -125,8 +137,8 @@ def test_bf16_params_are_rounded_with_the_param_stream():
 def test_nonfinite_gradients_follow_the_documented_rule(backend):
   p, g, mu, nu = _inputs(jax.random.key(6), (256,), F32, F32, BF16)
   g = g.at[3].set(jnp.nan).at[10].set(jnp.inf).at[20].set(-jnp.inf)
-  new_p, mu_n, nu_n = adam_update(p, g, mu, nu, count=1, implementation=backend,
-                                  interpret=True, **HYPER)
+  new_p, mu_n, nu_n = jax.jit(lambda *a: adam_update(
+      *a, count=1, implementation=backend, interpret=True, **HYPER))(p, g, mu, nu)
   mu_n, nu_n, new_p = (np.asarray(x, np.float32) for x in (mu_n, nu_n, new_p))
   assert np.isnan(mu_n[3]) and np.isnan(nu_n[3]) and np.isnan(new_p[3])
   assert mu_n[10] == np.inf and nu_n[10] == np.inf and np.isnan(new_p[10])
