@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from fuseopt.kernels.ns.gram import precision
+
 F32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))
 
@@ -97,11 +99,13 @@ def ns_fused_reference(x, table):
 # ------------------------------------------------------------------ kernel --
 def _kernel(x_ref, o_ref, *, table):
   dtype = x_ref.dtype
+  prec = precision(dtype)
   x = x_ref[...]
   for a, b, c in table:
-    g = jax.lax.dot_general(x, x, _NT, preferred_element_type=F32).astype(dtype)
-    p = (c * jnp.dot(g, g, preferred_element_type=F32) + b * g.astype(F32)).astype(dtype)
-    x = (jnp.dot(p, x, preferred_element_type=F32) + a * x.astype(F32)).astype(dtype)
+    g = jax.lax.dot_general(x, x, _NT, preferred_element_type=F32, precision=prec).astype(dtype)
+    p = (c * jnp.dot(g, g, preferred_element_type=F32, precision=prec)
+         + b * g.astype(F32)).astype(dtype)
+    x = (jnp.dot(p, x, preferred_element_type=F32, precision=prec) + a * x.astype(F32)).astype(dtype)
   o_ref[...] = x
 
 

@@ -120,6 +120,11 @@ def granules(config) -> tuple[int, int]:
   return config.bm, config.bk
 
 
+def precision(dtype):
+  """fp32 iterates get true fp32 products (Triton's default would be TF32)."""
+  return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == F32 else None
+
+
 # --------------------------------------------------------------- reference --
 def sym_reference(x, *, alpha=1.0, beta=0.0, gamma=0.0, out_dtype=None):
   """alpha·X Xᵀ + beta·X + gamma·I for batched X (B, m, k); fp32 accumulation."""
@@ -171,7 +176,7 @@ def _triton_kernel(x_ref, o_ref, *, tiles, nk, bm, bk, alpha, beta, gamma):
   def body(k, acc):
     kk = pl.ds(pl.multiple_of(k * bk, bk), bk)
     return acc + jax.lax.dot_general(x_ref[ri, kk], x_ref[rj, kk], _NT,
-                                     preferred_element_type=F32)
+                                     preferred_element_type=F32, precision=precision(x_ref.dtype))
   acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((bm, bm), F32))
   xs = x_ref[ri, rj] if beta else None
   acc = _epilogue(acc, xs, i, j, alpha=alpha, beta=beta, gamma=gamma, bm=bm)
@@ -220,7 +225,8 @@ def _mosaic_kernel(rows_ref, cols_ref, xi_ref, xj_ref, *rest, nk, bm, alpha, bet
   def _():
     acc_ref[...] = jnp.zeros_like(acc_ref)
 
-  acc_ref[...] += jax.lax.dot_general(xi_ref[...], xj_ref[...], _NT, preferred_element_type=F32)
+  acc_ref[...] += jax.lax.dot_general(xi_ref[...], xj_ref[...], _NT, preferred_element_type=F32,
+                                      precision=precision(xi_ref.dtype))
 
   @pl.when(k == nk - 1)
   def _():

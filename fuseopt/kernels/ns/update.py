@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from fuseopt.kernels.ns.gram import precision
+
 F32 = jnp.float32
 
 
@@ -115,7 +117,8 @@ def _triton_kernel(b_ref, x_ref, o_ref, *, nk, bm, bn, bk, a):
 
   def body(k, acc):
     kk = pl.ds(pl.multiple_of(k * bk, bk), bk)
-    return acc + jnp.dot(b_ref[ri, kk], x_ref[kk, cj], preferred_element_type=F32)
+    return acc + jnp.dot(b_ref[ri, kk], x_ref[kk, cj], preferred_element_type=F32,
+                         precision=precision(x_ref.dtype))
   acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((bm, bn), F32))
   if a:
     acc = acc + a * x_ref[ri, cj].astype(F32)
@@ -152,7 +155,8 @@ def _mosaic_kernel(b_ref, x_ref, *rest, nk, a):
   def _():
     acc_ref[...] = jnp.zeros_like(acc_ref)
 
-  acc_ref[...] += jnp.dot(b_ref[...], x_ref[...], preferred_element_type=F32)
+  acc_ref[...] += jnp.dot(b_ref[...], x_ref[...], preferred_element_type=F32,
+                          precision=precision(x_ref.dtype))
 
   @pl.when(k == nk - 1)
   def _():
