@@ -165,8 +165,8 @@ def _reference(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, order_for_i
     # re-reading the old moments; unordered, they make XLA copy the donated
     # moments (a whole leaf of temporaries). The barrier runs the param
     # fusion first, so each moment fusion can then overwrite its input.
-    # (On GPU XLA fuses all three into one pass, which the barrier would
-    # split.)
+    # Not on GPU: there XLA can fuse all three outputs into one pass
+    # (ANCHORS.md: 46 KB of temporaries), which the barrier would split.
     out, mu, nu = jax.lax.optimization_barrier((out, mu, nu))
     _, mu_new, nu_new = _adam_math(s, None, f32(g), f32(mu), f32(nu),
                                    nesterov=False, apply=False)
