@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from fuseopt.benchmarks import core, workloads
+from fuseopt.benchmarks import workloads
 
 muon_cases = importlib.import_module("fuseopt.benchmarks.cases.muon")
 
@@ -24,17 +24,6 @@ def test_muon_step(bench_variant, bench_size, name, variant):
     pytest.skip(f"{name}/{variant} is not a {bench_size} case")
   info = bench_variant(case, variant)
   assert info["temp_bytes"] >= 0
-
-
-def test_muon_check():
-  """fuseopt's step (bf16 NS) lands within the check's bound of optax's fp32 step."""
-  case = _CASES["quick"][0]
-  outs = {}
-  for label in ("optax_muon", "fuseopt_muon"):
-    fn, args, _ = core.build_variant(case.variants[label])
-    outs[label] = fn(*args)
-  figures = case.check(outs)
-  assert figures["ok[fuseopt_muon]"], figures
 
 
 @pytest.mark.parametrize("platform", ["gpu", "tpu"])
