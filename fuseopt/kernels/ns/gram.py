@@ -138,14 +138,19 @@ def sym_reference(x, *, alpha=1.0, beta=0.0, gamma=0.0, out_dtype=None):
   return acc.astype(out_dtype)
 
 
-def _epilogue(acc, xs, i, j, *, alpha, beta, gamma, bm):
-  acc = acc * alpha if alpha != 1.0 else acc
-  if beta:
-    acc = acc + beta * xs.astype(F32)
-  if gamma:
+def _epilogue(acc, xs, i, j, coef, *, terms, bm):
+  """``terms`` (static) says which of alpha-scaling, beta, gamma are present;
+  ``coef`` (runtime scalars) holds their values, so one compiled kernel
+  serves every NS step's coefficients."""
+  scaled, has_beta, has_gamma = terms
+  if scaled:
+    acc = acc * coef[0]
+  if has_beta:
+    acc = acc + coef[1] * xs.astype(F32)
+  if has_gamma:
     r = jax.lax.broadcasted_iota(jnp.int32, (bm, bm), 0)
     c = jax.lax.broadcasted_iota(jnp.int32, (bm, bm), 1)
-    acc = acc + jnp.where((r == c) & (i == j), jnp.float32(gamma), jnp.float32(0))
+    acc = acc + jnp.where((r == c) & (i == j), coef[2], jnp.float32(0))
   return acc
 
 
@@ -167,7 +172,7 @@ def pair_from_index(t, tiles: int):
   return i, i + (t - start(i))
 
 
-def _triton_kernel(x_ref, o_ref, *, tiles, nk, bm, bk, alpha, beta, gamma):
+def _triton_kernel(coef_ref, x_ref, o_ref, *, tiles, nk, bm, bk, terms):
   t = pl.program_id(1)
   i, j = pair_from_index(t, tiles)
   ri = pl.ds(pl.multiple_of(i * bm, bm), bm)
@@ -178,8 +183,9 @@ def _triton_kernel(x_ref, o_ref, *, tiles, nk, bm, bk, alpha, beta, gamma):
     return acc + jax.lax.dot_general(x_ref[ri, kk], x_ref[rj, kk], _NT,
                                      preferred_element_type=F32, precision=precision(x_ref.dtype))
   acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((bm, bm), F32))
-  xs = x_ref[ri, rj] if beta else None
-  acc = _epilogue(acc, xs, i, j, alpha=alpha, beta=beta, gamma=gamma, bm=bm)
+  xs = x_ref[ri, rj] if terms[1] else None
+  coef = (coef_ref[0], coef_ref[1], coef_ref[2])
+  acc = _epilogue(acc, xs, i, j, coef, terms=terms, bm=bm)
   o_ref[ri, rj] = acc.astype(o_ref.dtype)
 
   @pl.when(i != j)
@@ -187,23 +193,23 @@ def _triton_kernel(x_ref, o_ref, *, tiles, nk, bm, bk, alpha, beta, gamma):
     o_ref[rj, ri] = acc.T.astype(o_ref.dtype)
 
 
-def _sym_triton(x, *, alpha, beta, gamma, out_dtype, config: TritonConfig, interpret):
+def _sym_triton(x, coef, *, terms, out_dtype, config: TritonConfig, interpret):
   from jax.experimental.pallas import triton as plgpu
   batch, m, k = x.shape
   bm, bk = config.bm, config.bk
   tiles = m // bm
   return pl.pallas_call(
-      functools.partial(_triton_kernel, tiles=tiles, nk=k // bk, bm=bm, bk=bk,
-                        alpha=alpha, beta=beta, gamma=gamma),
+      functools.partial(_triton_kernel, tiles=tiles, nk=k // bk, bm=bm, bk=bk, terms=terms),
       out_shape=jax.ShapeDtypeStruct((batch, m, m), out_dtype),
       grid=(batch, num_pairs(tiles)),
-      in_specs=[pl.BlockSpec((None, m, k), lambda b, t: (b, 0, 0))],
+      in_specs=[pl.BlockSpec((4,), lambda b, t: (0,)),
+                pl.BlockSpec((None, m, k), lambda b, t: (b, 0, 0))],
       out_specs=pl.BlockSpec((None, m, m), lambda b, t: (b, 0, 0)),
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                            num_stages=config.num_stages),
       interpret=interpret,
       name="fuseopt_ns_sym",
-  )(x)
+  )(coef, x)
 
 
 # -------------------------------------------------------------- mosaic_tpu --
@@ -213,9 +219,9 @@ def upper_pairs(tiles: int) -> tuple[np.ndarray, np.ndarray]:
   return rows.astype(np.int32), cols.astype(np.int32)
 
 
-def _mosaic_kernel(rows_ref, cols_ref, xi_ref, xj_ref, *rest, nk, bm, alpha, beta, gamma):
+def _mosaic_kernel(rows_ref, cols_ref, coef_ref, xi_ref, xj_ref, *rest, nk, bm, terms):
   from jax.experimental.pallas import tpu as pltpu
-  if beta:
+  if terms[1]:
     xs_ref, o_hbm, acc_ref, buf_ref, sem = rest
   else:
     (o_hbm, acc_ref, buf_ref, sem), xs_ref = rest, None
@@ -231,8 +237,9 @@ def _mosaic_kernel(rows_ref, cols_ref, xi_ref, xj_ref, *rest, nk, bm, alpha, bet
   @pl.when(k == nk - 1)
   def _():
     i, j = rows_ref[t], cols_ref[t]
-    acc = _epilogue(acc_ref[...], xs_ref[...] if beta else None, i, j,
-                    alpha=alpha, beta=beta, gamma=gamma, bm=bm)
+    coef = (coef_ref[0], coef_ref[1], coef_ref[2])
+    acc = _epilogue(acc_ref[...], xs_ref[...] if terms[1] else None, i, j, coef,
+                    terms=terms, bm=bm)
     buf_ref[0] = acc.astype(buf_ref.dtype)
     upper = pltpu.make_async_copy(
         buf_ref.at[0], o_hbm.at[b, pl.ds(i * bm, bm), pl.ds(j * bm, bm)], sem.at[0])
@@ -250,16 +257,17 @@ def _mosaic_kernel(rows_ref, cols_ref, xi_ref, xj_ref, *rest, nk, bm, alpha, bet
     upper.wait()
 
 
-def _sym_mosaic(x, *, alpha, beta, gamma, out_dtype, config: MosaicConfig, interpret):
+def _sym_mosaic(x, coef, *, terms, out_dtype, config: MosaicConfig, interpret):
   from jax.experimental.pallas import tpu as pltpu
   batch, m, k = x.shape
   bm, bk = config.bm, config.bk
   rows, cols = upper_pairs(m // bm)
   nk = k // bk
-  in_specs = [pl.BlockSpec((None, bm, bk), lambda b, t, kk, rows, cols: (b, rows[t], kk)),
+  in_specs = [pl.BlockSpec(memory_space=pltpu.SMEM),
+              pl.BlockSpec((None, bm, bk), lambda b, t, kk, rows, cols: (b, rows[t], kk)),
               pl.BlockSpec((None, bm, bk), lambda b, t, kk, rows, cols: (b, cols[t], kk))]
-  args = [x, x]
-  if beta:
+  args = [coef, x, x]
+  if terms[1]:
     in_specs.append(pl.BlockSpec((None, bm, bm), lambda b, t, kk, rows, cols: (b, rows[t], cols[t])))
     args.append(x)
   grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -271,7 +279,7 @@ def _sym_mosaic(x, *, alpha, beta, gamma, out_dtype, config: MosaicConfig, inter
                       pltpu.SemaphoreType.DMA((2,))],
   )
   return pl.pallas_call(
-      functools.partial(_mosaic_kernel, nk=nk, bm=bm, alpha=alpha, beta=beta, gamma=gamma),
+      functools.partial(_mosaic_kernel, nk=nk, bm=bm, terms=terms),
       out_shape=jax.ShapeDtypeStruct((batch, m, m), out_dtype),
       grid_spec=grid_spec,
       compiler_params=pltpu.CompilerParams(
@@ -282,6 +290,13 @@ def _sym_mosaic(x, *, alpha, beta, gamma, out_dtype, config: MosaicConfig, inter
 
 
 # ------------------------------------------------------------------ public --
+def _is_not(v, const) -> bool:
+  """Whether a coefficient term is present: a traced value always is."""
+  if isinstance(v, jax.core.Tracer):
+    return True
+  return float(v) != const
+
+
 def _pad_to(x, m_mult, k_mult):
   _, m, k = x.shape
   pm, pk = -m % m_mult, -k % k_mult
@@ -300,7 +315,7 @@ def sym(x, *, alpha=1.0, beta=0.0, gamma=0.0, out_dtype=None, implementation="tr
   if x.ndim != 3:
     raise ValueError(f"sym: x must have shape (batch, m, k), got {x.shape}")
   batch, m, k = x.shape
-  square = bool(beta) or bool(gamma)
+  square = _is_not(beta, 0.0) or _is_not(gamma, 0.0)
   if square and m != k:
     raise ValueError(f"sym: beta/gamma need a square x, got {x.shape}")
   out_dtype = jnp.dtype(out_dtype or x.dtype)
@@ -310,12 +325,13 @@ def sym(x, *, alpha=1.0, beta=0.0, gamma=0.0, out_dtype=None, implementation="tr
     xp = _pad_to(x, g, g)
   else:
     xp = _pad_to(x, config.bm, config.bk)
-  kwargs = dict(alpha=float(alpha), beta=float(beta), gamma=float(gamma), out_dtype=out_dtype,
-                config=config, interpret=interpret)
+  terms = (_is_not(alpha, 1.0), _is_not(beta, 0.0), _is_not(gamma, 0.0))
+  coef = jnp.stack([jnp.asarray(v, F32) for v in (alpha, beta, gamma, 0.0)])
+  kwargs = dict(terms=terms, out_dtype=out_dtype, config=config, interpret=interpret)
   if implementation == "triton":
-    out = _sym_triton(xp, **kwargs)
+    out = _sym_triton(xp, coef, **kwargs)
   elif implementation == "mosaic_tpu":
-    out = _sym_mosaic(xp, **kwargs)
+    out = _sym_mosaic(xp, coef, **kwargs)
   else:
     raise ValueError(f"sym: implementation must be 'triton' or 'mosaic_tpu', got {implementation!r}")
   return out[:, :m, :m] if out.shape[1] != m else out

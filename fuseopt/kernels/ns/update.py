@@ -110,7 +110,7 @@ def matmul_reference(b, x, *, a=0.0, out_dtype=None):
 
 
 # ------------------------------------------------------------------ triton --
-def _triton_kernel(b_ref, x_ref, o_ref, *, nk, bm, bn, bk, a):
+def _triton_kernel(coef_ref, b_ref, x_ref, o_ref, *, nk, bm, bn, bk, has_a):
   i, j = pl.program_id(1), pl.program_id(2)
   ri = pl.ds(pl.multiple_of(i * bm, bm), bm)
   cj = pl.ds(pl.multiple_of(j * bn, bn), bn)
@@ -120,32 +120,33 @@ def _triton_kernel(b_ref, x_ref, o_ref, *, nk, bm, bn, bk, a):
     return acc + jnp.dot(b_ref[ri, kk], x_ref[kk, cj], preferred_element_type=F32,
                          precision=precision(x_ref.dtype))
   acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((bm, bn), F32))
-  if a:
-    acc = acc + a * x_ref[ri, cj].astype(F32)
+  if has_a:  # a is a runtime scalar: one compiled kernel for every step
+    acc = acc + coef_ref[0] * x_ref[ri, cj].astype(F32)
   o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def _matmul_triton(b, x, *, a, out_dtype, config: TritonConfig, interpret):
+def _matmul_triton(b, x, coef, *, has_a, out_dtype, config: TritonConfig, interpret):
   from jax.experimental.pallas import triton as plgpu
   batch, m, n = x.shape
   bm, bn, bk = config.bm, config.bn, config.bk
   return pl.pallas_call(
-      functools.partial(_triton_kernel, nk=m // bk, bm=bm, bn=bn, bk=bk, a=a),
+      functools.partial(_triton_kernel, nk=m // bk, bm=bm, bn=bn, bk=bk, has_a=has_a),
       out_shape=jax.ShapeDtypeStruct((batch, m, n), out_dtype),
       grid=(batch, m // bm, n // bn),
-      in_specs=[pl.BlockSpec((None, m, m), lambda bb, i, j: (bb, 0, 0)),
+      in_specs=[pl.BlockSpec((4,), lambda bb, i, j: (0,)),
+                pl.BlockSpec((None, m, m), lambda bb, i, j: (bb, 0, 0)),
                 pl.BlockSpec((None, m, n), lambda bb, i, j: (bb, 0, 0))],
       out_specs=pl.BlockSpec((None, bm, bn), lambda bb, i, j: (bb, i, j)),
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                            num_stages=config.num_stages),
       interpret=interpret,
       name="fuseopt_ns_update",
-  )(b, x)
+  )(coef, b, x)
 
 
 # -------------------------------------------------------------- mosaic_tpu --
-def _mosaic_kernel(b_ref, x_ref, *rest, nk, a):
-  if a:
+def _mosaic_kernel(coef_ref, b_ref, x_ref, *rest, nk, has_a):
+  if has_a:
     xe_ref, o_ref, acc_ref = rest
   else:
     (o_ref, acc_ref), xe_ref = rest, None
@@ -161,24 +162,25 @@ def _mosaic_kernel(b_ref, x_ref, *rest, nk, a):
   @pl.when(k == nk - 1)
   def _():
     acc = acc_ref[...]
-    if a:
-      acc = acc + a * xe_ref[...].astype(F32)
+    if has_a:
+      acc = acc + coef_ref[0] * xe_ref[...].astype(F32)
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def _matmul_mosaic(b, x, *, a, out_dtype, config: MosaicConfig, interpret):
+def _matmul_mosaic(b, x, coef, *, has_a, out_dtype, config: MosaicConfig, interpret):
   from jax.experimental.pallas import tpu as pltpu
   batch, m, n = x.shape
   bm, bn, bk = config.bm, config.bn, config.bk
   nk = m // bk
-  in_specs = [pl.BlockSpec((None, bm, bk), lambda bb, i, j, k: (bb, i, k)),
+  in_specs = [pl.BlockSpec(memory_space=pltpu.SMEM),
+              pl.BlockSpec((None, bm, bk), lambda bb, i, j, k: (bb, i, k)),
               pl.BlockSpec((None, bk, bn), lambda bb, i, j, k: (bb, k, j))]
-  args = [b, x]
-  if a:
+  args = [coef, b, x]
+  if has_a:
     in_specs.append(pl.BlockSpec((None, bm, bn), lambda bb, i, j, k: (bb, i, j)))
     args.append(x)
   return pl.pallas_call(
-      functools.partial(_mosaic_kernel, nk=nk, a=a),
+      functools.partial(_mosaic_kernel, nk=nk, has_a=has_a),
       out_shape=jax.ShapeDtypeStruct((batch, m, n), out_dtype),
       grid=(batch, m // bm, n // bn, nk),
       in_specs=in_specs,
@@ -209,11 +211,13 @@ def matmul(b, x, *, a=0.0, out_dtype=None, implementation="triton", interpret=Fa
   if pm or pn:
     x = jnp.pad(x, ((0, 0), (0, pm), (0, pn)))
     b = jnp.pad(b, ((0, 0), (0, pm), (0, pm)))
-  kwargs = dict(a=float(a), out_dtype=out_dtype, config=config, interpret=interpret)
+  has_a = isinstance(a, jax.core.Tracer) or float(a) != 0.0
+  coef = jnp.stack([jnp.asarray(a, F32)] + [jnp.zeros((), F32)] * 3)
+  kwargs = dict(has_a=has_a, out_dtype=out_dtype, config=config, interpret=interpret)
   if implementation == "triton":
-    out = _matmul_triton(b, x, **kwargs)
+    out = _matmul_triton(b, x, coef, **kwargs)
   elif implementation == "mosaic_tpu":
-    out = _matmul_mosaic(b, x, **kwargs)
+    out = _matmul_mosaic(b, x, coef, **kwargs)
   else:
     raise ValueError(f"matmul: implementation must be 'triton' or 'mosaic_tpu', got {implementation!r}")
   return out[:, :m, :n] if (pm or pn) else out
