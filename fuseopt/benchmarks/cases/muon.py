@@ -16,6 +16,8 @@ Variants (Jordan's coefficients, 5 steps, lr 0.02, weight decay 0.1):
 - ``fuseopt_muon``: :func:`fuseopt.optim.muon`, fp32 grads and momentum,
   NS in bf16 with fp32 accumulation, one batched NS call per matrix shape;
 - ``fuseopt_muon[gram]``: the same with Gram NS for the 1:4 MLP matrices;
+- ``fuseopt_muon[calls<=2^25]``: NS calls of at most 2^25 elements (2 of
+  the 2048x8192 matrices) instead of 2^27: less temp memory, more calls;
 - ``fuseopt_muon[bf16_adam]``: the same with bf16 AdamW moments.
 
 The figure that matters besides time is ``temp_bytes`` (XLA's temporary
@@ -65,6 +67,8 @@ def optimizers() -> dict:
                                              muon_weight_dimension_numbers=optax_dims), jnp.bfloat16),
       "fuseopt_muon": (fmuon.muon(coeffs="jordan", **common), jnp.float32),
       "fuseopt_muon[gram]": (fmuon.muon(coeffs="jordan", gram="auto", **common), jnp.float32),
+      "fuseopt_muon[calls<=2^25]": (fmuon.muon(coeffs="jordan", ns_max_elements=1 << 25, **common),
+                                    jnp.float32),
       "fuseopt_muon[bf16_adam]": (fmuon.muon(coeffs="jordan", adam_moment_dtype=jnp.bfloat16, **common),
                                   jnp.float32),
   }
