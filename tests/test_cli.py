@@ -101,11 +101,9 @@ def test_regression_command_exit_codes(tmp_path, capsys):
 
 def test_demo_trains_and_reports_state_bytes(capsys, monkeypatch):
   everything = cli._demo_optimizers()
-  keep = ("optax.adamw (fp32 moments)", "fuseopt.optim.adamw (bf16 moments)")  # compiles cost seconds
-  monkeypatch.setattr(cli, "_demo_optimizers", lambda: {k: everything[k] for k in keep})
+  keep = "fuseopt.optim.adamw (bf16 moments)"  # one optimizer: each compile costs seconds
+  monkeypatch.setattr(cli, "_demo_optimizers", lambda: {keep: everything[keep]})
   assert cli.main(["demo", "--steps", "20"]) == 0
-  lines = capsys.readouterr().out.splitlines()
-  rows = {k: next(l for l in lines if l.startswith(k)).split() for k in keep}
-  for k, cells in rows.items():
-    assert float(cells[-3]) < float(cells[-4])  # the loss went down
-  assert float(rows[keep[0]][-2]) == 8.0 and float(rows[keep[1]][-2]) == 4.0  # state bytes per parameter
+  cells = next(l for l in capsys.readouterr().out.splitlines() if l.startswith(keep)).split()
+  assert float(cells[-3]) < float(cells[-4])  # the loss went down
+  assert float(cells[-2]) == 4.0  # bf16 mu + nu: 4 bytes of state per parameter
