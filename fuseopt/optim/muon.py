@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import functools
 import importlib
-import math
 import sys
 import types
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
