@@ -138,6 +138,7 @@ def test_singular_value_band_kernel(request, impl):
 # -------------------------------------------------------- kernels vs refs --
 SYM_CASES = {
     "triton": [((2, 100, 200), {}, gram.TritonConfig(64, 64, 4, 3)),       # ragged, wide
+               ((1, 96, 40), {}, gram.TritonConfig(64, 32, 4, 3)),         # tall (K < m)
                ((1, 100, 100), dict(alpha=0.5, beta=-2.0, gamma=3.0), gram.TritonConfig(64, 32, 4, 3))],
     "mosaic_tpu": [((2, 100, 200), {}, gram.MosaicConfig(128, 128)),
                    ((1, 200, 200), dict(alpha=0.5, beta=-2.0, gamma=3.0), gram.MosaicConfig(128, 128))],
