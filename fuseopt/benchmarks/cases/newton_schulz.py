@@ -8,7 +8,8 @@ with optax's; Polar Express costs the same FLOPs):
   input dtype), vmapped over a stack;
 - ``fuseopt[xla]``: the reference (plain jnp; bf16 iterates, fp32
   accumulation);
-- ``fuseopt[xla,gram]``: Gram NS (aspect ratio >= 2 only);
+- ``fuseopt[xla,gram]``: Gram NS (aspect ratio >= 2 only; CPU only, to keep
+  the one-shot GPU suite inside its time budget);
 - on a GPU / TPU: ``fuseopt[<impl>]`` (the default dispatch: fused kernel for
   small matrices, symmetric kernels + XLA dot otherwise),
   ``fuseopt[<impl>+pallas_update]`` (the update ``a·X + B X`` as the Pallas
@@ -103,7 +104,7 @@ def variant_fns(shape, platform: str) -> dict:
     return lambda x: ns.newton_schulz(x, coeffs=COEFFS, steps=STEPS, implementation=impl, **kw)
 
   fns = {"optax_ns_bf16": optax_ns, "fuseopt[xla]": fuse("xla")}
-  if wide:
+  if wide and not _impls(platform):  # on an accelerator the kernel Gram row stands for it
     fns["fuseopt[xla,gram]"] = fuse("xla", gram=True)
   for impl in _impls(platform):
     from fuseopt.kernels.ns import update
