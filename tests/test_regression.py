@@ -47,7 +47,8 @@ def _base(figures):
 
 
 FIGS = {"temp_bytes": 100_000, "argument_bytes": 4096, "output_bytes": 2048, "alias_bytes": 0,
-        "hlo_ops": 200, "hlo_fusions": 5, "custom_calls": 2, "cost_flops": 1e6, "cost_bytes": 5e5}
+        "hlo_ops": 200, "hlo_fusions": 5, "custom_calls": 2, "cost_flops": 1e6, "cost_bytes": 5e5,
+        "h200_kernels": 21}
 
 
 def _moved(**changes):
@@ -70,6 +71,7 @@ def test_moves_within_tolerance_pass(changes):
     ({"custom_calls": 3}, "custom_calls"), ({"custom_calls": 1}, "custom_calls"),
     ({"hlo_ops": 205}, "hlo_ops"), ({"cost_flops": 1.03e6}, "cost_flops"),
     ({"cost_bytes": 4.8e5}, "cost_bytes"), ({"argument_bytes": 8192}, "argument_bytes"),
+    ({"h200_kernels": 147}, "h200_kernels"),
 ])
 def test_moved_figure_fails_and_says_what_moved(changes, figure):
   rep = _moved(**changes)
@@ -99,6 +101,25 @@ def test_variant_that_stops_compiling_fails():
   cur = {"figures": {"op/c/v": {"error": "TypeError: boom"}}, "ops": ["op"]}
   rep = regression.compare(cur, _base({"op/c/v": dict(FIGS)}))
   assert not rep.ok and "fails now" in rep.failures[0]
+
+
+def test_variant_that_stops_lowering_for_the_h200_fails():
+  cur = {"figures": {"op/c/v": {**{k: v for k, v in FIGS.items() if k != "h200_kernels"},
+                                "h200_error": "NotImplementedError: x"}}, "ops": ["op"]}
+  rep = regression.compare(cur, _base({"op/c/v": dict(FIGS)}))
+  assert not rep.ok and "H200" in rep.failures[0]
+
+
+def test_kernel_launches_are_counted_in_the_h200_lowering():
+  import jax.numpy as jnp
+
+  from fuseopt.kernels import stochastic_round_bf16
+  x = jnp.ones((4096,), jnp.float32)
+  auto = jax.jit(lambda x: stochastic_round_bf16(x, 1))  # implementation chosen at trace time
+  forced_xla = jax.jit(lambda x: stochastic_round_bf16(x, 1, implementation="xla"))
+  assert regression.h200_kernels(auto, (x,)) == 1
+  assert regression.h200_kernels(forced_xla, (x,)) == 0
+  assert "FUSEOPT_IMPLEMENTATION" not in __import__("os").environ
 
 
 def test_other_jax_version_is_reported_not_enforced():

@@ -15,7 +15,9 @@ alias_bytes,
 state_bytes        (optimizer state, as the case declares it)
 hlo_ops            ±max(2 %, 1) instructions (fused bodies included)      it moves
 hlo_fusions        ±1                                                     it moves
-custom_calls       exact (kernel launches per step)                       it moves
+custom_calls       exact (custom calls in the CPU program)                it moves
+h200_kernels       exact (Pallas kernel launches per step on an H200,     it moves
+                   counted in the lowering for one, see CROSS_TARGET)
 cost_flops,        ±2 % (``compiled.cost_analysis()``)                    it moves
 cost_bytes
 =================  =====================================================  ==========
@@ -78,7 +80,16 @@ def use_test_devices() -> None:
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 FIGURES = ("temp_bytes", "argument_bytes", "output_bytes", "alias_bytes", "state_bytes", "hlo_ops",
-           "hlo_fusions", "custom_calls", "cost_flops", "cost_bytes")
+           "hlo_fusions", "custom_calls", "cost_flops", "cost_bytes", "h200_kernels")
+
+# Kernel launches per step on a GPU, counted from the CPU: the variant is
+# traced with FUSEOPT_IMPLEMENTATION=triton (so ops left to choose pick the
+# Triton kernels; variants that name "xla" stay XLA) and lowered for an H200
+# under an abstract mesh, and the Pallas-Triton calls in the StableHLO are
+# counted. Lowering only: no GPU and no compile needed.
+CROSS_TARGET = dict(device_kind="NVIDIA H200", platform="gpu", lowering_platform="cuda",
+                    implementation="triton", num_cores=132)
+_TRITON_CALL = r"stablehlo\.custom_call @__gpu\$xla\.gpu\.triton"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +113,33 @@ TOLERANCES: dict[str, Tolerance] = {
     "custom_calls": Tolerance(),
     "cost_flops": Tolerance(rel=0.02),
     "cost_bytes": Tolerance(rel=0.02),
+    "h200_kernels": Tolerance(),
 }
+
+
+def h200_kernels(fn, args) -> int:
+  """Pallas-Triton kernel calls of ``fn(*args)`` lowered for an H200 (see
+  :data:`CROSS_TARGET`)."""
+  import re
+
+  from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+  t = CROSS_TARGET
+  mesh = AbstractMesh((), (), abstract_device=AbstractDevice(
+      device_kind=t["device_kind"], num_cores=t["num_cores"], platform=t["platform"]))
+  structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if isinstance(a, jax.Array) else a,
+                         args)
+  fn = fn if hasattr(fn, "trace") else jax.jit(fn)
+  old = os.environ.get("FUSEOPT_IMPLEMENTATION")
+  os.environ["FUSEOPT_IMPLEMENTATION"] = t["implementation"]
+  try:
+    with use_abstract_mesh(mesh):
+      text = fn.trace(*structs).lower(lowering_platforms=(t["lowering_platform"],)).as_text()
+  finally:
+    if old is None:
+      del os.environ["FUSEOPT_IMPLEMENTATION"]
+    else:
+      os.environ["FUSEOPT_IMPLEMENTATION"] = old
+  return len(re.findall(_TRITON_CALL, text))
 
 
 def repo_root() -> Path:
@@ -120,9 +157,10 @@ def variant_id(op: str, case: str, variant: str) -> str:
   return f"{op}/{case}/{variant}"
 
 
-def collect(ops=None, *, rows=None, progress: bool = False) -> dict[str, Any]:
-  """Compiles every quick CPU case's variants (never runs them) and returns
-  ``{"figures": {variant_id: {figure: value}}, "module_errors": ..., ...}``.
+def collect(ops=None, *, rows=None, progress: bool = False, cross: bool = True) -> dict[str, Any]:
+  """Compiles every quick CPU case's fuseopt variants (never runs them) and
+  returns ``{"figures": {variant_id: {figure: value}}, "module_errors": ...}``.
+  ``cross``: also count the kernels of each variant lowered for an H200.
   """
   errors: dict[str, str] = {}
   cases = core.select_cases(all_cases(SIZE, "cpu", ops, errors=errors), rows=rows)
@@ -147,6 +185,13 @@ def collect(ops=None, *, rows=None, progress: bool = False) -> dict[str, Any]:
           figures[vid]["state_bytes"] = int(case.state_bytes[label])
       except Exception as e:  # noqa: BLE001 - recorded, compared below
         figures[vid] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        continue
+      if not cross:
+        continue
+      try:
+        figures[vid]["h200_kernels"] = h200_kernels(fn, args)
+      except Exception as e:  # noqa: BLE001 - recorded, compared below
+        figures[vid]["h200_error"] = f"{type(e).__name__}: {e}"[:300]
   ops_present = sorted({c.op for c in cases})
   return {"figures": figures, "module_errors": errors, "ops": ops_present,
           "cases_by_op": {op: sorted(c.name for c in cases if c.op == op) for op in ops_present}}
@@ -269,6 +314,11 @@ def compare(current: dict[str, Any], baseline: dict[str, Any]) -> Report:
       rep.notes.append(f"{vid}: failed in the baseline, compiles now")
       continue
     rep.compared += 1
+    if "h200_error" in c:
+      if "h200_kernels" in b:
+        rep.failures.append(f"{vid}: lowered for the H200 in the baseline, fails now: {c['h200_error']}")
+      else:
+        rep.notes.append(f"{vid}: does not lower for the H200: {c['h200_error']}")
     for fig in FIGURES:
       if fig not in b or fig not in c:
         continue
