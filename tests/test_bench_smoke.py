@@ -182,3 +182,13 @@ def test_run_suite_shares_the_budget_among_ops(monkeypatch):
   assert ran == ["a/1", "a/2", "b/1", "c/1"], ran
   assert all(r["skipped"] == "time budget" for r in recs if "ms" not in r)
   assert seen == [c.id for c in cases]
+
+
+def test_plot_survives_rows_without_times(tmp_path):
+  meta = {"device_kind": "x", "platform": "gpu", "size": "full", "jax": "0"}
+  rows = [{"op": "a", "case": "1", "variant": "base", "is_baseline": True, "skipped": "time budget"},
+          {"op": "b", "case": "2", "variant": "base", "is_baseline": True, "error": "OOM"},
+          {"op": "b", "case": "2", "variant": "other", "is_baseline": False, "ms": 1.0}]
+  paths = report.plot(report.make_results(meta, {}, rows), tmp_path)
+  assert [p.read_bytes()[:8] for p in paths] == [PNG, PNG]
+  assert "skipped (time budget)" in report.format_table(rows) and "OOM" in report.format_table(rows)

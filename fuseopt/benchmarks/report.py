@@ -183,6 +183,7 @@ def plot(results: dict, out_dir: Path | str) -> list[Path]:
   # A dot plot: times span orders of magnitude, and bars on a log axis
   # would make their (arbitrary) left end look meaningful.
   fig, ax = plt.subplots(figsize=(9, 0.4 * len(names) + 1.6))
+  plotted = 0
   for key, color, marker, label in (("floor", "tab:gray", "|", "roofline floor"),
                                     ("baseline", "tab:orange", "s", "baseline"),
                                     ("fuseopt", "tab:blue", "o", "fuseopt (best variant)")):
@@ -194,14 +195,18 @@ def plot(results: dict, out_dir: Path | str) -> list[Path]:
         ys.append(i)
         xs.append(v)
     ax.scatter(xs, ys, color=color, marker=marker, s=90 if marker == "|" else 40, label=label, zorder=3)
+    plotted += len(xs)
   for i, n in enumerate(names):
     vals = [v[1] if isinstance(v, tuple) else v for v in cases[n].values() if v]
     if vals:
       ax.plot([min(vals), max(vals)], [i, i], color="lightgray", lw=1, zorder=1)
   ax.set_yticks(range(len(names)), names)
-  ax.set_ylim(len(names) - 0.5, -0.5)
-  ax.set_xscale("log")
-  _plain_log_ticks(ax.xaxis)
+  ax.set_ylim(max(len(names), 1) - 0.5, -0.5)
+  if not names:
+    ax.text(0.5, 0.5, "no timed rows", ha="center", va="center", transform=ax.transAxes)
+  if plotted:
+    ax.set_xscale("log")
+    _plain_log_ticks(ax.xaxis)
   ax.grid(True, axis="x", which="both", alpha=0.3)
   ax.set_xlabel("ms per call (log)")
   ax.set_title(title, fontsize=9)
