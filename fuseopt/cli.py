@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help="problem sizes: auto = full on GPU/TPU, quick on the CPU (default)")
   _add_selection(b)
   b.add_argument("--out", type=Path, default=None,
-                 help="directory for bench-<size>.json and the PNGs (default bench/results/<device-kind>)")
+                 help="directory for bench-<size>.json and the PNGs (default bench/results/<device-kind> "
+                      "on GPU/TPU, bench/out/cpu on the CPU)")
   b.add_argument("--no-plot", action="store_true", help="do not draw the PNGs")
   b.add_argument("--iters", type=int, default=None, help="timed calls per variant (default 10; 5 on the CPU)")
   b.add_argument("--budget-s", type=float, default=None,
@@ -142,9 +143,11 @@ def cmd_bench(args, out=print) -> int:
     out("no benchmark cases selected")
     return 1
   meta = core.run_meta(size)
-  out_dir = args.out or Path("bench/results") / meta["device_slug"]
-  json_path = out_dir / f"bench-{size}.json"
   accel = platform in ("gpu", "tpu")
+  # Accelerator results are committed (bench/results); CPU runs go to the
+  # git-ignored bench/out.
+  out_dir = args.out or Path("bench/results" if accel else "bench/out") / meta["device_slug"]
+  json_path = out_dir / f"bench-{size}.json"
   iters = args.iters or (10 if accel else 5)
   out(f"fuseopt bench: {len(cases)} cases on {meta['device_kind']} ({platform}), size {size}")
   t0 = time.perf_counter()
