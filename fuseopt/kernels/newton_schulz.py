@@ -34,13 +34,15 @@ because every p_t(X) = q_t(X Xᵀ) X with q_t(R) = a_t I + b_t R + c_t R², the
 whole iteration is X_T = Q X_0 with Q a polynomial in R_0 = X_0 X_0ᵀ. We
 iterate on the small m × m matrices (Z_t = q_t(R_t), Q ← Z_t Q,
 R_{t+1} = Z_t R_t Z_t) and touch the wide n-side only to form R and to apply
-Q. In bf16 the small eigenvalues of R (σ²) drown in rounding, so the Gram
-iteration is *restarted* (``GRAM_RESTARTS``, before steps 2 and 4): X is
-rebuilt as Q X_0 and R recomputed from it. Measured on ill-conditioned
-inputs (normalised σ down to 1e-3), one restart before step 2 lets the
-largest singular value reach 1.29–1.44 (standard bf16 NS: 1.12–1.20); with
-restarts before steps 2 and 4 the result stays in the standard iteration's
-band and error (docs/newton_schulz.md). FLOPs: see :func:`ns_flops`.
+Q. In bf16 rounding errors compound through R ← Z R Z, so the Gram
+iteration is *restarted* (X rebuilt as Q X_0, R recomputed from it) before
+the steps in ``GRAM_RESTARTS[coeffs]``: Jordan before steps 2 and 4; Polar
+Express before 2, 3 and 4 (its steps 1–3 have steep polynomials, and one
+Gram segment across steps 2–3 let σ_max reach 1.22 on well-conditioned
+inputs). Measured (docs/newton_schulz.md): with one restart before step 2,
+ill-conditioned inputs (normalised σ down to 1e-3) reach σ_max 1.29–1.44
+(standard bf16 NS: 1.12–1.20); with these defaults the result stays in the
+standard iteration's band and error. FLOPs: see :func:`ns_flops`.
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ POLAR_EXPRESS = tuple(
 
 DEFAULT_STEPS = 5
 # Gram NS restarts (rebuilds X and R from the original X_0) before these steps.
-GRAM_RESTARTS = (2, 4)
+GRAM_RESTARTS = {"jordan": (2, 4), "polar_express": (2, 3, 4)}
+GRAM_RESTARTS_TABLE = (2, 3, 4)   # a user table: the conservative choice
 # gram="auto" switches Gram NS on from this aspect ratio (long / short side).
 GRAM_AUTO_ASPECT = 2.0
 
@@ -135,7 +138,7 @@ def singular_value_band(coeffs: Any = "polar_express", steps: int | None = None,
 
 
 def ns_flops(m: int, n: int, steps: int = DEFAULT_STEPS, *, gram: bool = False,
-             symmetric: bool = False, restarts: Sequence[int] = GRAM_RESTARTS) -> float:
+             symmetric: bool = False, restarts: Sequence[int] = (2, 4)) -> float:
   """FLOPs of one NS on an m × n matrix (m, n in any order).
 
   Standard: per step 4m²n + 2m³ (Gram 2m²n, A·A 2m³, B·X 2m²n) for m <= n;
@@ -144,7 +147,8 @@ def ns_flops(m: int, n: int, steps: int = DEFAULT_STEPS, *, gram: bool = False,
   Gram NS (``gram=True``): 2m²n for each Gram X Xᵀ (one per restart segment)
   and 2m²n for each X = Q X_0 (one per segment), plus per step on the m × m
   side R² (2m³), Q ← Z Q (2m³, skipped at a segment's first step) and
-  R ← Z R Z (4m³, skipped at a segment's last step).
+  R ← Z R Z (4m³, skipped at a segment's last step). ``restarts``: Jordan's
+  default (2, 4); Polar Express's is (2, 3, 4).
   """
   m, n = min(m, n), max(m, n)
   if not gram:
@@ -218,7 +222,7 @@ def _iterate_standard(x, table, ops):
   return x
 
 
-def _iterate_gram(x, table, ops, restarts=GRAM_RESTARTS):
+def _iterate_gram(x, table, ops, restarts):
   steps = len(table)
   bounds = [0] + [r for r in restarts if 0 < r < steps] + [steps]
   for s0, s1 in zip(bounds[:-1], bounds[1:]):
@@ -252,12 +256,13 @@ def _as_batched(x):
   return xb, restore
 
 
-def _gram_restarts(gram, m, n):
+def _gram_restarts(gram, m, n, coeffs):
   """None (standard NS) or the restart steps of Gram NS."""
+  default = GRAM_RESTARTS.get(coeffs, GRAM_RESTARTS_TABLE) if isinstance(coeffs, str) else GRAM_RESTARTS_TABLE
   if gram == "auto":
-    return GRAM_RESTARTS if max(m, n) >= GRAM_AUTO_ASPECT * min(m, n) else None
+    return default if max(m, n) >= GRAM_AUTO_ASPECT * min(m, n) else None
   if gram is True:
-    return GRAM_RESTARTS
+    return default
   if gram is False or gram is None:
     return None
   if isinstance(gram, (tuple, list)) and all(isinstance(r, (int, np.integer)) and r > 0 for r in gram):
@@ -290,7 +295,7 @@ def newton_schulz_reference(x, *, coeffs="polar_express", steps=None,
   xb, restore = _as_batched(x)
   if xb.size == 0:
     return x
-  restarts = _gram_restarts(gram, *xb.shape[-2:])
+  restarts = _gram_restarts(gram, *xb.shape[-2:], coeffs)
   y = _normalise(xb.astype(jnp.float32), scale, eps, ns_dtype)
   y = _iterate(table, restarts, _ReferenceOps(ns_dtype))(y)
   return restore(y.astype(x.dtype))
@@ -340,7 +345,7 @@ def newton_schulz(x, *, coeffs="polar_express", steps=None, ns_dtype=jnp.bfloat1
     eps: added to the (inflated) Frobenius norm before dividing, so a zero
       matrix gives zeros.
     gram: Gram Newton–Schulz (iterate on the m × m Gram matrix, restarted
-      before the steps in ``GRAM_RESTARTS``); ``"auto"`` enables it from
+      before the steps in ``GRAM_RESTARTS[coeffs]``); ``"auto"`` enables it from
       aspect ratio 2; a tuple of step indices sets the restarts (``(2,)``:
       one restart, fewer FLOPs, less accurate on ill-conditioned inputs).
     implementation: ``None`` (by platform and shape), ``"xla"``,
@@ -361,7 +366,7 @@ def newton_schulz(x, *, coeffs="polar_express", steps=None, ns_dtype=jnp.bfloat1
     return newton_schulz_reference(x, coeffs=coeffs, steps=steps, ns_dtype=ns_dtype,
                                    eps=eps, gram=gram)
   batch, m, n = xb.shape
-  restarts = _gram_restarts(gram, m, n)
+  restarts = _gram_restarts(gram, m, n, coeffs)
   y = _normalise(xb.astype(jnp.float32), scale, eps, ns_dtype)
   path = _pick_path(impl, m, n, batch, config, restarts is not None)
   interp = _backend.interpret_arg(impl, interpret)
