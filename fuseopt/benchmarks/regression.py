@@ -55,7 +55,7 @@ from typing import Any
 import jax
 
 from fuseopt.benchmarks import core
-from fuseopt.benchmarks.cases import CASE_MODULES, all_cases
+from fuseopt.benchmarks.cases import all_cases
 
 SCHEMA = "fuseopt-regression/1"
 DEFAULT_BASELINE = Path("bench/baseline/cpu.json")
@@ -392,4 +392,4 @@ def main(update: bool = False, *, baseline_path=None, ops=None, rows=None, timin
 
 
 __all__ = ["collect", "compare", "compare_wallclock", "make_baseline", "load_baseline", "write_baseline",
-           "wallclock", "main", "TOLERANCES", "FIGURES", "CASE_MODULES"]
+           "wallclock", "main", "h200_kernels", "TOLERANCES", "FIGURES"]
