@@ -210,10 +210,24 @@ def wallclock(ops=None, *, rows=None, iters: int = 10, budget_s: float | None = 
           for r in recs if "min_ms" in r and (r["op"], r["case"]) in base}
 
 
+def cpu_model() -> str:
+  """The CPU's model name (XLA's CPU passes may depend on its features)."""
+  import platform as _pf
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return _pf.processor() or _pf.machine()
+
+
 def make_baseline(collected: dict[str, Any], ratios: dict[str, float] | None = None) -> dict[str, Any]:
   return {
       "schema": SCHEMA,
       "meta": {"jax": jax.__version__, "size": SIZE, "platform": "cpu", "num_devices": jax.device_count(),
+               "cpu": cpu_model(),
                "generated_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "command": "fuseopt regression --update"},
       "tolerances": {k: dataclasses.asdict(v) for k, v in TOLERANCES.items()},
@@ -285,6 +299,10 @@ def compare(current: dict[str, Any], baseline: dict[str, Any]) -> Report:
     rep.enforced = False
     rep.notes.append(f"baseline made with jax {baseline['meta'].get('jax')}, running jax {jax.__version__}: "
                      "figures compared but not enforced")
+  cpu = baseline["meta"].get("cpu")
+  if cpu is not None and cpu != cpu_model():
+    rep.notes.append(f"baseline made on {cpu!r}, running on {cpu_model()!r}: XLA's CPU passes may differ "
+                     "by CPU features; if only this moved, regenerate the baseline on the CI machine")
   nd = baseline["meta"].get("num_devices")
   if nd is not None and nd != jax.device_count():
     rep.notes.append(f"baseline made with {nd} CPU devices, running with {jax.device_count()}: "
