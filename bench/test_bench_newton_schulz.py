@@ -47,3 +47,20 @@ def test_accelerator_variants_lower(platform):
     for label, fn in ns_cases.variant_fns(shape, platform).items():
       harness.lower_for(target, fn, jax.ShapeDtypeStruct(shape, jnp.bfloat16),
                         expect_kernel=label.startswith("fuseopt[") and "xla" not in label)
+
+
+def test_ns_configs_script_dry_run(tmp_path):
+  """bench/ns_configs.py (every kernel config once on a device) works: a tiny
+  interpret-mode run, every record correct."""
+  import importlib.util
+  import json
+  from pathlib import Path
+  path = Path(__file__).with_name("ns_configs.py")
+  spec = importlib.util.spec_from_file_location("ns_configs", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  out = tmp_path / "ns_configs.json"
+  assert mod.main([str(out), "--interpret"]) == 0
+  summary = json.loads(out.read_text())
+  assert summary["records"] and not summary["failed"]
+  assert set(summary["best"]) == {"gram", "poly", "update", "fused"}
