@@ -33,7 +33,7 @@ def test_fuseopt_muon_step_lowers(platform):
   from tests.kernels import harness
   impl = "triton" if platform == "gpu" else "mosaic_tpu"
   target = harness.targets_for(impl)[0]
-  fmuon = importlib.import_module("fuseopt.optim.muon")
+  fmuon = importlib.import_module("fuseopt.optim.fused_muon")
   tx = fmuon.muon(learning_rate=0.02, coeffs="jordan", implementation=impl,
                   muon_weight_dimension_numbers=muon_cases.muon_dims)
   struct = workloads.llama_tree_cpu(jnp.float32, abstract=True)

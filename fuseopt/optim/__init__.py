@@ -11,15 +11,15 @@ _EXPORTS = {
     # updates.py
     "apply_updates": "fuseopt.optim.updates",
     # adam.py / step.py (fused Adam, bf16 moments)
-    "scale_by_adam": "fuseopt.optim.adam",
-    "adam": "fuseopt.optim.adam",
-    "adamw": "fuseopt.optim.adam",
-    "bf16_moments": "fuseopt.optim.adam",
+    "scale_by_adam": "fuseopt.optim.fused_adam",
+    "adam": "fuseopt.optim.fused_adam",
+    "adamw": "fuseopt.optim.fused_adam",
+    "bf16_moments": "fuseopt.optim.fused_adam",
     "step": "fuseopt.optim.step",
     # muon.py (Newton-Schulz Muon)
-    "muon": "fuseopt.optim.muon",
-    "scale_by_muon": "fuseopt.optim.muon",
-    "MuonDimensionNumbers": "fuseopt.optim.muon",
+    "muon": "fuseopt.optim.fused_muon",
+    "scale_by_muon": "fuseopt.optim.fused_muon",
+    "MuonDimensionNumbers": "fuseopt.optim.fused_muon",
     "MatrixViews": "fuseopt.optim.matrix_views",
     "mla_kv_b_proj_views": "fuseopt.optim.matrix_views",
     # muon_axes.py, matrix views, qk_clip.py

@@ -16,14 +16,15 @@ which always records the global norm (``clip_norm=0`` does not clip).
 
 from __future__ import annotations
 
-import importlib
-import warnings
 from typing import Any, Callable
 
 import jax.numpy as jnp
 import optax
 
+from fuseopt.optim import fused_adam
+from fuseopt.optim import fused_muon
 from fuseopt.optim import groups as groups_lib
+from fuseopt.optim import qk_clip
 from fuseopt.optim import safeguards
 from fuseopt.optim.config import OptimConfig
 
@@ -46,14 +47,6 @@ def _scaled(rate: optax.ScalarOrSchedule, multiplier: float) -> optax.ScalarOrSc
   return multiplier * rate
 
 
-def _fuseopt(module: str, name: str) -> Callable | None:
-  """fuseopt's own transform when its module has landed, else None (optax steps in)."""
-  try:
-    return getattr(importlib.import_module(module), name)
-  except (ImportError, AttributeError):
-    return None
-
-
 def _moments(config: OptimConfig):
   return jnp.bfloat16 if config.state_dtype == "bfloat16" else None
 
@@ -68,19 +61,14 @@ def _betas(config: OptimConfig, b1="b1", b2="b2", eps="eps") -> dict[str, Any]:
 
 
 def _adam(config, rate, weight_decay):
-  fused = _fuseopt("fuseopt.optim.adam", "adam")
   kw = {**_betas(config), **config.optimizer_kwargs}
-  if fused is not None:
-    return fused(rate, moment_dtype=_moments(config) or jnp.float32, **kw)
-  return optax.adam(rate, mu_dtype=_moments(config), **kw)
+  return fused_adam.adam(rate, moment_dtype=_moments(config) or jnp.float32, **kw)
 
 
 def _adamw(config, rate, weight_decay):
-  fused = _fuseopt("fuseopt.optim.adam", "adamw")
   kw = {**_betas(config), **config.optimizer_kwargs}
-  if fused is not None:
-    return fused(rate, weight_decay=weight_decay, moment_dtype=_moments(config) or jnp.float32, **kw)
-  return optax.adamw(rate, weight_decay=weight_decay, mu_dtype=_moments(config), **kw)
+  return fused_adam.adamw(rate, weight_decay=weight_decay,
+                          moment_dtype=_moments(config) or jnp.float32, **kw)
 
 
 def _lamb(config, rate, weight_decay):
@@ -97,35 +85,21 @@ def _adafactor(config, rate, weight_decay):
                          **_betas(config, b1=None, b2=None), **config.optimizer_kwargs)
 
 
-def _muon_kwargs(config, weight_decay, fused: bool):
+def _muon_kwargs(config, weight_decay):
   # Muon's b1/b2 are its AdamW side's; its own momentum is optimizer_kwargs["beta"].
   kw = dict(weight_decay=weight_decay, adam_weight_decay=weight_decay, mu_dtype=_moments(config),
             **_betas(config, b1="adam_b1", b2="adam_b2"))
-  if fused and config.state_dtype == "bfloat16":
+  if config.state_dtype == "bfloat16":
     kw["adam_moment_dtype"] = jnp.bfloat16  # both AdamW-side moments; optax's muon has mu only
   return {**kw, **config.optimizer_kwargs}
 
 
 def _muon(config, rate, weight_decay):
-  fused = _fuseopt("fuseopt.optim.muon", "muon")
-  if fused is not None:
-    return fused(rate, **_muon_kwargs(config, weight_decay, True))
-  return optax.contrib.muon(rate, **_muon_kwargs(config, weight_decay, False))
-
-
-_warned_muonclip = []
+  return fused_muon.muon(rate, **_muon_kwargs(config, weight_decay))
 
 
 def _muonclip(config, rate, weight_decay):
-  fused = _fuseopt("fuseopt.optim.qk_clip", "muonclip")
-  if fused is not None:
-    has_muon = _fuseopt("fuseopt.optim.muon", "muon") is not None
-    return fused(rate, tau=config.qk_clip_tau, **_muon_kwargs(config, weight_decay, has_muon))
-  if not _warned_muonclip:
-    _warned_muonclip.append(True)
-    warnings.warn("fuseopt.optim.qk_clip.muonclip is not available; 'muonclip' builds plain Muon "
-                  "(no QK-Clip)", RuntimeWarning, stacklevel=3)
-  return _muon(config, rate, weight_decay)
+  return qk_clip.muonclip(rate, tau=config.qk_clip_tau, **_muon_kwargs(config, weight_decay))
 
 
 # name -> (config, rate, weight_decay) -> GradientTransformation

@@ -40,21 +40,14 @@ import jax.numpy as jnp
 import optax
 
 
-class MuonDimensionNumbers(NamedTuple):
-  """Which axes of a weight form the matrix that Muon orthogonalises.
+# optax's own class, re-exported: a tree of dimension numbers then plugs into
+# optax.contrib.muon (which checks isinstance) and fuseopt's Muon alike. For
+# ``y = x W`` the reduction axes are contracted with ``x`` and the output axes
+# index ``y``; several axes on one side are flattened into one matrix
+# dimension; every other axis is an implicit batch axis.
+MuonDimensionNumbers = optax.contrib.MuonDimensionNumbers
 
-  The same fields as :class:`optax.contrib.MuonDimensionNumbers`: for
-  ``y = x W`` the reduction axes are contracted with ``x`` and the output
-  axes index ``y``; several axes on one side are flattened into one matrix
-  dimension, and every other axis is an implicit batch axis (each index an
-  independent matrix). fuseopt's transforms accept optax's instances too.
-  Exported as :class:`fuseopt.optim.MuonDimensionNumbers`.
-  """
-  reduction_axis: Sequence[int] | int = 0
-  output_axis: Sequence[int] | int = 1
-
-
-DIMENSION_NUMBER_TYPES = (MuonDimensionNumbers, optax.contrib.MuonDimensionNumbers)
+DIMENSION_NUMBER_TYPES = (MuonDimensionNumbers,)
 
 
 class MatrixViews(NamedTuple):

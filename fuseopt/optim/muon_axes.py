@@ -18,21 +18,9 @@ import numpy as np
 
 import optax
 
-try:
-  from fuseopt.optim.muon import MuonDimensionNumbers as _FuseoptDimensionNumbers
-except ImportError:  # pragma: no cover - before fuseopt.optim.muon lands
-  _FuseoptDimensionNumbers = None
-
-# The spec type emitted. optax.contrib.muon recognises only instances of its
-# own class (an isinstance check), while fuseopt.optim.muon accepts optax's
-# too; so fuseopt's class is used only if it subclasses optax's, and the
-# result plugs into both either way. NamedTuple equality is tuple equality,
-# so results compare equal to either class's instances.
-if (_FuseoptDimensionNumbers is not None
-    and issubclass(_FuseoptDimensionNumbers, optax.contrib.MuonDimensionNumbers)):
-  MuonDimensionNumbers = _FuseoptDimensionNumbers
-else:
-  MuonDimensionNumbers = optax.contrib.MuonDimensionNumbers
+# optax's class (fuseopt re-exports it), so the result plugs into
+# optax.contrib.muon and fuseopt.optim.muon alike.
+from fuseopt.optim.matrix_views import MuonDimensionNumbers
 
 __all__ = [
     "SELECTION_AXES",

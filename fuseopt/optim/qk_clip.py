@@ -370,7 +370,7 @@ def muonclip(learning_rate, *, tau: float = 100.0,
   """
   clip = scale_by_qk_clip(tau, projections, mla=mla)
   try:
-    from fuseopt.optim.muon import muon  # pylint: disable=g-import-not-at-top
+    from fuseopt.optim.fused_muon import muon  # pylint: disable=g-import-not-at-top
   except ImportError:
     muon = optax.contrib.muon
   return optax.chain(muon(learning_rate, **muon_kwargs), clip)

@@ -8,8 +8,8 @@ import numpy as np
 import optax
 import pytest
 
-from fuseopt.optim.muon import MuonDimensionNumbers as MDN
-from fuseopt.optim.muon import muon, scale_by_muon
+from fuseopt.optim.fused_muon import MuonDimensionNumbers as MDN
+from fuseopt.optim.fused_muon import muon, scale_by_muon
 from tests.optim import _muon_trees as T
 
 JORDAN = (3.4445, -4.7750, 2.0315)

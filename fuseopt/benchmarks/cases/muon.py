@@ -38,7 +38,7 @@ import optax
 from fuseopt.benchmarks import workloads
 from fuseopt.benchmarks.core import Case
 
-fmuon = importlib.import_module("fuseopt.optim.muon")
+fmuon = importlib.import_module("fuseopt.optim.fused_muon")
 
 LR = 0.02
 WD = 0.1

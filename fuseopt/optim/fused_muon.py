@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import sys
-import types
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -364,7 +362,7 @@ def _adamw(learning_rate, b1, b2, eps, eps_root, weight_decay, mu_dtype, moment_
   """fuseopt's AdamW; ``moment_dtype=None`` keeps optax's dtypes (mu in
   ``mu_dtype`` or the parameter's, nu in the parameter's)."""
   # ``fuseopt.optim.adam`` may name the function, not the module.
-  fadam = importlib.import_module("fuseopt.optim.adam")
+  fadam = importlib.import_module("fuseopt.optim.fused_adam")
   if moment_dtype is not None:
     mu_dtype = moment_dtype
   return fadam.adamw(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
@@ -482,15 +480,3 @@ def muon(
       param_labels=param_labels,
   )
 
-
-class _CallableModule(types.ModuleType):
-  """Importing this module (``from fuseopt.optim.muon import ...``) makes the
-  package attribute ``fuseopt.optim.muon`` the module rather than the
-  function it exports under the same name; calling it still means
-  :func:`muon`."""
-
-  def __call__(self, *args, **kwargs):
-    return muon(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

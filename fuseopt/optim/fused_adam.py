@@ -15,8 +15,6 @@ structure as :func:`optax.adamw`'s), so checkpoints, sharding rules and
 from __future__ import annotations
 
 import dataclasses
-import sys
-import types
 from typing import Any, Callable, Optional
 
 import jax
@@ -196,16 +194,3 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
       learning_rate, b1, b2, eps, eps_root, weight_decay, mask, nesterov,
       _canon_dtype(mu_dtype, "mu_dtype") or nu_dtype, nu_dtype, seed, implementation))
 
-
-# ``fuseopt.optim.adam`` names both this module and the function above. Python
-# binds the package attribute to the *module* whenever the module is imported
-# (e.g. by ``fuseopt.optim.adamw``), which would shadow the function; making
-# the module callable keeps ``fuseopt.optim.adam(learning_rate, ...)`` working
-# whichever of the two the attribute holds.
-class _CallableModule(types.ModuleType):
-
-  def __call__(self, *args, **kwargs):
-    return adam(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
