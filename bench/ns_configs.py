@@ -16,7 +16,6 @@ of the script itself).
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 import time
@@ -29,7 +28,7 @@ from fuseopt.benchmarks import core
 from fuseopt.kernels import _backend
 from fuseopt.kernels.ns import fused, gram, update
 
-ns = importlib.import_module("fuseopt.kernels.newton_schulz")
+from fuseopt.kernels.ns import newton_schulz as ns  # noqa: E402
 
 
 def _rel(a, b):

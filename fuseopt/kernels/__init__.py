@@ -15,8 +15,8 @@ _EXPORTS = {
     "adam_update": "fuseopt.kernels.adam",
     "adam_update_reference": "fuseopt.kernels.adam",
     "adam_update_tree": "fuseopt.kernels.adam",
-    "newton_schulz": "fuseopt.kernels.newton_schulz",
-    "newton_schulz_reference": "fuseopt.kernels.newton_schulz",
+    "newton_schulz": "fuseopt.kernels.ns.newton_schulz",
+    "newton_schulz_reference": "fuseopt.kernels.ns.newton_schulz",
 }
 
 __all__ = sorted(_EXPORTS)

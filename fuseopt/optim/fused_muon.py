@@ -25,7 +25,6 @@ three differences in how the work is done:
 from __future__ import annotations
 
 import functools
-import importlib
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -34,6 +33,8 @@ import numpy as np
 import optax
 from optax.transforms import _masking
 
+from fuseopt import kernels
+from fuseopt.optim import fused_adam
 from fuseopt.optim import matrix_views
 from fuseopt.optim.matrix_views import DIMENSION_NUMBER_TYPES, MatrixViews, MuonDimensionNumbers
 
@@ -106,12 +107,8 @@ def _resolve_coeffs(coeffs, ns_coeffs, ns_steps):
 def _orthogonalize(x, *, coeffs, steps, ns_dtype, eps, preconditioning, gram, implementation, interpret):
   """Newton-Schulz on a ``(batch, rows, cols)`` array."""
   if preconditioning == "frobenius":
-    # The module, looked up per call: importing it makes ``kernels.newton_schulz``
-    # name the module or the function depending on import order.
-    ns = importlib.import_module("fuseopt.kernels.newton_schulz")
-    y = ns.newton_schulz(x, coeffs=coeffs, steps=steps, ns_dtype=ns_dtype, eps=eps,
-                              gram=gram, implementation=implementation, interpret=interpret)
-    return y
+    return kernels.newton_schulz(x, coeffs=coeffs, steps=steps, ns_dtype=ns_dtype, eps=eps,
+                                 gram=gram, implementation=implementation, interpret=interpret)
   # optax's other preconditionings have no kernel: optax's own iteration, in ns_dtype.
   if isinstance(coeffs, str):
     raise ValueError(f"muon: preconditioning={preconditioning!r} needs a numeric coefficient table, "
@@ -361,12 +358,10 @@ def _add_decayed_weights_active(weight_decay, dims_fn) -> optax.GradientTransfor
 def _adamw(learning_rate, b1, b2, eps, eps_root, weight_decay, mu_dtype, moment_dtype, nesterov):
   """fuseopt's AdamW; ``moment_dtype=None`` keeps optax's dtypes (mu in
   ``mu_dtype`` or the parameter's, nu in the parameter's)."""
-  # ``fuseopt.optim.adam`` may name the function, not the module.
-  fadam = importlib.import_module("fuseopt.optim.fused_adam")
   if moment_dtype is not None:
     mu_dtype = moment_dtype
-  return fadam.adamw(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
-                     weight_decay=weight_decay, nesterov=nesterov, moment_dtype=moment_dtype)
+  return fused_adam.adamw(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
+                         weight_decay=weight_decay, nesterov=nesterov, moment_dtype=moment_dtype)
 
 
 def muon(

@@ -3,7 +3,6 @@ whole op against the reference, the singular-value band the coefficients
 promise, edge cases, and every search-space config lowered for an H200 and
 TPU v5e/v6e."""
 
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +14,7 @@ from fuseopt.kernels import _backend
 from fuseopt.kernels.ns import fused, gram, poly, update
 from tests.kernels import harness
 
-ns = importlib.import_module("fuseopt.kernels.newton_schulz")
+from fuseopt.kernels.ns import newton_schulz as ns  # noqa: E402
 S = jax.ShapeDtypeStruct
 BACKENDS = ("triton", "mosaic_tpu")
 

@@ -27,7 +27,6 @@ about 4% apart at the CPU sizes).
 from __future__ import annotations
 
 import functools
-import importlib
 import math
 
 import jax
@@ -37,7 +36,7 @@ import numpy as np
 from fuseopt.benchmarks import workloads
 from fuseopt.benchmarks.core import Case
 
-ns = importlib.import_module("fuseopt.kernels.newton_schulz")
+from fuseopt.kernels.ns import newton_schulz as ns  # noqa: E402
 
 STEPS = 5
 COEFFS = "jordan"

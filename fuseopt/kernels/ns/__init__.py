@@ -1,4 +1,4 @@
-"""Newton–Schulz building blocks (see :mod:`fuseopt.kernels.newton_schulz`).
+"""Newton–Schulz building blocks (see :mod:`fuseopt.kernels.ns.newton_schulz`).
 
 - :mod:`.gram`: symmetric ``alpha·X Xᵀ + beta·X + gamma·I`` over the upper
   triangle of tiles, mirror written by the same program;
