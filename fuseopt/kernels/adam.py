@@ -41,7 +41,6 @@ builder's job.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -51,9 +50,10 @@ from jax.experimental import pallas as pl
 
 from fuseopt.kernels import _backend
 from fuseopt.kernels import counter_hash
+from fuseopt.kernels import _elementwise
+from fuseopt.kernels._elementwise import LANES, MosaicConfig, TritonConfig, triton_heuristic
 
 OP_NAME = "adam_update"
-LANES = 128
 
 # Layout of the fp32 scalar vector handed to every backend.
 NEG_LR, B1, OMB1, B2, OMB2, EPS, EPS_ROOT, BC1, BC2, BC1_NEXT, WD = range(11)
@@ -64,27 +64,6 @@ _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 # ----------------------------------------------------------------- configs --
-@dataclasses.dataclass(frozen=True)
-class TritonConfig:
-  block: int = 1024
-  num_warps: int = 8
-
-  def __post_init__(self):
-    if self.block <= 0 or self.block & (self.block - 1):
-      raise ValueError(f"block must be a positive power of two, got {self.block}")
-    if self.num_warps not in (1, 2, 4, 8, 16):
-      raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps}")
-
-
-@dataclasses.dataclass(frozen=True)
-class MosaicConfig:
-  block_rows: int = 512
-
-  def __post_init__(self):
-    if self.block_rows <= 0 or self.block_rows % 16:
-      raise ValueError(f"block_rows must be a positive multiple of 16, got {self.block_rows}")
-
-
 # Block 4096 failed at run time inside XLA's CUDA graph on the H200
 # (shared/ANCHORS.md): it stays in the search space, to be measured on the
 # device, never in the heuristic.
@@ -93,13 +72,6 @@ TRITON_SEARCH_SPACE = tuple(TritonConfig(b, w) for b in (512, 1024, 2048, 4096)
 # 7 streams double-buffered: 1024 fp32 rows are 7 MiB of VMEM, inside the
 # 16 MiB default scoped limit of v5e.
 MOSAIC_SEARCH_SPACE = tuple(MosaicConfig(r) for r in (128, 256, 512, 1024))
-
-
-def triton_heuristic(size: int) -> TritonConfig:
-  # 1024 / 8 warps: the measured best for per-leaf elementwise passes on the
-  # H200 (shared/ANCHORS.md); tiny leaves get one small block.
-  block = min(1024, max(128, pl.next_power_of_2(max(size, 1))))
-  return TritonConfig(block=block, num_warps=8 if size >= 1024 else 4)
 
 
 def mosaic_heuristic(size: int) -> MosaicConfig:
@@ -139,13 +111,9 @@ def _store(x32, dtype, index, seed):
 
 
 def _store_mosaic(x32, dtype, index, seed):
-  if dtype != jnp.bfloat16:
-    return x32.astype(dtype)
-  bits = jax.lax.bitcast_convert_type(x32, jnp.uint32)
-  half = counter_hash.round_fp32_bits_to_bf16(bits, counter_hash.hash_bits(index, seed))
-  # The rounded pattern has zero low bits, so widening it back to fp32 and
-  # converting is exact; Mosaic handles 32-bit layouts best.
-  return jax.lax.bitcast_convert_type(half << 16, jnp.float32).astype(jnp.bfloat16)
+  if dtype == jnp.bfloat16:
+    return counter_hash.stochastic_round_values_32bit(x32, index, seed)
+  return x32.astype(dtype)
 
 
 # --------------------------------------------------------------- reference --
@@ -175,20 +143,25 @@ def _reference(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, order_for_i
           _store(nu_new, nu.dtype, idx(), seeds[2]))
 
 
-# ------------------------------------------------------------------ triton --
-def _triton_kernel(s_ref, seed_ref, *refs, block, nesterov, apply):
+def _kernel_body(s_ref, refs, *, nesterov, apply):
+  """The math of both kernels on one block; returns the outputs' refs too."""
   if apply:
-    p_ref, g_ref, mu_ref, nu_ref, o_ref, mu_out, nu_out = refs
+    p_ref, *refs = refs
     p32 = p_ref[...].astype(jnp.float32)
   else:
-    g_ref, mu_ref, nu_ref, o_ref, mu_out, nu_out = refs
     p32 = None
-  s = lambda k: s_ref[k]
-  out, mu_new, nu_new = _adam_math(
-      s, p32, g_ref[...].astype(jnp.float32), mu_ref[...].astype(jnp.float32),
-      nu_ref[...].astype(jnp.float32), nesterov=nesterov, apply=apply)
-  start = (pl.program_id(0) * block).astype(jnp.uint32)
-  index = start + jax.lax.iota(jnp.uint32, block)
+  g_ref, mu_ref, nu_ref, *out_refs = refs
+  f32 = lambda r: r[...].astype(jnp.float32)
+  out, mu_new, nu_new = _adam_math(lambda k: s_ref[k], p32, f32(g_ref), f32(mu_ref), f32(nu_ref),
+                                   nesterov=nesterov, apply=apply)
+  return out, mu_new, nu_new, out_refs
+
+
+# ------------------------------------------------------------------ triton --
+def _triton_kernel(s_ref, seed_ref, *refs, block, nesterov, apply):
+  out, mu_new, nu_new, (o_ref, mu_out, nu_out) = _kernel_body(s_ref, refs, nesterov=nesterov,
+                                                              apply=apply)
+  index = _elementwise.triton_flat_index(block)
   o_ref[...] = _store(out, o_ref.dtype, index, seed_ref[0])
   mu_out[...] = _store(mu_new, mu_out.dtype, index, seed_ref[1])
   nu_out[...] = _store(nu_new, nu_out.dtype, index, seed_ref[2])
@@ -225,20 +198,9 @@ def _adam_triton(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, i
 
 # -------------------------------------------------------------- mosaic_tpu --
 def _mosaic_kernel(s_ref, seed_ref, *refs, block_rows, nesterov, apply):
-  if apply:
-    p_ref, g_ref, mu_ref, nu_ref, o_ref, mu_out, nu_out = refs
-    p32 = p_ref[...].astype(jnp.float32)
-  else:
-    g_ref, mu_ref, nu_ref, o_ref, mu_out, nu_out = refs
-    p32 = None
-  s = lambda k: s_ref[k]
-  out, mu_new, nu_new = _adam_math(
-      s, p32, g_ref[...].astype(jnp.float32), mu_ref[...].astype(jnp.float32),
-      nu_ref[...].astype(jnp.float32), nesterov=nesterov, apply=apply)
-  row0 = (pl.program_id(0) * block_rows).astype(jnp.uint32)
-  shape = (block_rows, LANES)
-  index = ((jax.lax.broadcasted_iota(jnp.uint32, shape, 0) + row0) * jnp.uint32(LANES)
-           + jax.lax.broadcasted_iota(jnp.uint32, shape, 1))
+  out, mu_new, nu_new, (o_ref, mu_out, nu_out) = _kernel_body(s_ref, refs, nesterov=nesterov,
+                                                              apply=apply)
+  index = _elementwise.mosaic_flat_index(block_rows)
   seed = lambda k: seed_ref[k].astype(jnp.uint32)
   o_ref[...] = _store_mosaic(out, o_ref.dtype, index, seed(0))
   mu_out[...] = _store_mosaic(mu_new, mu_out.dtype, index, seed(1))

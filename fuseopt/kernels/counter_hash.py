@@ -94,3 +94,14 @@ def stochastic_round_values(x: jax.Array, index: jax.Array, seed: jax.Array) -> 
   """fp32 ``x`` → bf16, rounded with the hash of (``index``, ``seed``)."""
   bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
   return bf16_from_bits(round_fp32_bits_to_bf16(bits, hash_bits(index, seed)))
+
+
+def stochastic_round_values_32bit(x: jax.Array, index: jax.Array, seed: jax.Array) -> jax.Array:
+  """The bits of :func:`stochastic_round_values`, without 16-bit integers.
+
+  For Mosaic, which lays out 32-bit types best: the rounded pattern has zero
+  low bits, so widening it back to fp32 and converting to bf16 is exact.
+  """
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  half = round_fp32_bits_to_bf16(bits, hash_bits(index, seed))
+  return jax.lax.bitcast_convert_type(half << 16, jnp.float32).astype(jnp.bfloat16)

@@ -17,7 +17,6 @@ backend and every block size gives bitwise the same result.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -26,41 +25,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from fuseopt.kernels import _backend
+from fuseopt.kernels._elementwise import LANES, MosaicConfig, TritonConfig, triton_heuristic
+from fuseopt.kernels import _elementwise
 from fuseopt.kernels import counter_hash
 
 OP_NAME = "stochastic_round"
-LANES = 128
-
-
 # ----------------------------------------------------------------- configs --
-@dataclasses.dataclass(frozen=True)
-class TritonConfig:
-  block: int = 1024
-  num_warps: int = 8
-
-  def __post_init__(self):
-    if self.block <= 0 or self.block & (self.block - 1):
-      raise ValueError(f"block must be a positive power of two, got {self.block}")
-
-
-@dataclasses.dataclass(frozen=True)
-class MosaicConfig:
-  block_rows: int = 512
-
-  def __post_init__(self):
-    if self.block_rows <= 0 or self.block_rows % 16:
-      raise ValueError(f"block_rows must be a positive multiple of 16, got {self.block_rows}")
-
-
 TRITON_SEARCH_SPACE = tuple(TritonConfig(b, w) for b in (512, 1024, 2048, 4096)
                             for w in (4, 8))
 MOSAIC_SEARCH_SPACE = tuple(MosaicConfig(r) for r in (256, 512, 1024, 2048))
-
-
-def triton_heuristic(size: int) -> TritonConfig:
-  # Block 1024 / 8 warps measured best on the H200 for elementwise passes
-  # (shared/ANCHORS.md); tiny arrays get one small block.
-  return TritonConfig(block=min(1024, max(128, pl.next_power_of_2(max(size, 1)))), num_warps=8 if size >= 1024 else 4)
 
 
 def mosaic_heuristic(size: int) -> MosaicConfig:
@@ -82,8 +55,7 @@ def stochastic_round_reference(x: jax.Array, seed, *, offset=0) -> jax.Array:
 def _triton_kernel(scalars_ref, x_ref, o_ref, *, block):
   seed = scalars_ref[0]
   offset = scalars_ref[1]
-  start = (pl.program_id(0) * block).astype(jnp.uint32)
-  index = offset + start + jax.lax.iota(jnp.uint32, block)
+  index = offset + _elementwise.triton_flat_index(block)
   o_ref[...] = counter_hash.stochastic_round_values(x_ref[...], index, seed)
 
 
@@ -108,16 +80,8 @@ def _round_triton(flat, scalars, *, config: TritonConfig, interpret):
 def _mosaic_kernel(scalars_ref, x_ref, o_ref, *, block_rows):
   seed = scalars_ref[0].astype(jnp.uint32)
   offset = scalars_ref[1].astype(jnp.uint32)
-  row0 = (pl.program_id(0) * block_rows).astype(jnp.uint32)
-  shape = (block_rows, LANES)
-  rows = jax.lax.broadcasted_iota(jnp.uint32, shape, 0) + row0
-  cols = jax.lax.broadcasted_iota(jnp.uint32, shape, 1)
-  index = offset + rows * jnp.uint32(LANES) + cols
-  bits = jax.lax.bitcast_convert_type(x_ref[...], jnp.uint32)
-  half = counter_hash.round_fp32_bits_to_bf16(bits, counter_hash.hash_bits(index, seed))
-  # The rounded pattern has zero low bits, so widening it back to fp32 and
-  # converting is exact; Mosaic handles 32-bit layouts best.
-  o_ref[...] = jax.lax.bitcast_convert_type(half << 16, jnp.float32).astype(jnp.bfloat16)
+  index = offset + _elementwise.mosaic_flat_index(block_rows)
+  o_ref[...] = counter_hash.stochastic_round_values_32bit(x_ref[...], index, seed)
 
 
 def _round_mosaic(flat, scalars, *, config: MosaicConfig, interpret):
