@@ -2,22 +2,19 @@
 variant of fuseopt.benchmarks.cases.adam (optax fp32 / mu bf16, fuseopt
 drop-in, the fused step with fp32 and with bf16 params)."""
 
-import jax
 import numpy as np
-import pytest
+
+from benchutil import CaseTable
 
 from fuseopt.benchmarks.cases import adam as adam_cases
 
-_PLATFORM = jax.default_backend()
-_CASES = {size: adam_cases.cases(size, _PLATFORM) for size in ("quick", "full")}
-_IDS = sorted({(c.name, v) for cs in _CASES.values() for c in cs for v in c.variants})
+TABLE = CaseTable(adam_cases.cases)
+_CASES = TABLE.by_size
 
 
-@pytest.mark.parametrize("name,variant", _IDS, ids=[f"{n}-{v}" for n, v in _IDS])
+@TABLE.parametrize
 def test_adam(bench_variant, bench_size, name, variant):
-  case = next((c for c in _CASES[bench_size] if c.name == name), None)
-  if case is None or variant not in case.variants:
-    pytest.skip(f"{name}/{variant} is not a {bench_size} case")
+  case = TABLE.get(bench_size, name, variant)
   info = bench_variant(case, variant)
   # The fused step writes params and moments in place: no leaf-sized
   # temporaries (XLA's temp for the optax steps is of the order of 100 bytes).

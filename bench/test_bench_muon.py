@@ -8,20 +8,19 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from benchutil import CaseTable
+
 from fuseopt.benchmarks import workloads
 
 muon_cases = importlib.import_module("fuseopt.benchmarks.cases.muon")
 
-_PLATFORM = jax.default_backend()
-_CASES = {size: muon_cases.cases(size, _PLATFORM) for size in ("quick", "full")}
-_IDS = sorted({(c.name, v) for cs in _CASES.values() for c in cs for v in c.variants})
+TABLE = CaseTable(muon_cases.cases)
+_CASES = TABLE.by_size
 
 
-@pytest.mark.parametrize("name,variant", _IDS, ids=[f"{n}-{v}" for n, v in _IDS])
+@TABLE.parametrize
 def test_muon_step(bench_variant, bench_size, name, variant):
-  case = next((c for c in _CASES[bench_size] if c.name == name), None)
-  if case is None or variant not in case.variants:
-    pytest.skip(f"{name}/{variant} is not a {bench_size} case")
+  case = TABLE.get(bench_size, name, variant)
   info = bench_variant(case, variant)
   assert info["temp_bytes"] >= 0
 

@@ -6,18 +6,17 @@ import math
 import jax
 import pytest
 
+from benchutil import CaseTable
+
 from fuseopt.benchmarks.cases import newton_schulz as ns_cases
 
-_PLATFORM = jax.default_backend()
-_CASES = {size: ns_cases.cases(size, _PLATFORM) for size in ("quick", "full")}
-_IDS = sorted({(c.name, v) for cs in _CASES.values() for c in cs for v in c.variants})
+TABLE = CaseTable(ns_cases.cases)
+_CASES = TABLE.by_size
 
 
-@pytest.mark.parametrize("name,variant", _IDS, ids=[f"{n}-{v}" for n, v in _IDS])
+@TABLE.parametrize
 def test_newton_schulz(bench_variant, bench_size, name, variant):
-  case = next((c for c in _CASES[bench_size] if c.name == name), None)
-  if case is None or variant not in case.variants:
-    pytest.skip(f"{name}/{variant} is not a {bench_size} case")
+  case = TABLE.get(bench_size, name, variant)
   info = bench_variant(case, variant)
   # bf16 in, bf16 out of the same shape: the op returns nothing else.
   assert info["output_bytes"] == 2 * math.prod(int(d) for d in name.split("x"))

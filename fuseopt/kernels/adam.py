@@ -42,7 +42,6 @@ builder's job.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -18,7 +18,6 @@ backend and every block size gives bitwise the same result.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp

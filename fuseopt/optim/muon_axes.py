@@ -16,7 +16,6 @@ from typing import Any
 import jax
 import numpy as np
 
-import optax
 
 # optax's class (fuseopt re-exports it), so the result plugs into
 # optax.contrib.muon and fuseopt.optim.muon alike.

@@ -19,7 +19,6 @@ import re
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 

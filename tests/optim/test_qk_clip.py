@@ -1,6 +1,5 @@
 """scale_by_qk_clip (MuonClip) against hand-computed MHA, GQA and MLA cases."""
 
-import math
 
 import jax
 import jax.numpy as jnp
