@@ -362,15 +362,12 @@ def muonclip(learning_rate, *, tau: float = 100.0,
              mla: MLAHeadDims | None = None, **muon_kwargs) -> optax.GradientTransformationExtraArgs:
   """MuonClip (Kimi K2, arXiv 2507.20534): Muon, then :func:`scale_by_qk_clip`.
 
-  ``muon_kwargs`` go to :func:`fuseopt.optim.muon` (to
-  :func:`optax.contrib.muon` while fuseopt has none), e.g.
+  ``muon_kwargs`` go to :func:`fuseopt.optim.muon`, e.g.
   ``muon_weight_dimension_numbers=muon_weight_dimension_numbers(params,
   axes)``. The update takes ``params=`` and ``qk_stats=``, which
   ``optax.chain`` forwards to the clip.
   """
   clip = scale_by_qk_clip(tau, projections, mla=mla)
-  try:
-    from fuseopt.optim.fused_muon import muon  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    muon = optax.contrib.muon
+  # Imported here: fused_muon imports the kernels, the clip alone does not need them.
+  from fuseopt.optim.fused_muon import muon  # pylint: disable=g-import-not-at-top
   return optax.chain(muon(learning_rate, **muon_kwargs), clip)
