@@ -15,7 +15,12 @@ What it does:
    the device: correctness of each fuseopt variant against its reference on
    these large inputs (the case's ``check``), and the time of every variant,
    its baseline in the same run, effective GB/s or TFLOP/s and fraction of
-   the roofline floor; compiled temp/argument/output bytes.
+   the roofline floor; compiled temp/argument/output bytes;
+3. where torch with CUDA is installed (``--torch auto``, the default), the
+   PyTorch baselines of ``bench/torch_baselines.py`` (fused/foreach AdamW,
+   torch.optim.Muon + AdamW), run first in a subprocess so that JAX's
+   preallocation does not starve them, merged into the Adam and Muon cases
+   with their ratio to the optax baseline of this run.
 
 Nothing here names a chip: sizes come from the platform (gpu / tpu) and
 block configs from each op's heuristics, so the same file runs on an H200,
@@ -28,6 +33,9 @@ case, start-up and the plots inside 8 minutes).
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
+import subprocess
 import sys
 import time
 import traceback
@@ -52,9 +60,13 @@ def main(argv=None) -> int:
   ap.add_argument("--rows", nargs="+", metavar="SUBSTR")
   ap.add_argument("--iters", type=int, default=None)
   ap.add_argument("--no-plot", action="store_true")
+  ap.add_argument("--torch", choices=("auto", "on", "off"), default="auto",
+                  help="PyTorch baselines (auto: where torch is installed; needs CUDA)")
   args = ap.parse_args(argv)
 
   t0 = time.perf_counter()
+  # Before JAX touches the device: torch's run needs the memory JAX preallocates.
+  torch_result = _torch_baselines(args)
   platform = jax.default_backend()
   size = args.size or core.default_size(platform)
   meta = core.run_meta(size)
@@ -94,6 +106,11 @@ def main(argv=None) -> int:
   # Each op gets a fair share of what is left of the budget (core.run_suite).
   rows = core.run_suite(cases, ceilings, iters=iters, on_case=on_case,
                         budget_s=max(0.0, args.budget_s - (time.perf_counter() - t0)))
+  if torch_result is not None:
+    rows = torch_baselines.merge_rows(rows, torch_result["rows"])
+    meta["torch"] = torch_result.get("torch")
+  elif args.torch != "off":
+    meta["torch"] = "not run"
 
   results = report.make_results(meta, ceilings, rows, errors)
   report.validate(results)
@@ -114,6 +131,27 @@ def main(argv=None) -> int:
         f"{time.perf_counter() - t0:.0f} s -> {path}")
   return 1 if (failed or bad) else 0
 
+
+def _torch_baselines(args):
+  """torch_baselines.py's result, or None (no torch, --torch off, or a failure)."""
+  if args.torch == "off" or (args.torch == "auto" and importlib.util.find_spec("torch") is None):
+    return None
+  out = args.out_root / "torch_baselines.json"
+  cmd = [sys.executable, str(Path(__file__).with_name("torch_baselines.py")), str(out)]
+  try:
+    subprocess.run(cmd, check=True, timeout=150)
+    return json.loads(out.read_text())
+  except Exception as e:  # noqa: BLE001 - optional baselines must not sink the suite
+    print(f"gpu_suite: torch baselines not run: {type(e).__name__}: {e}", flush=True)
+    if args.torch == "on":
+      raise
+    return None
+  finally:
+    out.unlink(missing_ok=True)
+
+
+sys.path.insert(0, str(Path(__file__).parent))
+import torch_baselines  # noqa: E402  (bench/ is not a package)
 
 if __name__ == "__main__":
   sys.exit(main())

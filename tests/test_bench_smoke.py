@@ -192,3 +192,41 @@ def test_plot_survives_rows_without_times(tmp_path):
   paths = report.plot(report.make_results(meta, {}, rows), tmp_path)
   assert [p.read_bytes()[:8] for p in paths] == [PNG, PNG]
   assert "skipped (time budget)" in report.format_table(rows) and "OOM" in report.format_table(rows)
+
+
+def _torch_baselines_module():
+  spec = importlib.util.spec_from_file_location("torch_baselines", ROOT / "bench" / "torch_baselines.py")
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def test_torch_rows_merge_next_to_their_case_with_ratios():
+  tb = _torch_baselines_module()
+  rows = [
+      {"op": "adam", "case": "llama1.2b", "variant": "optax_adamw_fp32", "is_baseline": True,
+       "ms": 10.0, "bytes": 20e9, "floor_ms": 6.0},
+      {"op": "adam", "case": "llama1.2b", "variant": "fuseopt_step", "is_baseline": False, "ms": 7.0},
+      {"op": "muon", "case": "llama1.2b", "variant": "optax_muon", "is_baseline": True, "ms": 200.0},
+  ]
+  torch_rows = [
+      {"op": "adam", "case": "llama1.2b", "variant": "torch_adamw_fused", "is_baseline": False, "ms": 11.0},
+      {"op": "adam", "case": "other", "variant": "torch_adamw_fused", "is_baseline": False, "ms": 1.0},
+      {"op": "muon", "case": "llama1.2b", "variant": "torch_muon", "is_baseline": False, "error": "x"},
+  ]
+  merged = tb.merge_rows(rows, torch_rows)
+  assert [r["variant"] for r in merged] == [
+      "optax_adamw_fp32", "fuseopt_step", "torch_adamw_fused", "optax_muon", "torch_muon"]
+  t = merged[2]
+  assert t["ratio_to_baseline"] == 1.1 and t["baseline_ms"] == 10.0
+  assert abs(t["gbps"] - 20e9 / 11e-3 / 1e9) < 1e-9 and abs(t["fraction_of_floor"] - 6 / 11) < 1e-12
+  assert "ratio_to_baseline" not in merged[4]  # an errored baseline keeps its error, no ratio
+  report.validate(report.make_results({"device_kind": "x", "platform": "gpu", "size": "full",
+                                       "jax": "0.11.2"}, {}, merged, {}))
+
+
+def test_torch_tree_split_matches_the_muon_case():
+  tb = _torch_baselines_module()
+  leaves = list(tb._leaves(workloads.llama_shapes()))
+  assert len(leaves) == 147
+  assert sum(tb._is_muon_matrix(p, s) for p, s in leaves) == 112  # q/k/v/o, gate/up/down x 16
