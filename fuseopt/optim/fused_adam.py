@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from fuseopt import kernels
+from fuseopt.optim import _checks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,13 +60,11 @@ def _canon_dtype(dtype, name):
   return dtype
 
 
-def _check_hyper(b1, b2, eps, eps_root):
-  for name, v in (("b1", b1), ("b2", b2)):
-    if isinstance(v, (int, float)) and not 0.0 <= v < 1.0:
-      raise ValueError(f"{name} must be in [0, 1), got {v}")
-  for name, v in (("eps", eps), ("eps_root", eps_root)):
-    if isinstance(v, (int, float)) and v < 0.0:
-      raise ValueError(f"{name} must be >= 0, got {v}")
+def _check_hyper(b1, b2, eps, eps_root, owner="scale_by_adam"):
+  _checks.check_decay(owner, "b1", b1)
+  _checks.check_decay(owner, "b2", b2)
+  _checks.check_nonnegative(owner, "eps", eps)
+  _checks.check_nonnegative(owner, "eps_root", eps_root)
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
@@ -153,6 +152,7 @@ def adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9
     b1, b2, eps, eps_root, mu_dtype, nesterov: as in :func:`optax.adam`.
     moment_dtype, seed, implementation: see :func:`scale_by_adam`.
   """
+  _checks.check_rate("adam", "learning_rate", learning_rate)
   chain = optax.chain(
       scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov,
                     moment_dtype=moment_dtype, seed=seed, implementation=implementation),
@@ -184,6 +184,8 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
     b1, b2, eps, eps_root, mu_dtype, nesterov: as in :func:`optax.adamw`.
     moment_dtype, seed, implementation: see :func:`scale_by_adam`.
   """
+  _checks.check_rate("adamw", "learning_rate", learning_rate)
+  _checks.check_rate("adamw", "weight_decay", weight_decay)
   chain = optax.chain(
       scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov,
                     moment_dtype=moment_dtype, seed=seed, implementation=implementation),

@@ -34,6 +34,7 @@ import optax
 from optax.transforms import _masking
 
 from fuseopt import kernels
+from fuseopt.optim import _checks
 from fuseopt.optim import fused_adam
 from fuseopt.optim import matrix_views
 from fuseopt.optim.matrix_views import DIMENSION_NUMBER_TYPES, MatrixViews, MuonDimensionNumbers
@@ -424,6 +425,12 @@ def muon(
   gradient and it gets one optimizer state. Two leaves holding the same
   array are two parameters to optax and to fuseopt.
   """
+  for name, rate in (("learning_rate", learning_rate), ("adam_learning_rate", adam_learning_rate),
+                     ("weight_decay", weight_decay), ("adam_weight_decay", adam_weight_decay)):
+    _checks.check_rate("muon", name, rate)
+  for name, decay in (("beta", beta), ("adam_b1", adam_b1), ("adam_b2", adam_b2)):
+    _checks.check_decay("muon", name, decay)
+  _checks.check_nonnegative("muon", "eps", eps)
   if adam_learning_rate is None:
     adam_learning_rate = learning_rate
 
