@@ -25,12 +25,24 @@ Backends:
   shared index array (shared/ANCHORS.md: a shared per-axis index cost 235 MB
   of temporaries on the 1.2 B tree);
 - ``triton``: a 1-D grid over the flattened leaf, ``block`` elements a
-  program (power of two), ragged tail masked;
+  program (power of two), ragged tail masked. :func:`adam_update_tree` runs
+  the leaves of one dtype signature in one launch (at most
+  ``TritonGroupConfig.max_leaves_per_launch``): each leaf its own operand and
+  in-place output, a 1-D grid over the sum of their block counts, program
+  ``i`` updating leaf ``k``'s block ``i - starts[k]`` with that leaf's own
+  flat index, so the bits are the per-leaf kernel's;
 - ``mosaic_tpu``: the leaf viewed as ``(rows, 128)``, at most ``block_rows``
   rows a grid step, the block dividing the rows (or the whole leaf). Leaves
   whose size is not a multiple of 128, or whose row count has no multiple of
   16 up to ``block_rows`` as divisor, run the reference (on LLM trees these
-  are at most biases and norms: small).
+  are at most biases and norms: small). One launch per leaf: Mosaic's
+  pipeline copies each output block it holds back to HBM (when its index
+  changes and when the grid, or a core's share of it, ends), written or not,
+  so in a grouped launch the clamped block of a leaf that a core's steps
+  never update would be overwritten with an uninitialised VMEM buffer (a
+  race with the core that does update it where the grid is split between
+  cores), and every leaf's blocks would sit in VMEM at once. Grouping there
+  needs ``memory_space=pl.ANY`` operands and manual DMA.
 
 Non-finite gradients propagate as in optax: an element whose gradient is NaN
 gets NaN mu, nu and parameter; ``+-Inf`` gives ``mu = +-Inf``, ``nu = +Inf``
@@ -41,6 +53,7 @@ builder's job.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -193,6 +206,128 @@ def _adam_triton(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, i
       interpret=interpret,
       name="fuseopt_adam_update",
   )(scalars, seeds, *arrays)
+
+
+# ---------------------------------------------------------- triton, grouped --
+# One launch over a list of leaves (shared/ANCHORS.md: 147 per-leaf launches
+# cost about 15% of the step on the 1.2 B tree, each kernel's ramp-up and
+# drain repeated). The leaves stay where they are: each is its own operand and
+# in-place output, the 1-D grid runs over the sum of their block counts, and
+# program ``i`` works on leaf ``k`` where ``starts[k] <= i < starts[k + 1]``.
+@dataclasses.dataclass(frozen=True)
+class TritonGroupConfig:
+  """Tiling of a grouped launch: ``block`` elements a program, ``num_warps``,
+  and at most ``max_leaves_per_launch`` leaves a launch (the kernel body holds
+  one unrolled branch per leaf, so this bounds the kernel's code size)."""
+  block: int = 1024
+  num_warps: int = 8
+  max_leaves_per_launch: int = 16
+
+  def __post_init__(self):
+    TritonConfig(self.block, self.num_warps)  # same checks
+    if not 1 <= self.max_leaves_per_launch <= 64:
+      raise ValueError(f"max_leaves_per_launch must be in [1, 64], got "
+                       f"{self.max_leaves_per_launch}")
+
+
+# Block 4096 failed at run time inside XLA's CUDA graph for per-leaf kernels
+# (shared/ANCHORS.md): in the space, to be measured on the device, never in
+# the heuristic.
+TRITON_GROUP_SEARCH_SPACE = tuple(TritonGroupConfig(b, w, k) for b in (512, 1024, 2048, 4096)
+                                  for w in (4, 8) for k in (8, 16))
+
+
+def triton_group_heuristic(sizes) -> TritonGroupConfig:
+  # Block 1024 / 8 warps: the per-leaf kernel's measured best on the H200;
+  # a group of tiny leaves gets one small block, as triton_heuristic does.
+  c = triton_heuristic(max(sizes, default=1))
+  return TritonGroupConfig(block=c.block, num_warps=c.num_warps, max_leaves_per_launch=16)
+
+
+def _triton_group_kernel(s_ref, seed_ref, *refs, block, starts, nesterov, apply):
+  n_leaves = len(starts) - 1
+  n_in = 4 if apply else 3
+  ins, outs = refs[:n_in * n_leaves], refs[n_in * n_leaves:]
+  i = pl.program_id(0)
+  for k in range(n_leaves):
+    lo, hi = starts[k], starts[k + 1]
+
+    # Unrolled branches: only leaf k's refs are touched in its programs; the
+    # other leaves' (clamped) blocks are neither loaded nor stored.
+    @pl.when((i >= lo) & (i < hi))
+    def _(k=k, lo=lo):
+      s = lambda j: s_ref[k * N_SCALARS + j]
+      f32 = lambda r: r[...].astype(jnp.float32)
+      leaf = ins[n_in * k:n_in * (k + 1)]
+      p32 = f32(leaf[0]) if apply else None
+      g_ref, mu_ref, nu_ref = leaf[-3:]
+      out, mu_new, nu_new = _adam_math(s, p32, f32(g_ref), f32(mu_ref), f32(nu_ref),
+                                       nesterov=nesterov, apply=apply)
+      # The leaf's own flat index: the same bits as its per-leaf kernel.
+      index = ((i - lo) * block).astype(jnp.uint32) + jax.lax.iota(jnp.uint32, block)
+      o_ref, mu_out, nu_out = outs[3 * k:3 * (k + 1)]
+      seed = lambda j: seed_ref[k * N_SEEDS + j]
+      o_ref[...] = _store(out, o_ref.dtype, index, seed(0))
+      mu_out[...] = _store(mu_new, mu_out.dtype, index, seed(1))
+      nu_out[...] = _store(nu_new, nu_out.dtype, index, seed(2))
+
+
+def _adam_triton_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config, interpret):
+  """One launch over flat leaves of one dtype signature.
+
+  ``scalars``: ``(K, N_SCALARS)`` fp32 rows, ``seeds``: ``(K, N_SEEDS)``
+  uint32 rows, one per leaf; ``ps`` is ``None`` for the direction-only mode.
+  """
+  from jax.experimental.pallas import triton as plgpu
+  block = config.block
+  apply = ps is not None
+  n_leaves = len(gs)
+  sizes = [g.shape[0] for g in gs]
+  starts = [0]
+  for n in sizes:
+    starts.append(starts[-1] + pl.cdiv(n, block))
+
+  def leaf_spec(lo, nblocks):
+    # Outside its own programs a leaf's block index is clamped into range, so
+    # every address the lowering forms stays inside the leaf.
+    return pl.BlockSpec((block,), lambda i: (jnp.clip(i - lo, 0, nblocks - 1),))
+
+  specs = [leaf_spec(starts[k], starts[k + 1] - starts[k]) for k in range(n_leaves)]
+  # Triton block shapes are powers of two: pad the per-leaf rows.
+  rows = pl.next_power_of_2(n_leaves)
+  pad = lambda a: jnp.pad(a, ((0, rows - n_leaves), (0, 0))).reshape(-1)
+  scalars, seeds = pad(scalars), pad(seeds)
+  n_in = 4 if apply else 3
+  arrays, in_specs, out_shape, out_specs, aliases = [], [], [], [], {}
+  for k in range(n_leaves):
+    leaf = (ps[k], gs[k], mus[k], nus[k]) if apply else (gs[k], mus[k], nus[k])
+    arrays += leaf
+    in_specs += [specs[k]] * n_in
+    first = 2 + n_in * k
+    out_dtype = leaf[0].dtype
+    out_shape += [jax.ShapeDtypeStruct((sizes[k],), out_dtype),
+                  jax.ShapeDtypeStruct((sizes[k],), mus[k].dtype),
+                  jax.ShapeDtypeStruct((sizes[k],), nus[k].dtype)]
+    out_specs += [specs[k]] * 3
+    # As in _adam_triton: params and moments in place, the direction fresh.
+    if apply:
+      aliases.update({first: 3 * k, first + 2: 3 * k + 1, first + 3: 3 * k + 2})
+    else:
+      aliases.update({first + 1: 3 * k + 1, first + 2: 3 * k + 2})
+  outs = pl.pallas_call(
+      functools.partial(_triton_group_kernel, block=block, starts=tuple(starts),
+                        nesterov=nesterov, apply=apply),
+      out_shape=tuple(out_shape),
+      grid=(starts[-1],),
+      in_specs=[pl.BlockSpec((rows * N_SCALARS,), lambda i: (0,)),
+                pl.BlockSpec((rows * N_SEEDS,), lambda i: (0,))] + in_specs,
+      out_specs=tuple(out_specs),
+      input_output_aliases=aliases,
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
+      interpret=interpret,
+      name="fuseopt_adam_update_group",
+  )(scalars, seeds, *arrays)
+  return [tuple(outs[3 * k:3 * (k + 1)]) for k in range(n_leaves)]
 
 
 # -------------------------------------------------------------- mosaic_tpu --
@@ -403,14 +538,25 @@ def adam_update_reference(params, grads, mu, nu, *, count, learning_rate=0.0, b1
 
 def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0.999,
                      eps=1e-8, eps_root=0.0, weight_decay=0.0, nesterov=False, seed=0,
-                     implementation=None, interpret=False, config=None):
+                     implementation=None, interpret=False, config=None, group=True):
   """:func:`adam_update` over lists of leaves sharing one step's scalars.
 
   ``params`` is a list of arrays or ``None`` (direction only);
   ``weight_decay`` a scalar or a list with one value per leaf (0 where masked).
-  Leaf ``i`` rounds with ``adam_seeds(seed, count, i)``. One kernel per leaf:
-  on the 1.2 B tree (147 leaves) the launches cost about 15% over one flat
-  buffer (shared/ANCHORS.md).
+  Leaf ``i`` rounds with ``adam_seeds(seed, count, i)``.
+
+  Launches: with the ``triton`` implementation and ``group=True`` (the
+  default) the leaves of one dtype signature (params, grads, mu, nu) share one
+  kernel launch, at most ``config.max_leaves_per_launch`` leaves a launch
+  (``config``: a :class:`TritonGroupConfig`), each leaf read and written in
+  place where it lies; per-leaf launches cost about 15% over one flat buffer
+  on the 1.2 B tree (147 leaves, shared/ANCHORS.md). The bits are those of
+  the per-leaf kernels. ``group=False`` (for measurement) and the other
+  implementations run one kernel per leaf (``config``: a
+  :class:`TritonConfig` / :class:`MosaicConfig`). Mosaic TPU stays per leaf
+  (module docstring): its pipeline writes back the output blocks it holds,
+  written or not, so another leaf's clamped, unwritten block would overwrite
+  that leaf's memory.
 
   Returns:
     Three lists: new params (or updates), new mu, new nu.
@@ -423,20 +569,43 @@ def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9,
   wds = weight_decay if isinstance(weight_decay, (list, tuple)) else [weight_decay] * n
   apply = params is not None
   impl = _backend.resolve_implementation(OP_NAME, implementation, list(grads))
+  grouped = impl == "triton" and group
+  if grouped and config is not None and not isinstance(config, TritonGroupConfig):
+    raise TypeError(f"adam_update: config must be a TritonGroupConfig for grouped triton "
+                    f"launches (or pass group=False), got {config!r}")
   base = None
-  outs = ([], [], [])
+  outs = ([None] * n, [None] * n, [None] * n)
+  groups = {}  # dtype signature -> leaves, in tree order
   for i in range(n):
     g = jnp.asarray(grads[i])
     p = jnp.asarray(params[i]) if apply else None
-    _check(p, g, mu[i], nu[i])
+    m, v = jnp.asarray(mu[i]), jnp.asarray(nu[i])
+    _check(p, g, m, v)
     key = wds[i] if isinstance(wds[i], (int, float)) else id(wds[i])
     if base is None or base[0] != key:
       base = (key, adam_scalars(count=count, learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
                                 eps_root=eps_root, weight_decay=wds[i] if apply else 0.0,
                                 nesterov=nesterov))
-    r = _run(impl, base[1], adam_seeds(seed, count, i), p, g, jnp.asarray(mu[i]),
-             jnp.asarray(nu[i]), nesterov=nesterov, out_dtype=(p if apply else g).dtype,
-             interpret=interpret, config=config)
-    for lst, v in zip(outs, r):
-      lst.append(v)
-  return outs
+    seeds = adam_seeds(seed, count, i)
+    if grouped and g.size:
+      sig = (p.dtype if apply else None, g.dtype, m.dtype, v.dtype)
+      groups.setdefault(sig, []).append((i, base[1], seeds, p, g, m, v))
+      continue
+    r = _run(impl, base[1], seeds, p, g, m, v, nesterov=nesterov,
+             out_dtype=(p if apply else g).dtype, interpret=interpret, config=config)
+    for lst, x in zip(outs, r):
+      lst[i] = x
+  for members in groups.values():
+    cfg = config or triton_group_heuristic([m[4].size for m in members])
+    step = cfg.max_leaves_per_launch
+    for c in range(0, len(members), step):
+      chunk = members[c:c + step]
+      flat = lambda j: [m[j].reshape(-1) for m in chunk]
+      res = _adam_triton_group(
+          jnp.stack([m[1] for m in chunk]), jnp.stack([m[2] for m in chunk]),
+          flat(3) if apply else None, flat(4), flat(5), flat(6), nesterov=nesterov,
+          config=cfg, interpret=_backend.interpret_arg(impl, interpret))
+      for m, r in zip(chunk, res):
+        for lst, x in zip(outs, r):
+          lst[m[0]] = x.reshape(m[4].shape)
+  return tuple(list(o) for o in outs)

@@ -144,15 +144,19 @@ def test_step_rejects_a_traced_mask():
 
 
 @pytest.mark.parametrize("target", harness.TARGETS, ids=harness.TARGET_IDS)
-def test_step_lowers_to_one_kernel_per_leaf_on_accelerators(target):
+@pytest.mark.parametrize("group", (True, False))
+def test_step_lowers_to_in_place_kernels_on_accelerators(target, group):
   """On a GPU/TPU the fused step calls the Pallas kernel, writing in place."""
   s = lambda *shape, dt=F32: jax.ShapeDtypeStruct(shape, dt)
   params = {"a": s(256, 384), "b": s(1024, dt=BF16), "c": s(37)}
   tx = fo.adamw(optax.linear_schedule(1e-3, 0.0, 100), weight_decay=0.1, nesterov=True)
   state = jax.eval_shape(tx.init, params)
   grads = jax.tree.map(lambda x: s(*x.shape, dt=BF16), params)
-  text = harness.lower_for(target, lambda p, st, g: fo.step(tx, g, st, p), params, state, grads)
+  text = harness.lower_for(target, lambda p, st, g: fo.step(tx, g, st, p, group=group),
+                           params, state, grads)
   calls = text.count("tpu_custom_call") if target.platform == "tpu" else text.count("__gpu$xla.gpu.triton")
-  # TPU: the 37-element leaf is not a multiple of 128 and runs the reference.
-  assert calls == (2 if target.platform == "tpu" else 3), calls
+  # TPU: one kernel per leaf, grouped or not; the 37-element leaf is not a
+  # multiple of 128 and runs the reference. GPU: grouped, the two fp32 leaves
+  # share a launch and the bf16 one has its own; else one launch per leaf.
+  assert calls == (2 if target.platform == "tpu" or group else 3), calls
   assert "output_operand_aliases" in text
