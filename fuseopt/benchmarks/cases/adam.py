@@ -18,7 +18,9 @@ step's minimal traffic: read p, g 4+4, mu, nu 2+2, write p 4, mu, nu 2+2):
 - ``fuseopt_step``: :func:`fuseopt.optim.step`, the fused in-place kernel
   (target <= 0.63x the baseline, about 7.2 ms on the H200);
 - ``fuseopt_step[xla]`` (accelerators): the same forced to the plain-jnp
-  implementation, to choose the default implementation per platform.
+  implementation, to choose the default implementation per platform;
+- ``fuseopt_step[per_leaf]`` (accelerators): one kernel launch per leaf
+  instead of grouped launches, to measure what grouping buys.
 
 Case ``llama1.2b_bf16_params`` (bf16 params and grads; 14 B/param): the
 fused step (target <= 0.44x optax fp32) and its xla form, against the same
@@ -49,7 +51,7 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 
 BYTES_PER_PARAM = {
     "optax_adamw_fp32": 28, "optax_adamw_mu_bf16": 24, "fuseopt_adamw[drop_in]": 20,
-    "fuseopt_step": 20, "fuseopt_step[xla]": 20,
+    "fuseopt_step": 20, "fuseopt_step[xla]": 20, "fuseopt_step[per_leaf]": 20,
 }
 
 
@@ -67,13 +69,17 @@ def _optimizers(platform):
   }
   if _accel(platform):
     opts["fuseopt_step[xla]"] = (fo.adamw(LR, weight_decay=WD, implementation="xla"), True)
+    # One launch per leaf instead of grouped launches: measures what grouping buys.
+    opts["fuseopt_step[per_leaf]"] = (fo.adamw(LR, weight_decay=WD), "per_leaf")
   return opts
 
 
 def step_fn(tx, fused):
+  """``fused``: False (update + apply), True (fuseopt.optim.step) or
+  ``"per_leaf"`` (fuseopt.optim.step without grouped launches)."""
   if fused:
     def step(params, state, grads):
-      return fo.step(tx, grads, state, params)
+      return fo.step(tx, grads, state, params, group=fused != "per_leaf")
   else:
     def step(params, state, grads):
       updates, state = tx.update(grads, state, params)
