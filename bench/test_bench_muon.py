@@ -2,7 +2,6 @@
 tree (1.20 B on a GPU/TPU, scaled down on the CPU); every variant of
 fuseopt.benchmarks.cases.muon, with XLA's temp memory in ``extra_info``."""
 
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +11,7 @@ from benchutil import CaseTable
 
 from fuseopt.benchmarks import workloads
 
-muon_cases = importlib.import_module("fuseopt.benchmarks.cases.muon")
+from fuseopt.benchmarks.cases import muon as muon_cases  # noqa: E402
 
 TABLE = CaseTable(muon_cases.cases)
 _CASES = TABLE.by_size
@@ -32,7 +31,7 @@ def test_fuseopt_muon_step_lowers(platform):
   from tests.kernels import harness
   impl = "triton" if platform == "gpu" else "mosaic_tpu"
   target = harness.targets_for(impl)[0]
-  fmuon = importlib.import_module("fuseopt.optim.fused_muon")
+  from fuseopt.optim import fused_muon as fmuon
   tx = fmuon.muon(learning_rate=0.02, coeffs="jordan", implementation=impl,
                   muon_weight_dimension_numbers=muon_cases.muon_dims)
   struct = workloads.llama_tree_cpu(jnp.float32, abstract=True)

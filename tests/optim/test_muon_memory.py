@@ -7,7 +7,6 @@ matrices at once (the batched NS input and its result), and must stay
 below optax.contrib.muon's temp memory.
 """
 
-import importlib
 import math
 
 import jax
@@ -15,7 +14,7 @@ import jax.numpy as jnp
 
 from fuseopt.benchmarks import core, workloads
 
-cases = importlib.import_module("fuseopt.benchmarks.cases.muon")
+from fuseopt.benchmarks.cases import muon as cases  # noqa: E402
 
 
 def _temp_bytes(tx, struct, gdtype=jnp.float32):

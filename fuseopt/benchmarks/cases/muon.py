@@ -28,8 +28,6 @@ check compares each variant's parameter change with optax's fp32 one
 
 from __future__ import annotations
 
-import importlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,34 +35,32 @@ import optax
 
 from fuseopt.benchmarks import workloads
 from fuseopt.benchmarks.core import Case
-
-fmuon = importlib.import_module("fuseopt.optim.fused_muon")
+from fuseopt.optim import fused_muon as fmuon
 
 LR = 0.02
 WD = 0.1
 COEFFS = (3.4445, -4.7750, 2.0315)
 
 
-def muon_dims(params, cls=fmuon.MuonDimensionNumbers):
+def muon_dims(params):
   """Muon for the layers' 2-D matrices, AdamW (None) for the rest."""
   def pick(path, x):
     name = jax.tree_util.keystr(path)
     if len(x.shape) == 2 and "embed" not in name and "lm_head" not in name:
-      return cls(0, 1)
+      return fmuon.MuonDimensionNumbers(0, 1)  # optax's class: both Muons accept it
     return None
   return jax.tree_util.tree_map_with_path(pick, params)
 
 
 def optimizers() -> dict:
   """label -> (optax transformation, grads dtype)."""
-  optax_dims = lambda p: muon_dims(p, optax.contrib.MuonDimensionNumbers)
   common = dict(learning_rate=LR, weight_decay=WD, muon_weight_dimension_numbers=muon_dims)
   return {
       "optax_muon": (optax.contrib.muon(learning_rate=LR, weight_decay=WD, ns_coeffs=COEFFS,
-                                        muon_weight_dimension_numbers=optax_dims), jnp.float32),
+                                        muon_weight_dimension_numbers=muon_dims), jnp.float32),
       "optax_muon_bf16": (optax.contrib.muon(learning_rate=LR, weight_decay=WD, ns_coeffs=COEFFS,
                                              mu_dtype=jnp.bfloat16,
-                                             muon_weight_dimension_numbers=optax_dims), jnp.bfloat16),
+                                             muon_weight_dimension_numbers=muon_dims), jnp.bfloat16),
       "fuseopt_muon": (fmuon.muon(coeffs="jordan", **common), jnp.float32),
       "fuseopt_muon[gram]": (fmuon.muon(coeffs="jordan", gram="auto", **common), jnp.float32),
       "fuseopt_muon[calls<=2^25]": (fmuon.muon(coeffs="jordan", ns_max_elements=1 << 25, **common),
