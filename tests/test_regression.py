@@ -32,14 +32,13 @@ def test_figures_are_deterministic(current):
 
 
 def test_wallclock_ratios_are_reported_not_enforced():
-  ratios = regression.wallclock(["stochastic_round"], iters=2)
+  ratios = regression.wallclock(iters=3)
   assert ratios and all(math.isfinite(r) and r > 0 for r in ratios.values())
   lines = regression.compare_wallclock(ratios, regression.load_baseline())
-  print("\n".join(lines))
   assert len(lines) == len(ratios)
-  for line in lines:  # surfaces in CI's warnings summary; never fails the run
-    if "SLOWER" in line:
-      warnings.warn(f"CPU wall-clock (noise margin {regression.WALLCLOCK_NOISE:.0%}): {line}", stacklevel=1)
+  # One warning with every ratio: it shows in CI's warnings summary, and never fails the run.
+  warnings.warn("CPU wall-clock, time / optax baseline of the same run (report only, noise margin "
+                f"{regression.WALLCLOCK_NOISE:.0%}):\n" + "\n".join(lines), stacklevel=1)
 
 
 def _base(figures):
