@@ -16,6 +16,7 @@ _EXPORTS = {
     "adam_update_reference": "fuseopt.kernels.adam",
     "adam_update_tree": "fuseopt.kernels.adam",
     "newton_schulz": "fuseopt.kernels.ns.newton_schulz",
+    "JORDAN": "fuseopt.kernels.ns.newton_schulz",
     "newton_schulz_reference": "fuseopt.kernels.ns.newton_schulz",
 }
 

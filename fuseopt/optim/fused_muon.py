@@ -41,7 +41,8 @@ from fuseopt.optim.matrix_views import DIMENSION_NUMBER_TYPES, MatrixViews, Muon
 
 __all__ = ["MuonDimensionNumbers", "MatrixViews", "MuonState", "scale_by_muon", "muon"]
 
-JORDAN_COEFFS = (3.4445, -4.7750, 2.0315)
+# Keller Jordan's triple, optax.contrib.muon's default ns_coeffs.
+JORDAN_COEFFS = kernels.JORDAN
 # Most matrix elements per Newton-Schulz call (see scale_by_muon).
 DEFAULT_NS_MAX_ELEMENTS = 1 << 27
 _DION_COEFFS = (

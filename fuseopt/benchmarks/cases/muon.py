@@ -39,7 +39,7 @@ from fuseopt.optim import fused_muon as fmuon
 
 LR = 0.02
 WD = 0.1
-COEFFS = (3.4445, -4.7750, 2.0315)
+COEFFS = fmuon.JORDAN_COEFFS
 
 
 def muon_dims(params):
