@@ -63,6 +63,7 @@ from jax.experimental import pallas as pl
 from fuseopt.kernels import _backend
 from fuseopt.kernels import counter_hash
 from fuseopt.kernels import _elementwise
+from fuseopt.kernels import sharding as sharding_lib
 from fuseopt.kernels._elementwise import LANES, MosaicConfig, TritonConfig, triton_heuristic
 
 OP_NAME = "adam_update"
@@ -70,7 +71,8 @@ OP_NAME = "adam_update"
 # Layout of the fp32 scalar vector handed to every backend.
 NEG_LR, B1, OMB1, B2, OMB2, EPS, EPS_ROOT, BC1, BC2, BC1_NEXT, WD = range(11)
 N_SCALARS = 16   # padded to a power of two (Triton block shapes)
-N_SEEDS = 4      # seeds: param, mu, nu, unused
+N_SEEDS = 4      # uint32s: the param, mu and nu seeds, then the leaf's global index base
+SEED_BASE = 3    # (sharding: the shard's first element's global flat index)
 
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -129,7 +131,8 @@ def _store_mosaic(x32, dtype, index, seed):
 
 
 # --------------------------------------------------------------- reference --
-def _reference(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, order_for_in_place=False):
+def _reference(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, order_for_in_place=False,
+               index_map=None):
   s = lambda k: scalars[k]
   apply = p is not None
   f32 = lambda x: x.astype(jnp.float32)
@@ -138,7 +141,8 @@ def _reference(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, order_for_i
   shape = g.shape
   # A fresh flat iota per rounding: XLA fuses each into its consumer rather
   # than materialising one shared index array (shared/ANCHORS.md).
-  idx = lambda: jax.lax.iota(jnp.uint32, g.size).reshape(shape)
+  idx = lambda: sharding_lib.global_index(jax.lax.iota(jnp.uint32, g.size).reshape(shape),
+                                          index_map, seeds[SEED_BASE])
   out = _store(out, out_dtype, idx(), seeds[0] if apply else jnp.uint32(0))
   if order_for_in_place:
     # XLA's CPU backend emits the three outputs as three loop fusions, each
@@ -170,16 +174,18 @@ def _kernel_body(s_ref, refs, *, nesterov, apply):
 
 
 # ------------------------------------------------------------------ triton --
-def _triton_kernel(s_ref, seed_ref, *refs, block, nesterov, apply):
+def _triton_kernel(s_ref, seed_ref, *refs, block, nesterov, apply, index_map):
   out, mu_new, nu_new, (o_ref, mu_out, nu_out) = _kernel_body(s_ref, refs, nesterov=nesterov,
                                                               apply=apply)
-  index = _elementwise.triton_flat_index(block)
+  index = sharding_lib.global_index(_elementwise.triton_flat_index(block), index_map,
+                                    seed_ref[SEED_BASE])
   o_ref[...] = _store(out, o_ref.dtype, index, seed_ref[0])
   mu_out[...] = _store(mu_new, mu_out.dtype, index, seed_ref[1])
   nu_out[...] = _store(nu_new, nu_out.dtype, index, seed_ref[2])
 
 
-def _adam_triton(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpret):
+def _adam_triton(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpret,
+                 index_map=None):
   from jax.experimental.pallas import triton as plgpu
   (n,) = g.shape
   block = config.block
@@ -193,7 +199,8 @@ def _adam_triton(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, i
   aliases = ({first: 0, first + 2: 1, first + 3: 2} if apply
              else {first + 1: 1, first + 2: 2})
   return pl.pallas_call(
-      functools.partial(_triton_kernel, block=block, nesterov=nesterov, apply=apply),
+      functools.partial(_triton_kernel, block=block, nesterov=nesterov, apply=apply,
+                        index_map=index_map),
       out_shape=(jax.ShapeDtypeStruct((n,), out_dtype),
                  jax.ShapeDtypeStruct((n,), mu.dtype),
                  jax.ShapeDtypeStruct((n,), nu.dtype)),
@@ -244,7 +251,7 @@ def triton_group_heuristic(sizes) -> TritonGroupConfig:
   return TritonGroupConfig(block=c.block, num_warps=c.num_warps, max_leaves_per_launch=16)
 
 
-def _triton_group_kernel(s_ref, seed_ref, *refs, block, starts, nesterov, apply):
+def _triton_group_kernel(s_ref, seed_ref, *refs, block, starts, nesterov, apply, index_maps):
   n_leaves = len(starts) - 1
   n_in = 4 if apply else 3
   ins, outs = refs[:n_in * n_leaves], refs[n_in * n_leaves:]
@@ -264,15 +271,17 @@ def _triton_group_kernel(s_ref, seed_ref, *refs, block, starts, nesterov, apply)
       out, mu_new, nu_new = _adam_math(s, p32, f32(g_ref), f32(mu_ref), f32(nu_ref),
                                        nesterov=nesterov, apply=apply)
       # The leaf's own flat index: the same bits as its per-leaf kernel.
-      index = ((i - lo) * block).astype(jnp.uint32) + jax.lax.iota(jnp.uint32, block)
-      o_ref, mu_out, nu_out = outs[3 * k:3 * (k + 1)]
       seed = lambda j: seed_ref[k * N_SEEDS + j]
+      local = ((i - lo) * block).astype(jnp.uint32) + jax.lax.iota(jnp.uint32, block)
+      index = sharding_lib.global_index(local, index_maps[k], seed(SEED_BASE))
+      o_ref, mu_out, nu_out = outs[3 * k:3 * (k + 1)]
       o_ref[...] = _store(out, o_ref.dtype, index, seed(0))
       mu_out[...] = _store(mu_new, mu_out.dtype, index, seed(1))
       nu_out[...] = _store(nu_new, nu_out.dtype, index, seed(2))
 
 
-def _adam_triton_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config, interpret):
+def _adam_triton_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config, interpret,
+                       index_maps=None):
   """One launch over flat leaves of one dtype signature.
 
   ``scalars``: ``(K, N_SCALARS)`` fp32 rows, ``seeds``: ``(K, N_SEEDS)``
@@ -316,7 +325,8 @@ def _adam_triton_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config, in
       aliases.update({first + 1: 3 * k + 1, first + 2: 3 * k + 2})
   outs = pl.pallas_call(
       functools.partial(_triton_group_kernel, block=block, starts=tuple(starts),
-                        nesterov=nesterov, apply=apply),
+                        nesterov=nesterov, apply=apply,
+                        index_maps=tuple(index_maps or (None,) * n_leaves)),
       out_shape=tuple(out_shape),
       grid=(starts[-1],),
       in_specs=[pl.BlockSpec((rows * N_SCALARS,), lambda i: (0,)),
@@ -334,8 +344,9 @@ def _adam_triton_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config, in
 def _mosaic_kernel(s_ref, seed_ref, *refs, block_rows, nesterov, apply):
   out, mu_new, nu_new, (o_ref, mu_out, nu_out) = _kernel_body(s_ref, refs, nesterov=nesterov,
                                                               apply=apply)
-  index = _elementwise.mosaic_flat_index(block_rows)
   seed = lambda k: seed_ref[k].astype(jnp.uint32)
+  # Contiguous leaves only (see _run): the global index is base + local.
+  index = seed(SEED_BASE) + _elementwise.mosaic_flat_index(block_rows)
   o_ref[...] = _store_mosaic(out, o_ref.dtype, index, seed(0))
   mu_out[...] = _store_mosaic(mu_new, mu_out.dtype, index, seed(1))
   nu_out[...] = _store_mosaic(nu_new, nu_out.dtype, index, seed(2))
@@ -437,12 +448,16 @@ def _check(p, g, mu, nu):
       raise ValueError(f"adam_update: {name} has shape {a.shape}, expected the gradient's {g.shape}")
 
 
-def _run(impl, scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, interpret, config):
+def _run(impl, scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, interpret, config,
+         index_map=None):
   shape = g.shape
   n = g.size
-  kw = dict(nesterov=nesterov, out_dtype=out_dtype)
+  kw = dict(nesterov=nesterov, out_dtype=out_dtype, index_map=index_map)
   if impl == "mosaic_tpu" and (n % LANES or _mosaic_block_rows(
-      n // LANES, (config or mosaic_heuristic(n)).block_rows) is None):
+      n // LANES, (config or mosaic_heuristic(n)).block_rows) is None
+                               or not sharding_lib.is_contiguous(index_map)):
+    # (Mosaic has no vector integer division to rebuild the global index of
+    # a shard cut along a later axis.)
     impl = "xla"
   if n == 0 or impl == "xla":
     # In the leaf's own shape: a reshape between a donated input and its
@@ -461,6 +476,7 @@ def _run(impl, scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, interpret, 
     config = config or mosaic_heuristic(n)
     if not isinstance(config, MosaicConfig):
       raise TypeError(f"adam_update: config must be a MosaicConfig for mosaic_tpu, got {config!r}")
+    kw.pop("index_map")
     outs = _adam_mosaic(scalars, seeds, p, g, mu, nu, config=config,
                         interpret=_backend.interpret_arg(impl, interpret), **kw)
   return tuple(o.reshape(shape) for o in outs)
@@ -468,7 +484,7 @@ def _run(impl, scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, interpret, 
 
 def adam_update(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0.999,
                 eps=1e-8, eps_root=0.0, weight_decay=0.0, nesterov=False, seed=0,
-                leaf_index=0, implementation=None, interpret=False, config=None):
+                leaf_index=0, sharding=None, implementation=None, interpret=False, config=None):
   r"""One fused Adam/AdamW step of one leaf.
 
   With :math:`t` = ``count`` (the step number after increment, 1 first) and
@@ -501,6 +517,12 @@ def adam_update(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0
     b1, b2, eps, eps_root, nesterov: as in :func:`optax.scale_by_adam`.
     seed: integer scalar mixed into the rounding seeds.
     leaf_index: the leaf's index in its tree (another seed input).
+    sharding: the leaf's placement on an Auto mesh (``NamedSharding`` or
+      ``PartitionSpec``); ``None`` reads it from the type (Explicit axes).
+      On a multi-device mesh the kernel runs shard-local with global
+      indices (:mod:`fuseopt.kernels.sharding`), bitwise the unsharded
+      result; on an Auto mesh without it the reference runs and a warning
+      says so.
     implementation: ``None`` (by platform), ``"xla"``, ``"triton"`` or
       ``"mosaic_tpu"``.
     interpret: run a Pallas backend in interpret mode (CPU debugging).
@@ -523,8 +545,13 @@ def adam_update(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0
                          nesterov=nesterov)
   seeds = adam_seeds(seed, count, leaf_index)
   impl = _backend.resolve_implementation(OP_NAME, implementation, (grads,))
-  return _run(impl, scalars, seeds, params, grads, jnp.asarray(mu), jnp.asarray(nu),
-              nesterov=nesterov, out_dtype=out_dtype, interpret=interpret, config=config)
+  if config is not None and impl == "triton" and not isinstance(config, TritonConfig):
+    raise TypeError(f"adam_update: config must be a TritonConfig for triton, got {config!r}")
+  outs = _update_leaves(impl, [scalars], [seeds], None if params is None else [params], [grads],
+                        [jnp.asarray(mu)], [jnp.asarray(nu)], [sharding], nesterov=nesterov,
+                        interpret=interpret, config=config, group=False, op="adam_update",
+                        argument="sharding=")
+  return tuple(o[0] for o in outs)
 
 
 def adam_update_reference(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9,
@@ -536,9 +563,118 @@ def adam_update_reference(params, grads, mu, nu, *, count, learning_rate=0.0, b1
                      nesterov=nesterov, seed=seed, leaf_index=leaf_index, implementation="xla")
 
 
+def _tree_run(impl, scalars, seeds, ps, gs, mus, nus, *, nesterov, interpret, config, group,
+              index_maps):
+  """Runs leaves that are local to this device (or shard): lists in, lists out."""
+  n = len(gs)
+  apply = ps is not None
+  grouped = impl == "triton" and group
+  outs = ([None] * n, [None] * n, [None] * n)
+  groups = {}  # dtype signature -> leaf positions, in tree order
+  for i in range(n):
+    p, g, m, v = (ps[i] if apply else None), gs[i], mus[i], nus[i]
+    if grouped and g.size:
+      sig = (p.dtype if apply else None, g.dtype, m.dtype, v.dtype)
+      groups.setdefault(sig, []).append(i)
+      continue
+    r = _run(impl, scalars[i], seeds[i], p, g, m, v, nesterov=nesterov,
+             out_dtype=(p if apply else g).dtype, interpret=interpret, config=config,
+             index_map=index_maps[i])
+    for lst, x in zip(outs, r):
+      lst[i] = x
+  for members in groups.values():
+    cfg = config or triton_group_heuristic([gs[i].size for i in members])
+    step = cfg.max_leaves_per_launch
+    for c in range(0, len(members), step):
+      chunk = members[c:c + step]
+      flat = lambda arrays: [arrays[i].reshape(-1) for i in chunk]
+      res = _adam_triton_group(
+          jnp.stack([scalars[i] for i in chunk]), jnp.stack([seeds[i] for i in chunk]),
+          flat(ps) if apply else None, flat(gs), flat(mus), flat(nus), nesterov=nesterov,
+          config=cfg, interpret=_backend.interpret_arg(impl, interpret),
+          index_maps=[index_maps[i] for i in chunk])
+      for i, r in zip(chunk, res):
+        for lst, x in zip(outs, r):
+          lst[i] = x.reshape(gs[i].shape)
+  return outs
+
+
+def _update_leaves(impl, scalars, seeds, ps, gs, mus, nus, shardings, *, nesterov, interpret,
+                   config, group, op, argument):
+  """Places each leaf: kernels on unsharded leaves, shard-local kernels (one
+  ``shard_map`` per mesh) on evenly sharded ones, the reference on the rest."""
+  n = len(gs)
+  apply = ps is not None
+  placements = sharding_lib.resolve_placements(ps if apply else gs, shardings, op=op,
+                                               argument=argument)
+  outs = ([None] * n, [None] * n, [None] * n)
+  run = functools.partial(_tree_run, nesterov=nesterov, interpret=interpret, config=config,
+                          group=group)
+
+  def assign(idx, res):
+    for lst, r in zip(outs, res):
+      for i, x in zip(idx, r):
+        lst[i] = x
+
+  def pick(arrays, idx):
+    return None if arrays is None else [arrays[i] for i in idx]
+
+  def run_here(idx, implementation):
+    if idx:
+      assign(idx, run(implementation, pick(scalars, idx), pick(seeds, idx), pick(ps, idx),
+                      pick(gs, idx), pick(mus, idx), pick(nus, idx),
+                      index_maps=[None] * len(idx)))
+
+  Placement = sharding_lib.Placement
+  run_here([i for i, p in enumerate(placements) if p is sharding_lib.UNSHARDED], impl)
+  # No placement on a multi-device mesh, or an uneven one: the reference, which
+  # XLA partitions (no kernel ever sees a sharded operand).
+  run_here([i for i, p in enumerate(placements)
+            if p is sharding_lib.UNKNOWN or (isinstance(p, Placement)
+                                             and not p.is_even(gs[i].shape))], "xla")
+  meshes = []
+  for i, p in enumerate(placements):
+    if isinstance(p, Placement) and p.is_even(gs[i].shape):
+      for mesh, idx in meshes:
+        if sharding_lib.same_mesh(mesh, p.mesh):
+          idx.append(i)
+          break
+      else:
+        meshes.append((p.mesh, [i]))
+  P = jax.sharding.PartitionSpec
+  for mesh, idx in meshes:
+    specs = [placements[i].spec for i in idx]
+    shapes = [gs[i].shape for i in idx]
+    maps = [sharding_lib.index_map_of(s, placements[i].local_shape(s))
+            for i, s in zip(idx, shapes)]
+
+    def body(s_rows, seed_rows, *leaves, idx=idx, shapes=shapes, maps=maps):
+      bases = jnp.stack([placements[i].base(shape) for i, shape in zip(idx, shapes)])
+      seed_rows = seed_rows.at[:, SEED_BASE].set(bases)
+      k = len(idx)
+      lp = list(leaves[:k]) if apply else None
+      lg, lm, lv = (list(leaves[-3 * k:][j * k:(j + 1) * k]) for j in range(3))
+      return run(impl, list(s_rows), list(seed_rows), lp, lg, lm, lv, index_maps=maps)
+
+    fit = lambda arrays: [sharding_lib.to_spec(arrays[i], placements[i]) for i in idx]
+    leaves = (fit(ps) if apply else []) + fit(gs) + fit(mus) + fit(nus)
+    n_groups = 4 if apply else 3
+    res_p, res_mu, res_nu = sharding_lib.shard_local(
+        body, mesh, (P(), P()) + tuple(specs) * n_groups, (specs, specs, specs))(
+            jnp.stack(pick(scalars, idx)), jnp.stack(pick(seeds, idx)), *leaves)
+    # The moments keep their own placement (the direction follows the grads').
+    res_mu = [sharding_lib.like(y, mus[i]) for y, i in zip(res_mu, idx)]
+    res_nu = [sharding_lib.like(y, nus[i]) for y, i in zip(res_nu, idx)]
+    if not apply:
+      res_p = [sharding_lib.like(y, gs[i]) for y, i in zip(res_p, idx)]
+    assign(idx, (res_p, res_mu, res_nu))
+  return outs
+
+
 def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0.999,
                      eps=1e-8, eps_root=0.0, weight_decay=0.0, nesterov=False, seed=0,
-                     implementation=None, interpret=False, config=None, group=True):
+                     shardings=None, implementation=None, interpret=False, config=None,
+                     group=True):
   """:func:`adam_update` over lists of leaves sharing one step's scalars.
 
   ``params`` is a list of arrays or ``None`` (direction only);
@@ -550,13 +686,19 @@ def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9,
   kernel launch, at most ``config.max_leaves_per_launch`` leaves a launch
   (``config``: a :class:`TritonGroupConfig`), each leaf read and written in
   place where it lies; per-leaf launches cost about 15% over one flat buffer
-  on the 1.2 B tree (147 leaves, shared/ANCHORS.md). The bits are those of
+  on the 1.2 B tree (147 leaves, docs/measurements.md). The bits are those of
   the per-leaf kernels. ``group=False`` (for measurement) and the other
   implementations run one kernel per leaf (``config``: a
   :class:`TritonConfig` / :class:`MosaicConfig`). Mosaic TPU stays per leaf
   (module docstring): its pipeline writes back the output blocks it holds,
   written or not, so another leaf's clamped, unwritten block would overwrite
   that leaf's memory.
+
+  Sharding: ``shardings`` is ``None`` (placements read from the types:
+  Explicit mesh axes) or a list with one ``NamedSharding`` /
+  ``PartitionSpec`` / ``None`` per leaf (Auto axes). Evenly sharded leaves
+  run shard-local inside one ``shard_map`` per mesh (grouped launches still
+  apply, per device), with global indices: bitwise the unsharded result.
 
   Returns:
     Three lists: new params (or updates), new mu, new nu.
@@ -568,44 +710,25 @@ def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9,
     raise ValueError(f"adam_update: mu/nu have {len(mu)}/{len(nu)} leaves, grads has {n}")
   wds = weight_decay if isinstance(weight_decay, (list, tuple)) else [weight_decay] * n
   apply = params is not None
-  impl = _backend.resolve_implementation(OP_NAME, implementation, list(grads))
-  grouped = impl == "triton" and group
-  if grouped and config is not None and not isinstance(config, TritonGroupConfig):
+  grads = [jnp.asarray(g) for g in grads]
+  impl = _backend.resolve_implementation(OP_NAME, implementation, grads)
+  if impl == "triton" and group and config is not None and not isinstance(config,
+                                                                          TritonGroupConfig):
     raise TypeError(f"adam_update: config must be a TritonGroupConfig for grouped triton "
                     f"launches (or pass group=False), got {config!r}")
-  base = None
-  outs = ([None] * n, [None] * n, [None] * n)
-  groups = {}  # dtype signature -> leaves, in tree order
+  ps = [jnp.asarray(p) for p in params] if apply else None
+  mus, nus = [jnp.asarray(m) for m in mu], [jnp.asarray(v) for v in nu]
+  scalars, seeds, base = [], [], None
   for i in range(n):
-    g = jnp.asarray(grads[i])
-    p = jnp.asarray(params[i]) if apply else None
-    m, v = jnp.asarray(mu[i]), jnp.asarray(nu[i])
-    _check(p, g, m, v)
+    _check(ps[i] if apply else None, grads[i], mus[i], nus[i])
     key = wds[i] if isinstance(wds[i], (int, float)) else id(wds[i])
     if base is None or base[0] != key:
       base = (key, adam_scalars(count=count, learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
                                 eps_root=eps_root, weight_decay=wds[i] if apply else 0.0,
                                 nesterov=nesterov))
-    seeds = adam_seeds(seed, count, i)
-    if grouped and g.size:
-      sig = (p.dtype if apply else None, g.dtype, m.dtype, v.dtype)
-      groups.setdefault(sig, []).append((i, base[1], seeds, p, g, m, v))
-      continue
-    r = _run(impl, base[1], seeds, p, g, m, v, nesterov=nesterov,
-             out_dtype=(p if apply else g).dtype, interpret=interpret, config=config)
-    for lst, x in zip(outs, r):
-      lst[i] = x
-  for members in groups.values():
-    cfg = config or triton_group_heuristic([m[4].size for m in members])
-    step = cfg.max_leaves_per_launch
-    for c in range(0, len(members), step):
-      chunk = members[c:c + step]
-      flat = lambda j: [m[j].reshape(-1) for m in chunk]
-      res = _adam_triton_group(
-          jnp.stack([m[1] for m in chunk]), jnp.stack([m[2] for m in chunk]),
-          flat(3) if apply else None, flat(4), flat(5), flat(6), nesterov=nesterov,
-          config=cfg, interpret=_backend.interpret_arg(impl, interpret))
-      for m, r in zip(chunk, res):
-        for lst, x in zip(outs, r):
-          lst[m[0]] = x.reshape(m[4].shape)
-  return tuple(list(o) for o in outs)
+    scalars.append(base[1])
+    seeds.append(adam_seeds(seed, count, i))
+  return tuple(list(o) for o in _update_leaves(
+      impl, scalars, seeds, ps, grads, mus, nus, shardings, nesterov=nesterov,
+      interpret=interpret, config=config, group=group, op="adam_update_tree",
+      argument="shardings="))

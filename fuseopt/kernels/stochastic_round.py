@@ -27,6 +27,7 @@ from fuseopt.kernels import _backend
 from fuseopt.kernels._elementwise import LANES, MosaicConfig, TritonConfig, triton_heuristic
 from fuseopt.kernels import _elementwise
 from fuseopt.kernels import counter_hash
+from fuseopt.kernels import sharding as sharding_lib
 
 OP_NAME = "stochastic_round"
 # ----------------------------------------------------------------- configs --
@@ -41,29 +42,34 @@ def mosaic_heuristic(size: int) -> MosaicConfig:
 
 
 # --------------------------------------------------------------- reference --
-def stochastic_round_reference(x: jax.Array, seed, *, offset=0) -> jax.Array:
-  """The specification: plain jnp over the whole array."""
+def stochastic_round_reference(x: jax.Array, seed, *, offset=0, index_map=None) -> jax.Array:
+  """The specification: plain jnp over the whole array.
+
+  ``index_map`` (:mod:`fuseopt.kernels.sharding`) maps ``x``'s local flat
+  indices to those of the global array ``x`` is a shard of; ``None``: ``x``
+  is contiguous in it, from ``offset`` on.
+  """
   x = jnp.asarray(x)
   seed = jnp.asarray(seed).astype(jnp.uint32)
-  index = jax.lax.iota(jnp.uint32, x.size).reshape(x.shape) if x.ndim else jnp.uint32(0)
-  index = index + jnp.asarray(offset).astype(jnp.uint32)
+  local = jax.lax.iota(jnp.uint32, x.size).reshape(x.shape) if x.ndim else jnp.uint32(0)
+  index = sharding_lib.global_index(local, index_map, jnp.asarray(offset).astype(jnp.uint32))
   return counter_hash.stochastic_round_values(x, index, seed)
 
 
 # ------------------------------------------------------------------ triton --
-def _triton_kernel(scalars_ref, x_ref, o_ref, *, block):
+def _triton_kernel(scalars_ref, x_ref, o_ref, *, block, index_map):
   seed = scalars_ref[0]
   offset = scalars_ref[1]
-  index = offset + _elementwise.triton_flat_index(block)
+  index = sharding_lib.global_index(_elementwise.triton_flat_index(block), index_map, offset)
   o_ref[...] = counter_hash.stochastic_round_values(x_ref[...], index, seed)
 
 
-def _round_triton(flat, scalars, *, config: TritonConfig, interpret):
+def _round_triton(flat, scalars, *, config: TritonConfig, interpret, index_map=None):
   from jax.experimental.pallas import triton as plgpu
   (n,) = flat.shape
   block = config.block
   return pl.pallas_call(
-      functools.partial(_triton_kernel, block=block),
+      functools.partial(_triton_kernel, block=block, index_map=index_map),
       out_shape=jax.ShapeDtypeStruct((n,), jnp.bfloat16),
       grid=(pl.cdiv(n, block),),
       in_specs=[pl.BlockSpec((2,), lambda i: (0,)),
@@ -103,19 +109,52 @@ def _round_mosaic(flat, scalars, *, config: MosaicConfig, interpret):
 
 
 # ------------------------------------------------------------------ public --
-def stochastic_round_bf16(x, seed, *, offset=0, implementation=None,
+def _round_local(x, seed, offset, *, index_map, impl, interpret, config):
+  """Rounds one (local) array whose global indices ``index_map`` gives."""
+  if impl == "mosaic_tpu" and not sharding_lib.is_contiguous(index_map):
+    # Mosaic has no vector integer division to rebuild the global index of a
+    # shard cut along a later axis: the shard-local reference runs instead.
+    impl = "xla"
+  if impl == "xla" or x.size == 0:
+    return stochastic_round_reference(x, seed, offset=offset, index_map=index_map)
+  interp = _backend.interpret_arg(impl, interpret)
+  flat = x.reshape(-1)
+  scalars = jnp.stack([seed, offset])
+  n = flat.shape[0]
+  if impl == "triton":
+    config = config or triton_heuristic(n)
+    out = _round_triton(flat, scalars, config=config, interpret=interp, index_map=index_map)
+  else:
+    config = config or mosaic_heuristic(n)
+    main = (n // LANES) * LANES
+    parts = []
+    if main:
+      parts.append(_round_mosaic(flat[:main], scalars, config=config, interpret=interp))
+    if main < n:
+      parts.append(stochastic_round_reference(flat[main:], seed, offset=offset + jnp.uint32(main)))
+    out = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+  return out.reshape(x.shape)
+
+
+def stochastic_round_bf16(x, seed, *, offset=0, sharding=None, implementation=None,
                           interpret=False, config=None) -> jax.Array:
   """Rounds fp32 ``x`` to bf16 with the counter-hash stochastic rounding.
 
   Element ``i`` (row-major position in ``x``) rounds up with probability
   (discarded fraction) / 2**16, using the low 16 bits of
   ``fmix32((offset + i) * 0x9E3779B1 + seed)``. Rounding a slice with the
-  right ``offset`` gives the same bits as rounding the whole array.
+  right ``offset`` gives the same bits as rounding the whole array, and so
+  does rounding a sharded ``x``: on a multi-device mesh the kernel runs
+  shard-local (:mod:`fuseopt.kernels.sharding`) with ``i`` the global index.
 
   Args:
     x: fp32 array of any shape (bf16 is returned unchanged).
     seed: uint32-convertible scalar.
     offset: index of ``x``'s first element in the logical array it belongs to.
+    sharding: ``x``'s placement when its mesh axes are Auto (a
+      ``NamedSharding`` or a ``PartitionSpec``); ``None`` reads it from
+      ``x``'s type (Explicit axes). On an Auto mesh without it the reference
+      runs (XLA partitions it) and a warning says so.
     implementation: ``None`` (by platform), ``"xla"``, ``"triton"`` or
       ``"mosaic_tpu"``.
     interpret: run a Pallas backend in interpret mode (CPU debugging).
@@ -123,7 +162,7 @@ def stochastic_round_bf16(x, seed, *, offset=0, implementation=None,
       shape heuristic.
 
   Returns:
-    A bf16 array shaped like ``x``.
+    A bf16 array shaped (and sharded) like ``x``.
   """
   x = jnp.asarray(x)
   if x.dtype == jnp.bfloat16:
@@ -135,24 +174,25 @@ def stochastic_round_bf16(x, seed, *, offset=0, implementation=None,
   if seed.ndim or not (jnp.issubdtype(seed.dtype, jnp.integer)):
     raise TypeError(f"stochastic_round_bf16: seed must be an integer scalar, "
                     f"got {seed.dtype}{list(seed.shape)}")
+  seed = seed.astype(jnp.uint32)
+  offset = jnp.asarray(offset).astype(jnp.uint32)
   impl = _backend.resolve_implementation(OP_NAME, implementation, (x,))
-  if impl == "xla" or x.size == 0:
+  run = functools.partial(_round_local, impl=impl, interpret=interpret, config=config)
+  placement = sharding_lib.placement_of(x, sharding, what="stochastic_round_bf16: x")
+  if placement is sharding_lib.UNKNOWN:
+    sharding_lib.warn_unknown("stochastic_round_bf16", "sharding=")
     return stochastic_round_reference(x, seed, offset=offset)
-  interp = _backend.interpret_arg(impl, interpret)
-  flat = x.reshape(-1)
-  scalars = jnp.stack([seed.astype(jnp.uint32), jnp.asarray(offset).astype(jnp.uint32)])
-  n = flat.shape[0]
-  if impl == "triton":
-    config = config or triton_heuristic(n)
-    out = _round_triton(flat, scalars, config=config, interpret=interp)
-  else:
-    config = config or mosaic_heuristic(n)
-    main = (n // LANES) * LANES
-    parts = []
-    if main:
-      parts.append(_round_mosaic(flat[:main], scalars, config=config, interpret=interp))
-    if main < n:
-      parts.append(stochastic_round_reference(
-          flat[main:], seed, offset=jnp.asarray(offset).astype(jnp.uint32) + jnp.uint32(main)))
-    out = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-  return out.reshape(x.shape)
+  if placement is sharding_lib.UNSHARDED:
+    return run(x, seed, offset, index_map=None)
+  if not placement.is_even(x.shape):
+    return stochastic_round_reference(x, seed, offset=offset)
+  index_map = sharding_lib.index_map_of(x.shape, placement.local_shape(x.shape))
+  shape = x.shape
+
+  def body(xl, seed, offset):
+    return run(xl, seed, offset + placement.base(shape), index_map=index_map)
+
+  P = jax.sharding.PartitionSpec
+  out = sharding_lib.shard_local(body, placement.mesh, (placement.spec, P(), P()),
+                                 placement.spec)(sharding_lib.to_spec(x, placement), seed, offset)
+  return sharding_lib.like(out, x)

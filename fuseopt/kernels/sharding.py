@@ -1,0 +1,292 @@
+"""Running fuseopt's elementwise kernels shard-local under ``jax.sharding``.
+
+A Pallas kernel is a custom call, and XLA does not partition custom calls: fed
+a sharded array, it gathers the whole array onto every device first. So on a
+mesh of more than one device every elementwise op of :mod:`fuseopt.kernels`
+runs inside :func:`jax.shard_map`, on the local shard, and the counter hash
+still sees each element's row-major flat index in the **global** array. That
+index is rebuilt inside the kernel from the shard's local flat index with a
+static *index map* and a traced *base*:
+
+* the index map lists ``(extent, global_stride)`` terms, outermost first, for
+  the local shard's axes after merging every unsharded axis into the axis
+  before it: a leaf sharded along its first axis (FSDP rows) or not at all has
+  one term ``(local_size, 1)``, so ``global = base + local``; a leaf sharded
+  along a later axis has one term per sharded axis (plus one in front when
+  the first axis is not sharded), and ``global = base + sum_j ((local //
+  L_j) % E_j) * S_j`` with ``L_j`` the product of the later extents;
+* the base is ``sum_a shard_index_a * local_extent_a * global_stride_a``, from
+  :func:`jax.lax.axis_index` of the mesh axes that shard axis ``a``.
+
+All of it is uint32 arithmetic with wrap-around, as the hash itself: the bits
+equal the unsharded run's for every even PartitionSpec (1-D and 2-D meshes,
+first, middle or last axis, several mesh axes on one array axis, replicated
+leaves).
+
+Where the sharding comes from:
+
+* Explicit mesh axes (sharding in types): ``jax.typeof(x).sharding``;
+  nothing to pass.
+* Auto mesh axes: the type carries the mesh but not the placement, so the
+  caller passes it (``sharding=`` / ``shardings=``: a
+  :class:`~jax.sharding.NamedSharding`, or a
+  :class:`~jax.sharding.PartitionSpec` together with a mesh from
+  :func:`jax.set_mesh` or the array's type). Without it, fuseopt never feeds
+  such an array to a kernel: it runs the op's plain-jnp reference, which XLA
+  partitions like any other elementwise code, and warns once.
+
+A leaf whose shape does not divide evenly by its mesh axes runs the reference
+outside ``shard_map`` (XLA partitions it), bitwise the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+# (extent, global stride) terms, outermost first.
+IndexMap = tuple[tuple[int, int], ...]
+
+
+def contiguous_map(size: int) -> IndexMap:
+  """The index map of an unsharded (or first-axis-sharded) block of ``size`` elements."""
+  return ((int(size), 1),)
+
+
+def is_contiguous(index_map: IndexMap | None) -> bool:
+  return index_map is None or (len(index_map) <= 1 and all(s == 1 for _, s in index_map))
+
+
+def global_index(local: jax.Array, index_map: IndexMap | None, base) -> jax.Array:
+  """uint32 global flat indices of local flat indices ``local`` (uint32)."""
+  base = jnp.asarray(base).astype(jnp.uint32) if not isinstance(base, int) else jnp.uint32(
+      base & 0xFFFFFFFF)
+  if is_contiguous(index_map):
+    return base + local
+  out = None
+  inner = math.prod(e for e, _ in index_map)
+  for j, (extent, stride) in enumerate(index_map):
+    inner //= extent
+    coord = local if inner == 1 else local // jnp.uint32(inner)
+    if j:  # the first coordinate is already below its extent
+      coord = coord % jnp.uint32(extent)
+    term = coord if stride == 1 else coord * jnp.uint32(stride & 0xFFFFFFFF)
+    out = term if out is None else out + term
+  return base + out
+
+
+def _strides(shape: Sequence[int]) -> list[int]:
+  strides, acc = [], 1
+  for d in reversed(shape):
+    strides.append(acc)
+    acc *= int(d)
+  return strides[::-1]
+
+
+def index_map_of(global_shape: Sequence[int], local_shape: Sequence[int]) -> IndexMap:
+  """The index map of a shard of ``local_shape`` inside ``global_shape``."""
+  strides = _strides(global_shape)
+  terms: list[list[int]] = []
+  for d, l, s in zip(global_shape, local_shape, strides):
+    if terms and l == d:
+      terms[-1][0] *= l   # an unsharded axis continues the term before it
+      terms[-1][1] = s
+    else:
+      terms.append([l, s])
+  terms = [t for t in terms if t[0] != 1] or [[1, 1]]
+  return tuple((e, s) for e, s in terms)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where a leaf lives: its mesh and its PartitionSpec (one entry per axis)."""
+  mesh: Any
+  spec: PartitionSpec
+
+  def axis_names(self, a: int) -> tuple[str, ...]:
+    entry = self.spec[a]
+    if entry is None:
+      return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+  def shards(self, a: int) -> int:
+    return math.prod(self.mesh.shape[n] for n in self.axis_names(a))
+
+  def local_shape(self, shape) -> tuple[int, ...]:
+    return tuple(d // self.shards(a) for a, d in enumerate(shape))
+
+  def is_even(self, shape) -> bool:
+    return all(d % self.shards(a) == 0 for a, d in enumerate(shape))
+
+  def is_replicated(self) -> bool:
+    return all(e is None for e in self.spec)
+
+  def base(self, shape) -> jax.Array:
+    """The global flat index of the local shard's first element (inside shard_map)."""
+    strides = _strides(shape)
+    local = self.local_shape(shape)
+    base = jnp.uint32(0)
+    for a in range(len(shape)):
+      names = self.axis_names(a)
+      if not names:
+        continue
+      k = jax.lax.axis_index(names if len(names) > 1 else names[0]).astype(jnp.uint32)
+      base = base + k * jnp.uint32((local[a] * strides[a]) & 0xFFFFFFFF)
+    return base
+
+
+# Outcomes of :func:`placement_of` besides a Placement.
+UNSHARDED = "unsharded"   # one device, or no mesh: call the kernel directly
+UNKNOWN = "unknown"       # a multi-device Auto mesh and no placement given
+
+_warned: set[str] = set()
+
+
+def warn_unknown(op: str, argument: str):
+  """Warns once per op that the reference runs for want of a placement."""
+  if op in _warned:
+    return
+  _warned.add(op)
+  warnings.warn(
+      f"fuseopt.{op}: an input lives on a multi-device mesh with Auto axes and its "
+      f"PartitionSpec is unknown, so the plain-jnp reference runs instead of the kernel "
+      f"(XLA partitions it; a kernel would make XLA gather the whole array onto every "
+      f"device). Pass {argument} (NamedShardings or PartitionSpecs of the arrays) to run "
+      f"the kernels shard-local, or use Explicit mesh axes.", stacklevel=4)
+
+
+def _mesh_size(mesh) -> int:
+  return math.prod(mesh.shape.values()) if mesh is not None and mesh.shape else 1
+
+
+def _normalize_spec(spec: PartitionSpec, ndim: int, mesh, what: str) -> PartitionSpec:
+  entries = tuple(spec)
+  if len(entries) > ndim:
+    raise ValueError(f"{what}: PartitionSpec {spec} has {len(entries)} entries but the array "
+                     f"has {ndim} dimensions")
+  names = set(mesh.axis_names) if mesh is not None else set()
+  used = []
+  for e in entries:
+    for n in (e if isinstance(e, (tuple, list)) else (e,)):
+      if n is None:
+        continue
+      if n is PartitionSpec.UNCONSTRAINED:
+        raise ValueError(f"{what}: PartitionSpec {spec} is UNCONSTRAINED; fuseopt needs the "
+                         f"placement")
+      if n not in names:
+        raise ValueError(f"{what}: PartitionSpec {spec} names mesh axis {n!r}, which is not "
+                         f"in the mesh (axes {tuple(mesh.axis_names) if mesh is not None else ()})")
+      if n in used:
+        raise ValueError(f"{what}: PartitionSpec {spec} uses mesh axis {n!r} twice")
+      used.append(n)
+  return PartitionSpec(*(entries + (None,) * (ndim - len(entries))))
+
+
+def placement_of(x, sharding=None, *, what: str = "array"):
+  """Where ``x`` lives: a :class:`Placement`, :data:`UNSHARDED` or :data:`UNKNOWN`.
+
+  Args:
+    x: an array or tracer.
+    sharding: ``None`` (read the type), a ``NamedSharding`` or a
+      ``PartitionSpec`` (mesh from :func:`jax.set_mesh` or ``x``'s type).
+    what: the leaf's name, for error messages.
+  """
+  aval_sharding = getattr(jax.typeof(x), "sharding", None)
+  type_mesh = getattr(aval_sharding, "mesh", None)
+  if isinstance(sharding, NamedSharding):
+    mesh, spec = sharding.mesh, sharding.spec
+  elif isinstance(sharding, PartitionSpec):
+    mesh = jax.sharding.get_abstract_mesh()
+    if _mesh_size(mesh) <= 1 or not mesh.shape:
+      mesh = type_mesh
+    if mesh is None or not mesh.shape:
+      concrete = getattr(x, "sharding", None)
+      mesh = getattr(concrete, "mesh", None) if not isinstance(x, jax.core.Tracer) else None
+    if mesh is None or not mesh.shape:
+      if all(e is None for e in sharding):
+        return UNSHARDED
+      raise ValueError(f"{what}: PartitionSpec {sharding} needs a mesh: pass a NamedSharding, "
+                       f"or call under jax.set_mesh(mesh)")
+    spec = sharding
+  elif sharding is None:
+    if type_mesh is None or not type_mesh.shape:
+      return UNSHARDED
+    types = dict(zip(type_mesh.axis_names, type_mesh.axis_types))
+    # Inside a shard_map the Manual axes are already split: the array is local.
+    free = [n for n in type_mesh.axis_names
+            if types[n] != jax.sharding.AxisType.Manual and type_mesh.shape[n] > 1]
+    if not free:
+      return UNSHARDED
+    if any(types[n] == jax.sharding.AxisType.Auto for n in free):
+      return UNKNOWN
+    mesh, spec = type_mesh, aval_sharding.spec
+  else:
+    raise TypeError(f"{what}: sharding must be a NamedSharding, a PartitionSpec or None, got "
+                    f"{type(sharding).__name__}")
+  if _mesh_size(mesh) <= 1:
+    return UNSHARDED
+  return Placement(mesh, _normalize_spec(spec, jnp.ndim(x), mesh, what))
+
+
+def resolve_placements(arrays: Sequence[Any], shardings, *, op: str, argument: str,
+                       names: Sequence[str] | None = None) -> list:
+  """:func:`placement_of` for a list of leaves; ``shardings`` None or one per leaf.
+
+  Warns once per op (naming ``argument``) when any leaf is :data:`UNKNOWN`.
+  """
+  n = len(arrays)
+  if shardings is None:
+    shardings = [None] * n
+  elif len(shardings) != n:
+    raise ValueError(f"{op}: {argument} has {len(shardings)} entries, expected one per leaf ({n})")
+  names = names or [f"leaf {i}" for i in range(n)]
+  out = [placement_of(a, s, what=f"{op}: {argument} of {nm}")
+         for a, s, nm in zip(arrays, shardings, names)]
+  if any(p is UNKNOWN for p in out):
+    warn_unknown(op, argument)
+  return out
+
+
+def shard_local(fn: Callable, mesh, in_specs, out_specs):
+  """``jax.shard_map`` of ``fn`` over every axis of ``mesh``.
+
+  ``check_vma=False``: the kernels' out_shape structs carry no manual axes
+  (and the Triton interpreter rejects them when they do).
+  """
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def same_mesh(a, b) -> bool:
+  return (tuple(a.axis_names) == tuple(b.axis_names)
+          and tuple(a.shape.values()) == tuple(b.shape.values()))
+
+
+def _type_spec(x):
+  sh = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sh, "mesh", None)
+  if mesh is None or not mesh.shape or jax.sharding.AxisType.Explicit not in mesh.axis_types:
+    return None
+  return _normalize_spec(sh.spec, jnp.ndim(x), mesh, "array")
+
+
+def to_spec(x, placement: Placement):
+  """``x`` resharded to ``placement`` when its type says otherwise (Explicit
+  axes: shard_map takes only operands whose type matches its in_specs)."""
+  spec = _type_spec(x)
+  if spec is None or spec == placement.spec:
+    return x
+  return jax.sharding.reshard(x, placement.spec)
+
+
+def like(y, x):
+  """``y`` (computed with another operand's placement) back in ``x``'s typed sharding."""
+  spec = _type_spec(x)
+  if spec is None or spec == _type_spec(y):
+    return y
+  return jax.sharding.reshard(y, spec)
