@@ -290,3 +290,56 @@ def like(y, x):
   if spec is None or spec == _type_spec(y):
     return y
   return jax.sharding.reshard(y, spec)
+
+
+def _is_sharding_leaf(x) -> bool:
+  return x is None or isinstance(x, (PartitionSpec, NamedSharding))
+
+
+def flatten_shardings(shardings, tree, *, owner: str, argument: str = "shardings",
+                      strict: bool = False) -> list | None:
+  """One sharding per leaf of ``tree`` from a tree of shardings.
+
+  ``shardings`` is ``None``, one ``NamedSharding``/``PartitionSpec`` for every
+  leaf, or a tree whose structure is ``tree``'s or a prefix of it (an entry
+  applies to every leaf under it; ``None`` entries mean "unknown"). Leaves are
+  matched by key path, so masked trees (``optax.MaskedNode`` where another
+  transform owns a leaf, as inside ``optax.partition``) take the same tree.
+  ``strict``: also reject entries that match no leaf of ``tree``.
+
+  Raises:
+    ValueError: naming the leaf that has no entry (or the entry with no leaf).
+  """
+  leaves_with_paths = jax.tree_util.tree_flatten_with_path(tree)[0]
+  if shardings is None:
+    return None
+  if _is_sharding_leaf(shardings):
+    return [shardings] * len(leaves_with_paths)
+  entries = jax.tree_util.tree_flatten_with_path(shardings, is_leaf=_is_sharding_leaf)[0]
+  for path, value in entries:
+    if not _is_sharding_leaf(value):
+      raise TypeError(f"{owner}: {argument}{jax.tree_util.keystr(path)} must be a NamedSharding, "
+                      f"a PartitionSpec or None, got {type(value).__name__}")
+  by_path = {tuple(path): value for path, value in entries}
+  used = set()
+  out = []
+  for path, leaf in leaves_with_paths:
+    path = tuple(path)
+    for k in range(len(path), -1, -1):
+      if path[:k] in by_path:
+        out.append(by_path[path[:k]])
+        used.add(path[:k])
+        if out[-1] is not None:   # validates the rank and the axis names, naming the leaf
+          placement_of(leaf, out[-1], what=f"{owner}: {argument} of the leaf at "
+                                           f"{jax.tree_util.keystr(path)!r}")
+        break
+    else:
+      raise ValueError(f"{owner}: {argument} has no entry for the leaf at "
+                       f"{jax.tree_util.keystr(path)!r}; give it a tree shaped like the "
+                       f"parameters (or a prefix of them)")
+  if strict:
+    for path in by_path:
+      if path not in used:
+        raise ValueError(f"{owner}: {argument}{jax.tree_util.keystr(path)} matches no "
+                         f"parameter leaf")
+  return out

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from fuseopt import kernels
+from fuseopt.kernels import sharding as kernel_sharding
 from fuseopt.optim import _checks
 
 
@@ -40,6 +41,7 @@ class AdamHyperparams:
   nu_dtype: Any
   seed: int
   implementation: Optional[str]
+  shardings: Any = None  # placement of the params (Auto mesh axes); see scale_by_adam
 
 
 class FusedAdamTransformation(optax.GradientTransformationExtraArgs):
@@ -70,7 +72,8 @@ def _check_hyper(b1, b2, eps, eps_root, owner="scale_by_adam"):
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                   eps_root: float = 0.0, mu_dtype: Any = None, *, nesterov: bool = False,
                   moment_dtype: Any = jnp.bfloat16, seed: int = 0,
-                  implementation: Optional[str] = None) -> optax.GradientTransformation:
+                  implementation: Optional[str] = None,
+                  shardings: Any = None) -> optax.GradientTransformation:
   r"""Drop-in for :func:`optax.scale_by_adam` with moments stored in ``moment_dtype``.
 
   .. math::
@@ -94,6 +97,14 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
       ``jnp.float32``, or ``None`` (the parameters' dtype, as optax).
     seed: integer mixed into the rounding seeds.
     implementation: forwarded to :func:`fuseopt.kernels.adam_update`.
+    shardings: where the parameters live when the mesh axes are Auto: a tree
+      of ``NamedSharding`` / ``PartitionSpec`` shaped like the params (or a
+      prefix, or one for all). The kernels then run shard-local
+      (``shard_map``) with the counter hash on global indices: bitwise the
+      unsharded result, no gather. ``None``: read the placement from the
+      arrays' types (Explicit axes); on an Auto mesh of several devices the
+      plain-jnp reference runs instead (XLA partitions it) and a warning
+      names this argument. See docs/scaling.md.
 
   Returns:
     An :class:`optax.GradientTransformation` whose state is
@@ -117,7 +128,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     u, mu, nu = kernels.adam_update_tree(
         None, g, jax.tree.leaves(state.mu), jax.tree.leaves(state.nu), count=count,
         b1=b1, b2=b2, eps=eps, eps_root=eps_root, nesterov=nesterov, seed=seed,
-        implementation=implementation)
+        implementation=implementation,
+        shardings=kernel_sharding.flatten_shardings(shardings, state.mu, owner="scale_by_adam"))
     return treedef.unflatten(u), optax.ScaleByAdamState(
         count=count, mu=treedef.unflatten(mu), nu=treedef.unflatten(nu))
 
@@ -139,7 +151,7 @@ def _fused(chain, hp: AdamHyperparams) -> FusedAdamTransformation:
 def adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
          eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: Any = None, *,
          nesterov: bool = False, moment_dtype: Any = jnp.bfloat16, seed: int = 0,
-         implementation: Optional[str] = None) -> FusedAdamTransformation:
+         implementation: Optional[str] = None, shardings: Any = None) -> FusedAdamTransformation:
   r"""Adam (Kingma & Ba 2014) with bf16-stored moments: drop-in for :func:`optax.adam`.
 
   ``chain(scale_by_adam(...), scale_by_learning_rate(learning_rate))``, so
@@ -150,17 +162,18 @@ def adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9
   Args:
     learning_rate: a scalar or an optax schedule.
     b1, b2, eps, eps_root, mu_dtype, nesterov: as in :func:`optax.adam`.
-    moment_dtype, seed, implementation: see :func:`scale_by_adam`.
+    moment_dtype, seed, implementation, shardings: see :func:`scale_by_adam`.
   """
   _checks.check_rate("adam", "learning_rate", learning_rate)
   chain = optax.chain(
       scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov,
-                    moment_dtype=moment_dtype, seed=seed, implementation=implementation),
+                    moment_dtype=moment_dtype, seed=seed, implementation=implementation,
+                    shardings=shardings),
       optax.scale_by_learning_rate(learning_rate))
   nu_dtype = _canon_dtype(moment_dtype, "moment_dtype")
   return _fused(chain, AdamHyperparams(
       learning_rate, b1, b2, eps, eps_root, None, None, nesterov,
-      _canon_dtype(mu_dtype, "mu_dtype") or nu_dtype, nu_dtype, seed, implementation))
+      _canon_dtype(mu_dtype, "mu_dtype") or nu_dtype, nu_dtype, seed, implementation, shardings))
 
 
 def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
@@ -168,7 +181,7 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
           weight_decay: optax.ScalarOrSchedule = 1e-4,
           mask: Optional[Any | Callable[[optax.Params], Any]] = None, *,
           nesterov: bool = False, moment_dtype: Any = jnp.bfloat16, seed: int = 0,
-          implementation: Optional[str] = None) -> FusedAdamTransformation:
+          implementation: Optional[str] = None, shardings: Any = None) -> FusedAdamTransformation:
   r"""AdamW (Loshchilov & Hutter 2019) with bf16 moments: drop-in for :func:`optax.adamw`.
 
   :math:`p_t = p_{t-1} - \alpha_t (u_t + \lambda p_{t-1})` with :math:`u_t`
@@ -182,17 +195,18 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
     mask: a pytree of bools (prefix of the params) or a callable returning
       one; True where weight decay applies.
     b1, b2, eps, eps_root, mu_dtype, nesterov: as in :func:`optax.adamw`.
-    moment_dtype, seed, implementation: see :func:`scale_by_adam`.
+    moment_dtype, seed, implementation, shardings: see :func:`scale_by_adam`.
   """
   _checks.check_rate("adamw", "learning_rate", learning_rate)
   _checks.check_rate("adamw", "weight_decay", weight_decay)
   chain = optax.chain(
       scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov,
-                    moment_dtype=moment_dtype, seed=seed, implementation=implementation),
+                    moment_dtype=moment_dtype, seed=seed, implementation=implementation,
+                    shardings=shardings),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate))
   nu_dtype = _canon_dtype(moment_dtype, "moment_dtype")
   return _fused(chain, AdamHyperparams(
       learning_rate, b1, b2, eps, eps_root, weight_decay, mask, nesterov,
-      _canon_dtype(mu_dtype, "mu_dtype") or nu_dtype, nu_dtype, seed, implementation))
+      _canon_dtype(mu_dtype, "mu_dtype") or nu_dtype, nu_dtype, seed, implementation, shardings))
 

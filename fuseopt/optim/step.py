@@ -8,6 +8,7 @@ import jax
 import optax
 
 from fuseopt import kernels
+from fuseopt.kernels import sharding as kernel_sharding
 
 
 def _per_leaf_mask(mask, params):
@@ -30,8 +31,8 @@ def _schedule_count(s):
   return getattr(s, "inner_state", s).count
 
 
-def step(tx: Any, grads: Any, state: Any, params: Any, *, group: bool = True
-         ) -> tuple[Any, Any]:
+def step(tx: Any, grads: Any, state: Any, params: Any, *, group: bool = True,
+         shardings: Any = None) -> tuple[Any, Any]:
   """Applies one update of ``tx`` to ``params``; returns ``(params, state)``.
 
   For :func:`fuseopt.optim.adam` / :func:`fuseopt.optim.adamw` it runs fused
@@ -62,6 +63,13 @@ def step(tx: Any, grads: Any, state: Any, params: Any, *, group: bool = True
       return fuseopt.optim.step(tx, grads, state, params)
 
     params, state = update(params, state, grads)
+
+  Sharded training: on a multi-device mesh the kernels run shard-local (no
+  gather), bitwise the unsharded step. With Explicit mesh axes nothing is
+  needed; with Auto axes pass ``shardings`` (a tree of ``NamedSharding`` /
+  ``PartitionSpec`` shaped like ``params``, or a prefix), here or on the
+  transform; without it the fused update runs the plain-jnp reference, which
+  XLA partitions, and warns once. See docs/scaling.md.
 
   Put ``params`` before ``state`` in the donated signature: JAX pairs donated
   inputs with outputs of the same shape and dtype first come, first served,
@@ -97,7 +105,9 @@ def step(tx: Any, grads: Any, state: Any, params: Any, *, group: bool = True
       p_leaves, g_leaves, mu_leaves, nu_leaves, count=count, learning_rate=lr,
       b1=hp.b1, b2=hp.b2, eps=hp.eps, eps_root=hp.eps_root, weight_decay=wds,
       nesterov=hp.nesterov, seed=hp.seed, implementation=hp.implementation,
-      group=group)
+      group=group, shardings=kernel_sharding.flatten_shardings(
+          hp.shardings if shardings is None else shardings, params, owner="step",
+          strict=True))
   new_adam = optax.ScaleByAdamState(count=count, mu=treedef.unflatten(mu),
                                     nu=treedef.unflatten(nu))
   # The other states of the chain (weight-decay and learning-rate schedules,

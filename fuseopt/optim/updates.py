@@ -7,9 +7,10 @@ import jax.numpy as jnp
 
 from fuseopt import kernels
 from fuseopt.kernels import counter_hash
+from fuseopt.kernels import sharding as kernel_sharding
 
 
-def apply_updates(params, updates, *, seed, implementation=None):
+def apply_updates(params, updates, *, seed, implementation=None, shardings=None):
   """``params + updates``, leaf by leaf, rounding bf16 leaves stochastically.
 
   Like :func:`optax.apply_updates`, but a bf16 parameter gets
@@ -28,12 +29,18 @@ def apply_updates(params, updates, *, seed, implementation=None):
     updates: a pytree with the same structure (``None`` leaves are skipped).
     seed: an integer scalar (may be traced).
     implementation: forwarded to :func:`fuseopt.kernels.stochastic_round_bf16`.
+    shardings: the params' placement on an Auto mesh (a tree of
+      ``NamedSharding`` / ``PartitionSpec``, a prefix, or one for all); the
+      rounding then runs shard-local with global indices. ``None``: read
+      from the types (Explicit axes). See docs/scaling.md.
   """
   leaves, treedef = jax.tree.flatten(params)
   upd_leaves = treedef.flatten_up_to(updates)
   seed = jnp.asarray(seed)
   if not jnp.issubdtype(seed.dtype, jnp.integer) or seed.ndim:
     raise TypeError(f"apply_updates: seed must be an integer scalar, got {seed.dtype}{list(seed.shape)}")
+  leaf_shardings = kernel_sharding.flatten_shardings(shardings, params, owner="apply_updates",
+                                                     strict=True) or [None] * len(leaves)
   out = []
   for i, (p, u) in enumerate(zip(leaves, upd_leaves)):
     if u is None:
@@ -47,7 +54,7 @@ def apply_updates(params, updates, *, seed, implementation=None):
       leaf_seed = counter_hash.derive_seed(seed, 0, i, counter_hash.STREAM_PARAM)
       out.append(kernels.stochastic_round_bf16(
           p.astype(jnp.float32) + jnp.asarray(u).astype(jnp.float32), leaf_seed,
-          implementation=implementation))
+          sharding=leaf_shardings[i], implementation=implementation))
     else:
       out.append((p + jnp.asarray(u).astype(p.dtype)).astype(p.dtype))
   return treedef.unflatten(out)
