@@ -341,12 +341,12 @@ def _adam_triton_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config, in
 
 
 # -------------------------------------------------------------- mosaic_tpu --
-def _mosaic_kernel(s_ref, seed_ref, *refs, block_rows, nesterov, apply):
+def _mosaic_kernel(s_ref, seed_ref, *refs, block_rows, nesterov, apply, index_map):
   out, mu_new, nu_new, (o_ref, mu_out, nu_out) = _kernel_body(s_ref, refs, nesterov=nesterov,
                                                               apply=apply)
   seed = lambda k: seed_ref[k].astype(jnp.uint32)
-  # Contiguous leaves only (see _run): the global index is base + local.
-  index = seed(SEED_BASE) + _elementwise.mosaic_flat_index(block_rows)
+  index = sharding_lib.global_index(_elementwise.mosaic_flat_index(block_rows), index_map,
+                                    seed(SEED_BASE))
   o_ref[...] = _store_mosaic(out, o_ref.dtype, index, seed(0))
   mu_out[...] = _store_mosaic(mu_new, mu_out.dtype, index, seed(1))
   nu_out[...] = _store_mosaic(nu_new, nu_out.dtype, index, seed(2))
@@ -366,7 +366,8 @@ def _mosaic_block_rows(rows: int, most: int) -> int | None:
   return None
 
 
-def _adam_mosaic(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpret):
+def _adam_mosaic(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpret,
+                 index_map=None):
   from jax.experimental.pallas import tpu as pltpu
   (n,) = g.shape
   rows = n // LANES
@@ -378,7 +379,8 @@ def _adam_mosaic(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, i
   aliases = ({first: 0, first + 2: 1, first + 3: 2} if apply
              else {first + 1: 1, first + 2: 2})
   outs = pl.pallas_call(
-      functools.partial(_mosaic_kernel, block_rows=block_rows, nesterov=nesterov, apply=apply),
+      functools.partial(_mosaic_kernel, block_rows=block_rows, nesterov=nesterov, apply=apply,
+                        index_map=index_map),
       out_shape=(jax.ShapeDtypeStruct((rows, LANES), out_dtype),
                  jax.ShapeDtypeStruct((rows, LANES), mu.dtype),
                  jax.ShapeDtypeStruct((rows, LANES), nu.dtype)),
@@ -455,9 +457,9 @@ def _run(impl, scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, interpret, 
   kw = dict(nesterov=nesterov, out_dtype=out_dtype, index_map=index_map)
   if impl == "mosaic_tpu" and (n % LANES or _mosaic_block_rows(
       n // LANES, (config or mosaic_heuristic(n)).block_rows) is None
-                               or not sharding_lib.is_contiguous(index_map)):
+                               or sharding_lib.needs_division(index_map)):
     # (Mosaic has no vector integer division to rebuild the global index of
-    # a shard cut along a later axis.)
+    # a shard cut along a later axis whose sizes are not powers of two.)
     impl = "xla"
   if n == 0 or impl == "xla":
     # In the leaf's own shape: a reshape between a donated input and its
@@ -476,7 +478,6 @@ def _run(impl, scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, interpret, 
     config = config or mosaic_heuristic(n)
     if not isinstance(config, MosaicConfig):
       raise TypeError(f"adam_update: config must be a MosaicConfig for mosaic_tpu, got {config!r}")
-    kw.pop("index_map")
     outs = _adam_mosaic(scalars, seeds, p, g, mu, nu, config=config,
                         interpret=_backend.interpret_arg(impl, interpret), **kw)
   return tuple(o.reshape(shape) for o in outs)

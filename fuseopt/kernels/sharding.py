@@ -73,12 +73,36 @@ def global_index(local: jax.Array, index_map: IndexMap | None, base) -> jax.Arra
   inner = math.prod(e for e, _ in index_map)
   for j, (extent, stride) in enumerate(index_map):
     inner //= extent
-    coord = local if inner == 1 else local // jnp.uint32(inner)
+    # Powers of two (the usual sizes) take shifts and masks, which every
+    # backend has; Mosaic has no vector integer division (see needs_division).
+    if inner == 1:
+      coord = local
+    elif _pow2(inner):
+      coord = local >> jnp.uint32(inner.bit_length() - 1)
+    else:
+      coord = local // jnp.uint32(inner)
     if j:  # the first coordinate is already below its extent
-      coord = coord % jnp.uint32(extent)
+      coord = (coord & jnp.uint32(extent - 1)) if _pow2(extent) else coord % jnp.uint32(extent)
     term = coord if stride == 1 else coord * jnp.uint32(stride & 0xFFFFFFFF)
     out = term if out is None else out + term
   return base + out
+
+
+def _pow2(n: int) -> bool:
+  return n > 0 and n & (n - 1) == 0
+
+
+def needs_division(index_map: IndexMap | None) -> bool:
+  """Whether :func:`global_index` divides by a non-power of two for this map
+  (Mosaic TPU kernels cannot: such shards run the shard-local reference)."""
+  if is_contiguous(index_map):
+    return False
+  inner = math.prod(e for e, _ in index_map)
+  for j, (extent, _) in enumerate(index_map):
+    inner //= extent
+    if not _pow2(inner) or (j and not _pow2(extent)):
+      return True
+  return False
 
 
 def _strides(shape: Sequence[int]) -> list[int]:

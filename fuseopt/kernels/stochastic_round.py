@@ -82,20 +82,20 @@ def _round_triton(flat, scalars, *, config: TritonConfig, interpret, index_map=N
 
 
 # -------------------------------------------------------------- mosaic_tpu --
-def _mosaic_kernel(scalars_ref, x_ref, o_ref, *, block_rows):
+def _mosaic_kernel(scalars_ref, x_ref, o_ref, *, block_rows, index_map):
   seed = scalars_ref[0].astype(jnp.uint32)
   offset = scalars_ref[1].astype(jnp.uint32)
-  index = offset + _elementwise.mosaic_flat_index(block_rows)
+  index = sharding_lib.global_index(_elementwise.mosaic_flat_index(block_rows), index_map, offset)
   o_ref[...] = counter_hash.stochastic_round_values_32bit(x_ref[...], index, seed)
 
 
-def _round_mosaic(flat, scalars, *, config: MosaicConfig, interpret):
+def _round_mosaic(flat, scalars, *, config: MosaicConfig, interpret, index_map=None):
   from jax.experimental.pallas import tpu as pltpu
   rows = flat.shape[0] // LANES
   x2 = flat.reshape(rows, LANES)
   block_rows = config.block_rows
   out = pl.pallas_call(
-      functools.partial(_mosaic_kernel, block_rows=block_rows),
+      functools.partial(_mosaic_kernel, block_rows=block_rows, index_map=index_map),
       out_shape=jax.ShapeDtypeStruct((rows, LANES), jnp.bfloat16),
       grid=(pl.cdiv(rows, block_rows),),
       in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
@@ -111,9 +111,10 @@ def _round_mosaic(flat, scalars, *, config: MosaicConfig, interpret):
 # ------------------------------------------------------------------ public --
 def _round_local(x, seed, offset, *, index_map, impl, interpret, config):
   """Rounds one (local) array whose global indices ``index_map`` gives."""
-  if impl == "mosaic_tpu" and not sharding_lib.is_contiguous(index_map):
+  if impl == "mosaic_tpu" and sharding_lib.needs_division(index_map):
     # Mosaic has no vector integer division to rebuild the global index of a
-    # shard cut along a later axis: the shard-local reference runs instead.
+    # shard cut along a later axis whose sizes are not powers of two: the
+    # shard-local reference runs instead.
     impl = "xla"
   if impl == "xla" or x.size == 0:
     return stochastic_round_reference(x, seed, offset=offset, index_map=index_map)
@@ -129,9 +130,13 @@ def _round_local(x, seed, offset, *, index_map, impl, interpret, config):
     main = (n // LANES) * LANES
     parts = []
     if main:
-      parts.append(_round_mosaic(flat[:main], scalars, config=config, interpret=interp))
+      parts.append(_round_mosaic(flat[:main], scalars, config=config, interpret=interp,
+                                 index_map=index_map))
     if main < n:
-      parts.append(stochastic_round_reference(flat[main:], seed, offset=offset + jnp.uint32(main)))
+      # The tail's local indices continue from ``main``.
+      tail = jax.lax.iota(jnp.uint32, n - main) + jnp.uint32(main)
+      parts.append(counter_hash.stochastic_round_values(
+          flat[main:], sharding_lib.global_index(tail, index_map, offset), seed))
     out = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
   return out.reshape(x.shape)
 

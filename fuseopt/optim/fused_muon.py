@@ -34,6 +34,8 @@ import optax
 from optax.transforms import _masking
 
 from fuseopt import kernels
+from fuseopt.kernels import sharding as kernel_sharding
+from fuseopt.kernels.ns import distributed as distributed_ns
 from fuseopt.optim import _checks
 from fuseopt.optim import fused_adam
 from fuseopt.optim import matrix_views
@@ -185,6 +187,50 @@ def _active(g, spec):
   return jnp.any(g != 0, axis=_matrix_axes(spec, g.ndim), keepdims=True)
 
 
+def _place_ns_inputs(mu_hat, specs, leaf_shardings, paths):
+  """Which Muon leaves take the distributed (all-to-all) Newton-Schulz.
+
+  Returns ``{leaf: (placement, (reduction axes, output axes))}``; leaves not
+  in it run the single-device path (an Auto mesh without ``shardings``: XLA
+  partitions it, with a warning).
+  """
+  taken = {}
+  for i, (h, s) in enumerate(zip(mu_hat, specs)):
+    if s is None:
+      continue
+    where = kernel_sharding.placement_of(
+        h, leaf_shardings[i] if leaf_shardings else None,
+        what=f"scale_by_muon: shardings of the leaf at {paths[i]!r}")
+    if where is kernel_sharding.UNKNOWN:
+      kernel_sharding.warn_unknown("scale_by_muon", "shardings=")
+      continue
+    if not isinstance(where, kernel_sharding.Placement):
+      continue
+    if isinstance(s, DIMENSION_NUMBER_TYPES):
+      red, out = matrix_views.normalize_dimension_numbers(s, h.shape, paths[i])
+      if distributed_ns.supported(h.shape, where, red, out):
+        taken[i] = (where, (red, out))
+        continue
+    # Other layouts (matrix views, a matrix side sharded on a later axis)
+    # take the single-device path on a replicated copy (_replicated_ns).
+  return taken
+
+
+def _replicated_ns(ns):
+  """``ns`` for a stack that may live on a multi-device mesh: gathered, then
+  run whole on every device (the fallback for layouts the all-to-all path
+  does not take; a Pallas kernel must never see a sharded operand)."""
+  def run(x):
+    where = kernel_sharding.placement_of(x)
+    if not isinstance(where, kernel_sharding.Placement):
+      return ns(x)
+    spec = jax.sharding.PartitionSpec()
+    if kernel_sharding._type_spec(x) is not None:
+      x = jax.sharding.reshard(x, spec)
+    return kernel_sharding.shard_local(ns, where.mesh, spec, spec)(x)
+  return run
+
+
 def scale_by_muon(
     ns_coeffs=JORDAN_COEFFS,
     ns_steps: int = 5,
@@ -205,6 +251,7 @@ def scale_by_muon(
     ns_max_elements: Optional[int] = DEFAULT_NS_MAX_ELEMENTS,
     implementation: Optional[str] = None,
     interpret: bool = False,
+    shardings: Any = None,
 ) -> optax.GradientTransformation:
   r"""Muon's direction: Newton-Schulz orthogonalised (Nesterov) momentum.
 
@@ -245,6 +292,14 @@ def scale_by_muon(
     gram, implementation, interpret: forwarded to
       :func:`fuseopt.kernels.newton_schulz` (``gram="auto"``: Gram
       Newton-Schulz for matrices of aspect ratio >= 2).
+    shardings: where the parameters live when the mesh axes are Auto (a tree
+      of ``NamedSharding`` / ``PartitionSpec`` shaped like the params, a
+      prefix, or one for all); ``None`` reads the placement from the types
+      (Explicit axes). Sharded Muon leaves keep their momentum sharded; for
+      the Newton-Schulz, same-shaped matrices are re-laid out with
+      ``all_to_all`` so that each device orthogonalises about 1/N of them,
+      whole, then laid back (:mod:`fuseopt.kernels.ns.distributed`,
+      docs/scaling.md).
   """
   if preconditioning not in _PRECONDITIONINGS:
     raise ValueError(f"scale_by_muon: unknown preconditioning {preconditioning!r}; "
@@ -285,11 +340,15 @@ def scale_by_muon(
       mu_leaves.append(m_new)
       mu_hat.append(h)
 
-    # Cut every Muon leaf into (batch, rows, cols) families; group them by shape.
+    # Leaves on a multi-device mesh: whole matrices per device (all-to-all).
+    distributed = _place_ns_inputs(
+        mu_hat, specs, kernel_sharding.flatten_shardings(shardings, state.mu,
+                                                         owner="scale_by_muon"), paths)
+    # Cut every other Muon leaf into (batch, rows, cols) families; group them by shape.
     plans = [None] * len(mu_hat)
     groups: dict[tuple, list[tuple[int, int]]] = {}
     for i, (h, s) in enumerate(zip(mu_hat, specs)):
-      if s is None:
+      if s is None or i in distributed:
         continue
       pieces, merge = matrix_views.split(h, s, paths[i])
       plans[i] = (pieces, merge)
@@ -300,9 +359,16 @@ def scale_by_muon(
     ns = functools.partial(_orthogonalize, coeffs=kernel_coeffs, steps=kernel_steps,
                            ns_dtype=ns_dtype, eps=eps, preconditioning=preconditioning, gram=gram,
                            implementation=implementation, interpret=interpret)
+    if distributed:
+      where = list(distributed.items())
+      ys = distributed_ns.orthogonalize_sharded(
+          [mu_hat[i] for i, _ in where], [p for _, (p, _) in where],
+          [ax for _, (_, ax) in where], ns)
+      for (i, _), y in zip(where, ys):
+        results[(i, 0)] = y
     for members in groups.values():
       mats = [plans[i][0][j].matrix for i, j in members]
-      for k, parts in _chunked(mats, ns_max_elements, ns):
+      for k, parts in _chunked(mats, ns_max_elements, _replicated_ns(ns)):
         results[members[k]] = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
 
     out = []
@@ -310,16 +376,25 @@ def scale_by_muon(
       if s is None:
         out.append(h)
         continue
-      pieces, merge = plans[i]
-      ys = [results[(i, j)].astype(h.dtype) for j in range(len(pieces))]
+      if i in distributed:
+        # The result is already in the leaf's layout: one family per leaf.
+        red, outs = distributed[i][1]
+        fan = lambda axes: int(np.prod([h.shape[a] for a in axes]))
+        pieces = [matrix_views.Piece(h, lambda y: y)]
+        merge = lambda parts: parts[0]
+        ys = [results[(i, 0)].astype(h.dtype)]
+        fans = [(fan(red), fan(outs))]
+      else:
+        pieces, merge = plans[i]
+        ys = [results[(i, j)].astype(h.dtype) for j in range(len(pieces))]
+        fans = [y.shape[1:] for y in ys]
       if adaptive:
         # optax's dual-norm scale <mu_hat, NS(mu_hat)> over the whole leaf, before shape scaling.
         dual = sum(jnp.sum(p.matrix * y) for p, y in zip(pieces, ys))
         ys = [dual * y for y in ys]
       if shape_scaling:
         scaled = []
-        for y in ys:
-          fan_in, fan_out = y.shape[1], y.shape[2]
+        for y, (fan_in, fan_out) in zip(ys, fans):
           if consistent_rms is not None:
             scale = jnp.sqrt(jnp.maximum(fan_in, fan_out)) * consistent_rms
           else:
@@ -357,13 +432,15 @@ def _add_decayed_weights_active(weight_decay, dims_fn) -> optax.GradientTransfor
   return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
-def _adamw(learning_rate, b1, b2, eps, eps_root, weight_decay, mu_dtype, moment_dtype, nesterov):
+def _adamw(learning_rate, b1, b2, eps, eps_root, weight_decay, mu_dtype, moment_dtype, nesterov,
+           shardings=None):
   """fuseopt's AdamW; ``moment_dtype=None`` keeps optax's dtypes (mu in
   ``mu_dtype`` or the parameter's, nu in the parameter's)."""
   if moment_dtype is not None:
     mu_dtype = moment_dtype
   return fused_adam.adamw(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
-                         weight_decay=weight_decay, nesterov=nesterov, moment_dtype=moment_dtype)
+                         weight_decay=weight_decay, nesterov=nesterov, moment_dtype=moment_dtype,
+                         shardings=shardings)
 
 
 def muon(
@@ -394,6 +471,7 @@ def muon(
     ns_max_elements: Optional[int] = DEFAULT_NS_MAX_ELEMENTS,
     implementation: Optional[str] = None,
     interpret: bool = False,
+    shardings: Any = None,
 ) -> optax.GradientTransformation:
   r"""Muon for the matrices, AdamW for everything else.
 
@@ -418,7 +496,8 @@ def muon(
   "every 2-D leaf is a Muon matrix, the rest AdamW" -- all as in
   :func:`optax.contrib.muon`, whose arguments this accepts. Extra arguments
   (``coeffs``, ``ns_dtype``, ``skip_inactive``, ``gram``,
-  ``ns_max_elements``, ``implementation``, ``interpret``) are described in :func:`scale_by_muon`; with
+  ``ns_max_elements``, ``implementation``, ``interpret``, ``shardings``) are described in
+  :func:`scale_by_muon` (``shardings`` reaches the AdamW side too); with
   ``skip_inactive`` a frozen matrix also gets no weight decay.
 
   Tied weights (one embedding used again as the LM head) are ONE leaf of the
@@ -473,12 +552,12 @@ def muon(
                   shape_scaling=True, consistent_rms=consistent_rms,
                   skip_inactive=skip_inactive, gram=gram, ns_max_elements=ns_max_elements,
                   implementation=implementation,
-                  interpret=interpret),
+                  interpret=interpret, shardings=shardings),
               decay,
               optax.scale_by_learning_rate(learning_rate),
           ),
           "adam": _adamw(adam_learning_rate, adam_b1, adam_b2, eps, adam_eps_root,
-                         adam_weight_decay, mu_dtype, adam_moment_dtype, nesterov),
+                         adam_weight_decay, mu_dtype, adam_moment_dtype, nesterov, shardings),
       },
       param_labels=param_labels,
   )

@@ -1,0 +1,137 @@
+"""Muon on a multi-device mesh: whole matrices per device by all-to-all."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import (AbstractDevice, AbstractMesh, AxisType, NamedSharding,
+                          PartitionSpec as P, use_abstract_mesh)
+
+import fuseopt.optim as fo
+from fuseopt.kernels import newton_schulz
+from fuseopt.kernels import sharding as sharding_lib
+from fuseopt.kernels.ns import distributed
+
+DIMS = {"layers": fo.MuonDimensionNumbers(1, 2), "head": fo.MuonDimensionNumbers(0, 1),
+        "bias": None}
+SPECS = {  # FSDP: rows of the stacked layers, columns of the head
+    "layers": P(None, "x", None), "head": P(None, "x"), "bias": P()}
+
+
+def _tree(seed, shapes):
+  k = jax.random.split(jax.random.key(seed), len(shapes))
+  return {n: jax.random.normal(kk, s) * 0.02 for kk, (n, s) in zip(k, sorted(shapes.items()))}
+
+
+SHAPES = {"layers": (16, 64, 128), "head": (64, 128), "bias": (128,)}
+
+
+def _steps(tx, params, grads, n=2):
+  def run(p, g):
+    s = tx.init(p)
+    for _ in range(n):
+      u, s = tx.update(g, s, p)
+      p = jax.tree.map(jnp.add, p, u)
+    return p, s
+  return jax.jit(run)(params, grads), jax.jit(run).lower(params, grads).compile()
+
+
+@pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+def test_sharded_muon_matches_unsharded_and_splits_the_work(kind):
+  params, grads = _tree(0, SHAPES), _tree(1, SHAPES)
+  lr = 1e-2
+  tx = fo.muon(lr, muon_weight_dimension_numbers=DIMS, implementation="xla")
+  (want, _), single = _steps(tx, params, grads)
+
+  mesh = jax.make_mesh((8,), ("x",), axis_types=(kind,))
+  sh = jax.tree.map(lambda s: NamedSharding(mesh, s), SPECS)
+  tx = fo.muon(lr, muon_weight_dimension_numbers=DIMS, implementation="xla",
+               shardings=None if kind == AxisType.Explicit else sh)
+  put = lambda t: jax.tree.map(jax.device_put, t, sh)
+  (got, state), sharded = _steps(tx, put(params), put(grads))
+  # The NS runs in bf16: two steps of lr * scale * O, O's entries equal up to
+  # bf16 rounding of differently batched products (bound: 2 steps x lr x
+  # sqrt(2) x 2^-6).
+  for name in SHAPES:
+    err = float(jnp.max(jnp.abs(got[name] - want[name])))
+    assert err <= 2 * lr * np.sqrt(2) * 2.0**-6, (name, err)
+    assert got[name].sharding.is_equivalent_to(sh[name], got[name].ndim), name
+  mu = state[0]  # the partition's inner states hold the momentum, still sharded
+  text = sharded.as_text()
+  assert "all-to-all(" in text
+  assert "all-gather(" not in text   # no whole stack is ever gathered
+  ratio = sharded.cost_analysis()["flops"] / single.cost_analysis()["flops"]
+  assert ratio <= 0.35, ratio
+
+
+def test_distributed_ns_places_each_matrix_on_one_device():
+  """Single matrices of several shapes, replicated and sharded leaves: each
+  equals its own NS; padding devices skip (no NS of a zero matrix counted twice)."""
+  mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+  cases = [((64, 32), P("x", None)), ((64, 32), P(None, ("x", "y"))), ((64, 32), P("x", "y")),
+           ((4, 64, 32), P("x", None, "y")), ((8, 16, 32), P(("x", "y"))), ((16, 32), P()),
+           ((3, 32, 64), P(None, "y", None))]
+  ns = lambda x: newton_schulz(x, implementation="xla", ns_dtype=jnp.float32)
+  leaves = [jax.random.normal(jax.random.key(i), s) for i, (s, _) in enumerate(cases)]
+  axes = [((x.ndim - 2,), (x.ndim - 1,)) for x in leaves]
+  want = [ns(x.reshape((-1,) + x.shape[-2:])).reshape(x.shape) for x in leaves]
+  placed = [jax.device_put(x, NamedSharding(mesh, s)) for x, (_, s) in zip(leaves, cases)]
+
+  def run(*xs):
+    where = [sharding_lib.placement_of(x) for x in xs]
+    assert all(distributed.supported(x.shape, w, *a) for x, w, a in zip(xs, where, axes))
+    return distributed.orthogonalize_sharded(xs, where, axes, ns)
+
+  got = jax.jit(run)(*placed)
+  for g, w, x, (shape, spec) in zip(got, want, placed, cases):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, err_msg=str(spec))
+    assert g.sharding.is_equivalent_to(x.sharding, x.ndim)
+
+
+def test_unsupported_layout_is_refused_by_supported():
+  mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,))
+  where = sharding_lib.Placement(mesh, P(None, None, "x"))
+  # output axes (1, 2) with the second one sharded: not a contiguous block
+  assert not distributed.supported((4, 16, 64), where, (0,), (1, 2))
+  assert distributed.supported((4, 16, 64), where, (0,), (2, 1))
+
+
+_SIG = re.compile(r"custom_call @(?:tpu_custom_call|__gpu\$xla\.gpu\.triton)\(.*\} : \((.*)\) ->")
+
+
+@pytest.mark.parametrize("target", [("gpu", "NVIDIA H200", "cuda", 132),
+                                    ("tpu", "TPU v5 lite", "tpu", 1)], ids=["h200", "tpu_v5e"])
+@pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+def test_lowering_for_8_devices_gives_kernels_local_operands(target, kind):
+  """Every kernel call sees local shapes: the Adam kernel a 1/8 shard, the NS
+  kernel at most ceil(16/8) = 2 whole matrices of the 16-matrix family."""
+  platform, device_kind, lowering, cores = target
+  mesh = AbstractMesh((8,), ("x",), axis_types=(kind,), abstract_device=AbstractDevice(
+      device_kind=device_kind, num_cores=cores, platform=platform))
+  shapes = {"layers": (16, 512, 1024), "head": (512, 1024), "bias": (1024,),
+            "embed": (4096, 512)}
+  specs = dict(SPECS, embed=P("x"))
+  dims = dict(DIMS, embed=None)
+  avals = {n: jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(mesh, specs[n]))
+           for n, s in shapes.items()}
+  sh = None if kind == AxisType.Explicit else jax.tree.map(lambda s: NamedSharding(mesh, s),
+                                                           specs)
+  tx = fo.muon(1e-2, muon_weight_dimension_numbers=dims, shardings=sh)
+  with use_abstract_mesh(mesh):
+    state = jax.eval_shape(tx.init, avals)
+    text = jax.jit(lambda p, s, g: fo.step(tx, g, s, p)).trace(avals, state, avals).lower(
+        lowering_platforms=(lowering,)).as_text()
+  sigs = [m.group(1) for m in map(_SIG.search, text.splitlines()) if m]
+  assert sigs, "no kernel in the lowering"
+  elements = 0
+  for sig in sigs:
+    for dims_ in re.findall(r"tensor<((?:\d+x)+)[a-z]", sig):
+      shape = tuple(int(d) for d in dims_.rstrip("x").split("x"))
+      if len(shape) == 3:          # an NS kernel: (batch, rows, cols), whole matrices
+        assert shape[0] <= 2 and 512 in shape[1:], sig
+      elements = max(elements, int(np.prod(shape)))
+  # The largest operand is a local shard: the 4096x512 embedding / 8 (the
+  # whole leaf would be 2,097,152 elements), or two whole 512x1024 matrices.
+  assert elements <= 2 * 512 * 1024, sigs
