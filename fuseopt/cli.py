@@ -130,6 +130,12 @@ def cmd_demo(args, out=print) -> int:
 def cmd_bench(args, out=print) -> int:
   import jax
 
+  try:
+    # The sharded cases need a mesh: 8 emulated devices where the host CPU is
+    # the backend (harmless on accelerators: only the CPU client reads it).
+    jax.config.update("jax_num_cpu_devices", 8)
+  except RuntimeError:  # a backend already started (e.g. tests calling this)
+    pass
   from fuseopt.benchmarks import core, report
   from fuseopt.benchmarks.cases import all_cases
 

@@ -99,6 +99,29 @@ def hlo_counts(hlo: str) -> dict[str, int]:
   }
 
 
+_COLLECTIVE = re.compile(
+    r"^\s*(?:ROOT )?\S+ = (\([^)]*\)|\S+) (all-to-all|all-gather|all-reduce|reduce-scatter|"
+    r"collective-permute)(?:-start)?\(", re.M)
+_ARRAY = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
+             "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+
+
+def collective_stats(hlo: str) -> dict[str, int]:
+  """Collectives of compiled (per-device) HLO: how many, and the bytes of
+  their results on one device (``collective_bytes``; an all-to-all or
+  all-gather receives about that much, an all-reduce moves about twice it)."""
+  count, nbytes = 0, 0
+  for shape, _ in _COLLECTIVE.findall(hlo):
+    count += 1
+    for dtype, dims in _ARRAY.findall(shape):
+      n = 1
+      for d in filter(None, dims.split(",")):
+        n *= int(d)
+      nbytes += n * _ITEMSIZE.get(dtype, 4)
+  return {"collectives": count, "collective_bytes": nbytes}
+
+
 def compiled_stats(fn: Callable, args: tuple) -> dict[str, Any]:
   """Deterministic figures of the compiled ``fn``: memory, HLO op and fusion
   counts, custom calls (kernel launches), FLOPs and bytes from cost analysis."""
@@ -118,7 +141,12 @@ def stats_of(compiled) -> dict[str, Any]:
     v = getattr(m, k, None)
     if v is not None:
       stats[k.replace("_size_in_bytes", "_bytes")] = int(v)
-  stats.update(hlo_counts(compiled.as_text()))
+  text = compiled.as_text()
+  stats.update(hlo_counts(text))
+  try:
+    stats.update(collective_stats(text))
+  except Exception:  # noqa: BLE001 - not every executable prints its HLO
+    pass
   try:
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
