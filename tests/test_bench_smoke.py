@@ -99,7 +99,7 @@ def test_llama_tree_matches_anchors():
   leaves = jax.tree.leaves(tree)
   assert len(leaves) == 147 and workloads.tree_params(tree) == 1_204_881_408
   assert all(isinstance(x, jax.ShapeDtypeStruct) and x.dtype == jnp.float32 for x in leaves)
-  # ANCHORS.md: the layers' matrices need 53.6 TFLOP of standard 5-step NS.
+  # docs/measurements.md: the layers' matrices need 53.6 TFLOP of standard 5-step NS.
   tflop = sum(workloads.ns_flops(m.shape) for m in workloads.matrices(tree)) / 1e12
   assert round(tflop, 1) == 53.6
   assert len(workloads.matrices(tree)) == 16 * 7
