@@ -35,4 +35,4 @@ def test_import_fuseopt_is_cheap_and_submodules_import_alone():
   # first on its own (an import cycle would fail one of these orders).
   assert _run("import sys, fuseopt; print('jax' in sys.modules, 'optax' in sys.modules)") == "False False"
   _run("import fuseopt.optim.builder, fuseopt.optim; import fuseopt.kernels.ns.gram")
-  _run("import fuseopt.kernels.adam; import fuseopt.optim.step")
+  _run("import fuseopt.kernels.adam; import fuseopt.optim.step; import fuseopt.nnx")
