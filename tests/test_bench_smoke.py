@@ -108,7 +108,7 @@ def test_validate_rejects_bad_results():
     report.validate({**good, "rows": [{"op": "a", "case": "b", "is_baseline": True}]})
 
 
-def test_llama_tree_matches_anchors():
+def test_llama_tree_matches_measurements():
   tree = workloads.llama_tree()
   leaves = jax.tree.leaves(tree)
   assert len(leaves) == 147 and workloads.tree_params(tree) == 1_204_881_408
