@@ -218,7 +218,8 @@ def _dimension_numbers(path: str, leaf_name: str, shape, names, *, selection_axe
     raise ValueError(
         f"muon_weight_dimension_numbers: parameter {path} of shape {tuple(shape)} has rank {ndim} "
         "and declares no logical axes, so its matrix axes cannot be inferred; declare its axes "
-        "(e.g. nn.with_logical_partitioning) or pass them in `axes`")
+        "(linen: nn.with_logical_partitioning; nnx: nnx.with_partitioning, read from the state "
+        "tx.init receives) or pass them in `axes`")
   if len(names) != ndim:
     raise ValueError(f"muon_weight_dimension_numbers: parameter {path} of shape {tuple(shape)} "
                      f"declares {len(names)} axes {names}, expected one name per axis ({ndim})")
