@@ -92,3 +92,47 @@ def test_restore_and_continue_is_bitwise(name, tmp_path):
   assert any(x.dtype == jnp.bfloat16 for x in leaves_a)  # bf16 state really went through orbax
   for a, b in zip(leaves_a, leaves_b):
     assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_nnx_optimizer_restore_and_continue_is_bitwise(tmp_path):
+  nnx = pytest.importorskip("flax.nnx")
+  import fuseopt.nnx as fnnx  # pylint: disable=g-import-not-at-top
+
+  def fresh():
+    model = nnx.Sequential(nnx.Linear(8, 16, rngs=nnx.Rngs(0)), nnx.Linear(16, 4, rngs=nnx.Rngs(1)))
+    return model, fnnx.Optimizer(model, fo.adamw(1e-2, weight_decay=0.1), wrt=nnx.Param)
+
+  @nnx.jit
+  def train(model, opt, t):
+    x = jax.random.normal(jax.random.fold_in(jax.random.key(2), t), (4, 8))
+    grads = nnx.grad(lambda m: (m(x) ** 2).mean())(model)
+    opt.update(model, grads)
+
+  def pure(model, opt):
+    return nnx.to_pure_dict(nnx.state(model)), nnx.to_pure_dict(nnx.state(opt))
+
+  model, opt = fresh()
+  for t in range(4):
+    train(model, opt, t)
+  straight = pure(model, opt)
+
+  model, opt = fresh()
+  for t in range(2):
+    train(model, opt, t)
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(tmp_path / "nnx", pure(model, opt))
+    ckptr.wait_until_finished()
+    model, opt = fresh()  # a new process: fresh objects, state from the checkpoint
+    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, pure(model, opt))
+    model_state, opt_state = ckptr.restore(tmp_path / "nnx", target)
+  for obj, restored in ((model, model_state), (opt, opt_state)):
+    state = nnx.state(obj)
+    nnx.replace_by_pure_dict(state, restored)
+    nnx.update(obj, state)
+  for t in range(2, 4):
+    train(model, opt, t)
+  resumed = pure(model, opt)
+  leaves_a, leaves_b = jax.tree.leaves(resumed), jax.tree.leaves(straight)
+  assert len(leaves_a) == len(leaves_b) and any(x.dtype == jnp.bfloat16 for x in leaves_a)
+  for a, b in zip(leaves_a, leaves_b):
+    assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
