@@ -7,7 +7,7 @@ Each test times one variant of one case (``fuseopt.benchmarks.cases``) and
 stores, in the benchmark's ``extra_info`` (saved by ``--benchmark-json``),
 its case's baseline time measured in the same run, the ratio, the effective
 GB/s or TFLOP/s and the fraction of the roofline floor from ceilings
-measured in the same session. Without ``--benchmark-enable`` (the project's
+measured in the same pytest run. Without ``--benchmark-enable`` (the project's
 default addopts) every variant runs once, as a smoke test.
 """
 

@@ -2,7 +2,7 @@
 
   python bench/ns_configs.py [OUT.json] [--m 2048 --n 8192 --batch 1] [--interpret]
 
-PALLAS_NOTES.md: some block configs lower fine and still fail on a GPU at run
+docs/pallas_notes.md ("CUDA graphs"): some block configs lower fine and still fail on a GPU at run
 time (a CUDA-graph error seen once for a large block), which interpret mode
 cannot catch. This script runs each config of each search space
 (``gram``/``update``/``fused`` modules, the backend of the default device)

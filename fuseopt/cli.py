@@ -127,6 +127,18 @@ def cmd_demo(args, out=print) -> int:
   return status
 
 
+def _missing_bench_extra(*, plot: bool, progress: bool) -> list[str]:
+  """The ``bench`` extra's packages this run would use and cannot import."""
+  missing = []
+  for name, wanted in (("matplotlib", plot), ("tqdm", progress)):
+    if wanted:
+      try:
+        __import__(name)
+      except ImportError:
+        missing.append(name)
+  return missing
+
+
 def cmd_bench(args, out=print) -> int:
   import jax
 
@@ -172,10 +184,14 @@ def cmd_bench(args, out=print) -> int:
   out(report.format_table(rows))
   out("(* = the case's baseline; ratio = ms / baseline ms; floor = roofline floor / ms)")
   out(f"saved {json_path}")
-  if not args.no_plot:
+  missing = _missing_bench_extra(plot=not args.no_plot, progress=not args.no_progress)
+  if not args.no_plot and "matplotlib" not in missing:
     for p in report.plot(results, out_dir):
       out(f"saved {p}")
   out(f"({time.perf_counter() - t0:.0f} s)")
+  if missing:
+    out(f"{' and '.join(missing)} not installed: for the plots (bench.png, scaling.png) and the progress bar, "
+        "pip install 'fuseopt[bench]'")
   failed = [r for r in rows if "error" in r]
   bad = {f"{r['op']}/{r['case']}" for r in rows if core.check_passed(r.get("check")) is False}
   if failed:

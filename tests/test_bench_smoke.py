@@ -51,6 +51,20 @@ def test_bench_cli_with_plots_and_row_filter(tmp_path):
     assert (tmp_path / name).read_bytes()[:8] == PNG
 
 
+def test_bench_cli_without_the_bench_extra(tmp_path, capsys, monkeypatch):
+  # matplotlib and tqdm absent: the table and the JSON, then one line on the plots; no traceback.
+  for name in ("matplotlib", "matplotlib.pyplot", "tqdm"):
+    monkeypatch.setitem(sys.modules, name, None)
+  args = ["bench", "--ops", "stochastic_round", "--iters", "2", "--out", str(tmp_path)]
+  assert cli.main(args) == 0
+  out = capsys.readouterr().out
+  assert "xla_convert *" in out and "saved " + str(tmp_path / "bench-quick.json") in out
+  _check_results(tmp_path / "bench-quick.json")
+  assert not list(tmp_path.glob("*.png"))
+  last = out.strip().splitlines()[-1]
+  assert "matplotlib and tqdm not installed" in last and "pip install 'fuseopt[bench]'" in last
+
+
 def test_bench_cli_no_rows_selected(tmp_path, capsys):
   assert cli.main(["bench", "--rows", "no-such-case", "--out", str(tmp_path), "--no-progress"]) == 1
   assert "no benchmark cases selected" in capsys.readouterr().out
@@ -94,12 +108,12 @@ def test_validate_rejects_bad_results():
     report.validate({**good, "rows": [{"op": "a", "case": "b", "is_baseline": True}]})
 
 
-def test_llama_tree_matches_anchors():
+def test_llama_tree_matches_measurements():
   tree = workloads.llama_tree()
   leaves = jax.tree.leaves(tree)
   assert len(leaves) == 147 and workloads.tree_params(tree) == 1_204_881_408
   assert all(isinstance(x, jax.ShapeDtypeStruct) and x.dtype == jnp.float32 for x in leaves)
-  # ANCHORS.md: the layers' matrices need 53.6 TFLOP of standard 5-step NS.
+  # docs/measurements.md: the layers' matrices need 53.6 TFLOP of standard 5-step NS.
   tflop = sum(workloads.ns_flops(m.shape) for m in workloads.matrices(tree)) / 1e12
   assert round(tflop, 1) == 53.6
   assert len(workloads.matrices(tree)) == 16 * 7

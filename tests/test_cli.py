@@ -77,7 +77,7 @@ def test_report_print_and_missing_markers(tmp_path, capsys):
   readme.write_text("# no markers\n")
   assert cli.main(["report", "--results", str(tmp_path / "results"), "--readme", str(readme)]) == 2
   assert "perf-table:start" in capsys.readouterr().err
-  assert report.markdown([]).startswith("_No accelerator results")
+  assert report.markdown([]).startswith("_No hardware results yet")
 
 
 def test_regression_command_exit_codes(tmp_path, capsys):

@@ -276,7 +276,8 @@ def find_results(root: Path | str, *, include_cpu: bool = False) -> list[dict]:
 
 def markdown(results_list: list[dict]) -> str:
   if not results_list:
-    return "_No accelerator results committed yet: run `python bench/gpu_suite.py bench/results` on a GPU or TPU._\n"
+    return ("_No hardware results yet: fuseopt has not yet been measured on a GPU or TPU. Run "
+            "`python bench/gpu_suite.py bench/results` on one, commit the JSON, then `scripts/fuseopt report`._\n")
   parts = []
   for res in results_list:
     m, c = res["meta"], res["ceilings"]

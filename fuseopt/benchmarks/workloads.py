@@ -3,10 +3,10 @@
 Every op's bench cases (``fuseopt/benchmarks/cases``) and tests can import
 these so that one shape means the same thing everywhere:
 
-* :data:`NS_SHAPES` — the per-shape Newton–Schulz table of ANCHORS.md
+* :data:`NS_SHAPES` — the per-shape Newton–Schulz table of docs/measurements.md
   (``(m, n)`` or ``(batch, m, n)``), with :data:`NS_SHAPES_CPU` scaled down.
 * :func:`llama_tree` — the 1.20 B-parameter Llama-shaped parameter tree of
-  ANCHORS.md (d=2048, ff=8192, 16 layers, vocab 32000: 147 leaves), as
+  docs/measurements.md (d=2048, ff=8192, 16 layers, vocab 32000: 147 leaves), as
   ``jax.ShapeDtypeStruct`` leaves or as arrays; :func:`llama_tree_cpu` the
   same structure at CPU size.
 * :data:`SR_SIZES` — stochastic-rounding element counts.
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Newton–Schulz shapes of ANCHORS.md, in its row order. A 3-tuple is a stack.
+# Newton–Schulz shapes of docs/measurements.md, in its row order. A 3-tuple is a stack.
 NS_SHAPES: tuple[tuple[int, ...], ...] = (
     (1024, 1024),
     (2048, 2048),
@@ -31,7 +31,7 @@ NS_SHAPES: tuple[tuple[int, ...], ...] = (
     (4096, 14336),
     (16, 2048, 2048),
 )
-# ANCHORS.md's optax.contrib NS times (ms, bf16 input, 5 steps, H200): the
+# docs/measurements.md's optax.contrib NS times (ms, bf16 input, 5 steps, H200): the
 # reference the GPU report quotes next to the measured rows.
 NS_OPTAX_H200_MS = {
     (1024, 1024): 0.359, (2048, 2048): 0.658, (4096, 4096): 3.353,
@@ -54,14 +54,14 @@ NS_SHAPES_CPU_QUICK = ((128, 128), (128, 512), (4, 128, 128))
 SR_SIZES = {"quick": (1 << 20,), "full": (1 << 24, 1 << 28)}
 SR_SIZES_CPU = {"quick": (1 << 18,), "full": (1 << 22,)}
 
-# The Llama-shaped model of ANCHORS.md and its CPU stand-in.
+# The Llama-shaped model of docs/measurements.md and its CPU stand-in.
 LLAMA_1B = dict(d=2048, ff=8192, layers=16, vocab=32000)
 LLAMA_CPU = dict(d=64, ff=256, layers=2, vocab=512)
 
 
 def ns_flops(shape: tuple[int, ...], steps: int = 5) -> float:
   """Standard Newton–Schulz FLOPs: ``steps * (4 m^2 n + 2 m^3)`` per matrix
-  with ``m <= n`` (ANCHORS.md's count), times the stack size."""
+  with ``m <= n`` (the count of docs/measurements.md), times the stack size."""
   *batch, a, b = shape
   m, n = min(a, b), max(a, b)
   return float(math.prod(batch) * steps * (4 * m * m * n + 2 * m ** 3))
@@ -79,7 +79,7 @@ def llama_shapes(d: int = 2048, ff: int = 8192, layers: int = 16,
   Per layer: attention q/k/v/o (d×d), MLP gate/up (d×ff) and down (ff×d),
   two RMSNorm scales (d); plus the embedding and an untied LM head
   (vocab×d, d×vocab) and the final norm. With the defaults this is
-  1,204,881,408 parameters in 147 leaves (the 1.20 B tree of ANCHORS.md).
+  1,204,881,408 parameters in 147 leaves (the 1.20 B tree of docs/measurements.md).
   """
   layer = {
       "attn": {"q": (d, d), "k": (d, d), "v": (d, d), "o": (d, d)},

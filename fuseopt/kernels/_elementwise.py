@@ -44,7 +44,7 @@ class MosaicConfig:
 def triton_heuristic(size: int) -> TritonConfig:
   # Block 1024 / 8 warps measured best for per-leaf elementwise passes on the
   # H200, and block 4096 failed inside XLA's CUDA graph there
-  # (shared/ANCHORS.md); tiny arrays get one small block.
+  # (docs/measurements.md, "Adam"); tiny arrays get one small block.
   block = min(1024, max(128, pl.next_power_of_2(max(size, 1))))
   return TritonConfig(block=block, num_warps=8 if size >= 1024 else 4)
 

@@ -22,7 +22,7 @@ Backends:
 - ``xla``: the reference, plain ``jnp`` on the flattened leaf. It is single
   pass and memory-lean: each rounding builds its counter from a 1-D per-leaf
   iota inside its own expression, so XLA fuses it instead of materialising a
-  shared index array (shared/ANCHORS.md: a shared per-axis index cost 235 MB
+  shared index array (docs/measurements.md: a shared per-axis index cost 235 MB
   of temporaries on the 1.2 B tree);
 - ``triton``: a 1-D grid over the flattened leaf, ``block`` elements a
   program (power of two), ragged tail masked. :func:`adam_update_tree` runs
@@ -79,7 +79,7 @@ _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 # ----------------------------------------------------------------- configs --
 # Block 4096 failed at run time inside XLA's CUDA graph on the H200
-# (shared/ANCHORS.md): it stays in the search space, to be measured on the
+# (docs/pallas_notes.md, "CUDA graphs"): it stays in the search space, to be measured on the
 # device, never in the heuristic.
 TRITON_SEARCH_SPACE = tuple(TritonConfig(b, w) for b in (512, 1024, 2048, 4096)
                             for w in (4, 8))
@@ -140,7 +140,7 @@ def _reference(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, order_for_i
                                    nesterov=nesterov, apply=apply)
   shape = g.shape
   # A fresh flat iota per rounding: XLA fuses each into its consumer rather
-  # than materialising one shared index array (shared/ANCHORS.md).
+  # than materialising one shared index array (docs/measurements.md).
   idx = lambda: sharding_lib.global_index(jax.lax.iota(jnp.uint32, g.size).reshape(shape),
                                           index_map, seeds[SEED_BASE])
   out = _store(out, out_dtype, idx(), seeds[0] if apply else jnp.uint32(0))
@@ -150,7 +150,7 @@ def _reference(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, order_for_i
     # moments (a whole leaf of temporaries). The barrier runs the param
     # fusion first, so each moment fusion can then overwrite its input.
     # Not on GPU: there XLA can fuse all three outputs into one pass
-    # (ANCHORS.md: 46 KB of temporaries), which the barrier would split.
+    # (docs/measurements.md: 46 KB of temporaries), which the barrier would split.
     out, mu, nu = jax.lax.optimization_barrier((out, mu, nu))
     _, mu_new, nu_new = _adam_math(s, None, f32(g), f32(mu), f32(nu),
                                    nesterov=False, apply=False)
@@ -216,7 +216,7 @@ def _adam_triton(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, i
 
 
 # ---------------------------------------------------------- triton, grouped --
-# One launch over a list of leaves (shared/ANCHORS.md: 147 per-leaf launches
+# One launch over a list of leaves (docs/measurements.md: 147 per-leaf launches
 # cost about 15% of the step on the 1.2 B tree, each kernel's ramp-up and
 # drain repeated). The leaves stay where they are: each is its own operand and
 # in-place output, the 1-D grid runs over the sum of their block counts, and
@@ -238,7 +238,7 @@ class TritonGroupConfig:
 
 
 # Block 4096 failed at run time inside XLA's CUDA graph for per-leaf kernels
-# (shared/ANCHORS.md): in the space, to be measured on the device, never in
+# (docs/pallas_notes.md, "CUDA graphs"): in the space, to be measured on the device, never in
 # the heuristic.
 TRITON_GROUP_SEARCH_SPACE = tuple(TritonGroupConfig(b, w, k) for b in (512, 1024, 2048, 4096)
                                   for w in (4, 8) for k in (8, 16))

@@ -1,6 +1,6 @@
 """Counter-hash stochastic rounding fp32 → bf16: reference, Triton and Mosaic-TPU kernels.
 
-The contract (shared/DESIGN.md, "Numerics contracts") is implemented once in
+The contract (docs/numerics.md, "Stochastic rounding") is implemented once in
 :func:`fuseopt.kernels.counter_hash.round_fp32_bits_to_bf16`; the backends
 differ only in how they tile the flat index space:
 

@@ -4,62 +4,92 @@ and the config builder. Nothing here imports Pallas: kernels come from
 
 from __future__ import annotations
 
-import importlib
+from fuseopt.optim import schedules
 
-# public name -> module that defines it (imported on first use).
-_EXPORTS = {
-    # updates.py
-    "apply_updates": "fuseopt.optim.updates",
-    # adam.py / step.py (fused Adam, bf16 moments)
-    "scale_by_adam": "fuseopt.optim.fused_adam",
-    "adam": "fuseopt.optim.fused_adam",
-    "adamw": "fuseopt.optim.fused_adam",
-    "bf16_moments": "fuseopt.optim.fused_adam",
-    "step": "fuseopt.optim.step",
-    # muon.py (Newton-Schulz Muon)
-    "muon": "fuseopt.optim.fused_muon",
-    "scale_by_muon": "fuseopt.optim.fused_muon",
-    "MuonDimensionNumbers": "fuseopt.optim.fused_muon",
-    "MatrixViews": "fuseopt.optim.matrix_views",
-    "mla_kv_b_proj_views": "fuseopt.optim.matrix_views",
-    # muon_axes.py, matrix views, qk_clip.py
-    "muon_weight_dimension_numbers": "fuseopt.optim.muon_axes",
-    "SELECTION_AXES": "fuseopt.optim.muon_axes",
-    "BATCH_AXES": "fuseopt.optim.muon_axes",
-    "HEAD_AXES": "fuseopt.optim.muon_axes",
-    "scale_by_qk_clip": "fuseopt.optim.qk_clip",
-    "QK_PROJECTIONS": "fuseopt.optim.qk_clip",
-    "muonclip": "fuseopt.optim.qk_clip",
-    "MLAHeadDims": "fuseopt.optim.qk_clip",
-    "PROJECTION_ROLES": "fuseopt.optim.qk_clip",
-    "LAYER_AXES": "fuseopt.optim.muon_axes",
-    "logical_axes": "fuseopt.optim.muon_axes",
-    # groups.py, config.py, builder.py
-    "ParamGroup": "fuseopt.optim.groups",
-    "NO_DECAY_PATTERNS": "fuseopt.optim.groups",
-    "mup_param_groups": "fuseopt.optim.groups",
-    "param_labels": "fuseopt.optim.groups",
-    "OptimConfig": "fuseopt.optim.config",
-    "build_optimizer": "fuseopt.optim.builder",
-    "learning_rate_schedule": "fuseopt.optim.builder",
-    "skip_nonfinite": "fuseopt.optim.safeguards",
-    "global_norm_of": "fuseopt.optim.safeguards",
-    "freeze": "fuseopt.optim.safeguards",
-}
+# Stochastically rounded apply_updates.
+from fuseopt.optim.updates import apply_updates
 
-__all__ = sorted(_EXPORTS) + ["schedules"]
+# Adam/AdamW on bf16 moments, and the fused step.
+from fuseopt.optim.fused_adam import adam
+from fuseopt.optim.fused_adam import adamw
+from fuseopt.optim.fused_adam import bf16_moments
+from fuseopt.optim.fused_adam import scale_by_adam
+from fuseopt.optim.step import step
 
+# Muon, its matrix views and its split from logical axes; QK-Clip.
+from fuseopt.optim.fused_muon import muon
+from fuseopt.optim.fused_muon import MuonDimensionNumbers
+from fuseopt.optim.fused_muon import scale_by_muon
+from fuseopt.optim.matrix_views import MatrixViews
+from fuseopt.optim.matrix_views import mla_kv_b_proj_views
+from fuseopt.optim.muon_axes import BATCH_AXES
+from fuseopt.optim.muon_axes import HEAD_AXES
+from fuseopt.optim.muon_axes import LAYER_AXES
+from fuseopt.optim.muon_axes import logical_axes
+from fuseopt.optim.muon_axes import muon_weight_dimension_numbers
+from fuseopt.optim.muon_axes import SELECTION_AXES
+from fuseopt.optim.qk_clip import MLAHeadDims
+from fuseopt.optim.qk_clip import muonclip
+from fuseopt.optim.qk_clip import PROJECTION_ROLES
+from fuseopt.optim.qk_clip import QK_PROJECTIONS
+from fuseopt.optim.qk_clip import scale_by_qk_clip
 
-def __getattr__(name):
-  if name == "schedules":
-    return importlib.import_module("fuseopt.optim.schedules")
-  module = _EXPORTS.get(name)
-  if module is None:
-    raise AttributeError(f"module 'fuseopt.optim' has no attribute {name!r}")
-  value = getattr(importlib.import_module(module), name)
-  globals()[name] = value
-  return value
+# Parameter groups, the config record, its schedules, and the builder.
+from fuseopt.optim.builder import build_optimizer
+from fuseopt.optim.builder import learning_rate_schedule
+from fuseopt.optim.config import OptimConfig
+from fuseopt.optim.groups import mup_param_groups
+from fuseopt.optim.groups import NO_DECAY_PATTERNS
+from fuseopt.optim.groups import param_labels
+from fuseopt.optim.groups import ParamGroup
+from fuseopt.optim.safeguards import freeze
+from fuseopt.optim.safeguards import global_norm_of
+from fuseopt.optim.safeguards import skip_nonfinite
+from fuseopt.optim.schedules import Constant
+from fuseopt.optim.schedules import Cosine
+from fuseopt.optim.schedules import Linear
+from fuseopt.optim.schedules import Power
+from fuseopt.optim.schedules import PowerTail
+from fuseopt.optim.schedules import WSD
 
-
-def __dir__():
-  return sorted(set(globals()) | set(_EXPORTS) | {"schedules"})
+__all__ = (
+    "BATCH_AXES",
+    "Constant",
+    "Cosine",
+    "HEAD_AXES",
+    "LAYER_AXES",
+    "Linear",
+    "MLAHeadDims",
+    "MatrixViews",
+    "MuonDimensionNumbers",
+    "NO_DECAY_PATTERNS",
+    "OptimConfig",
+    "PROJECTION_ROLES",
+    "ParamGroup",
+    "Power",
+    "PowerTail",
+    "QK_PROJECTIONS",
+    "SELECTION_AXES",
+    "WSD",
+    "adam",
+    "adamw",
+    "apply_updates",
+    "bf16_moments",
+    "build_optimizer",
+    "freeze",
+    "global_norm_of",
+    "learning_rate_schedule",
+    "logical_axes",
+    "mla_kv_b_proj_views",
+    "muon",
+    "muon_weight_dimension_numbers",
+    "muonclip",
+    "mup_param_groups",
+    "param_labels",
+    "scale_by_adam",
+    "scale_by_muon",
+    "scale_by_qk_clip",
+    "schedules",
+    "skip_nonfinite",
+    "step",
+)

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import jax
 import jax.numpy as jnp
 import optax
 
 from fuseopt.optim import fused_adam
 from fuseopt.optim import fused_muon
 from fuseopt.optim import groups as groups_lib
+from fuseopt.optim import muon_axes
 from fuseopt.optim import qk_clip
 from fuseopt.optim import safeguards
 from fuseopt.optim.config import OptimConfig
@@ -85,21 +87,48 @@ def _adafactor(config, rate, weight_decay):
                          **_betas(config, b1=None, b2=None), **config.optimizer_kwargs)
 
 
-def _muon_kwargs(config, weight_decay):
+def pattern_dimension_numbers(patterns):
+  """Muon's split by path patterns: a matching parameter of rank >= 2 is a
+  stack of matrices over its last two axes (reduction, output); the rest
+  take AdamW. The callable form of ``muon_weight_dimension_numbers``."""
+  patterns = tuple(patterns)
+
+  def dims(params):
+    def one(kp, x):
+      if isinstance(x, optax.MaskedNode):
+        return x
+      ndim = len(getattr(x, "shape", ()))
+      if ndim < 2 or not groups_lib.matches_any(groups_lib.path_str(kp), patterns):
+        return None
+      return fused_muon.MuonDimensionNumbers(reduction_axis=ndim - 2, output_axis=ndim - 1)
+    return jax.tree_util.tree_map_with_path(one, params,
+                                            is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+
+  return dims
+
+
+def _muon_kwargs(config, weight_decay, adam_rate):
   # Muon's b1/b2 are its AdamW side's; its own momentum is optimizer_kwargs["beta"].
   kw = dict(weight_decay=weight_decay, adam_weight_decay=weight_decay, mu_dtype=_moments(config),
             **_betas(config, b1="adam_b1", b2="adam_b2"))
   if config.state_dtype == "bfloat16":
     kw["adam_moment_dtype"] = jnp.bfloat16  # both AdamW-side moments; optax's muon has mu only
+  if adam_rate is not None:
+    kw["adam_learning_rate"] = adam_rate
+  if config.muon_patterns is not None:
+    kw["muon_weight_dimension_numbers"] = pattern_dimension_numbers(config.muon_patterns)
+  elif config.muon_logical_axes:
+    kw["muon_weight_dimension_numbers"] = muon_axes.logical_axes_dimension_numbers(
+        **config.muon_axis_rules)
   return {**kw, **config.optimizer_kwargs}
 
 
-def _muon(config, rate, weight_decay):
-  return fused_muon.muon(rate, **_muon_kwargs(config, weight_decay))
+def _muon(config, rate, weight_decay, adam_rate=None):
+  return fused_muon.muon(rate, **_muon_kwargs(config, weight_decay, adam_rate))
 
 
-def _muonclip(config, rate, weight_decay):
-  return qk_clip.muonclip(rate, tau=config.qk_clip_tau, **_muon_kwargs(config, weight_decay))
+def _muonclip(config, rate, weight_decay, adam_rate=None):
+  return qk_clip.muonclip(rate, tau=config.qk_clip_tau, **_muon_kwargs(config, weight_decay, adam_rate))
 
 
 # name -> (config, rate, weight_decay) -> GradientTransformation
@@ -133,15 +162,22 @@ def build_optimizer(config: OptimConfig | dict, steps: int) -> optax.GradientTra
     raise ValueError(f"build_optimizer: steps must be a non-negative integer, got {steps!r}")
   make = OPTIMIZER_MAP[config.optimizer]
   rate = learning_rate_schedule(config, steps)
+  # Muon's AdamW side on its own rate, when the config gives one.
+  adam_rate = (config.adam_schedule.schedule(steps) if config.adam_schedule is not None
+               else config.adam_learning_rate)
+
+  def solver(rate_multiplier, decay):
+    extra = {} if adam_rate is None else {"adam_rate": _scaled(adam_rate, rate_multiplier)}
+    return make(config, _scaled(rate, rate_multiplier), decay, **extra)
 
   if config.param_groups:
     solvers = {}
     for g in config.param_groups:
       decay = config.weight_decay if g.weight_decay is None else g.weight_decay
-      solvers[g.name] = make(config, _scaled(rate, g.learning_rate_multiplier), decay)
+      solvers[g.name] = solver(g.learning_rate_multiplier, decay)
     tx = optax.partition(solvers, groups_lib.param_labels(config.param_groups))
   else:
-    tx = make(config, rate, config.weight_decay)
+    tx = solver(1.0, config.weight_decay)
 
   tx = optax.chain(safeguards.clip_by_global_norm(config.clip_norm), tx)
   if config.accumulate_steps > 1:

@@ -86,6 +86,23 @@ class OptimConfig:
     trainable: when set, every parameter matching none of these is frozen
       too (``("*lora_*",)`` trains only LoRA adapters).
     qk_clip_tau: MuonClip's logit threshold (``muonclip`` only).
+    adam_learning_rate, adam_schedule: the AdamW side of ``muon`` /
+      ``muonclip``: its own constant rate or schedule (at most one; neither:
+      it shares ``learning_rate`` / ``schedule``). A group's
+      ``learning_rate_multiplier`` scales both sides.
+    muon_patterns: ``muon`` / ``muonclip``: fnmatch patterns over parameter
+      paths (as in ``param_groups``) naming the parameters Muon takes; each
+      such parameter of rank >= 2 is a stack of matrices over its last two
+      axes (input, output), every other parameter takes AdamW.
+    muon_logical_axes: ``muon`` / ``muonclip``: split from the logical axis
+      names the parameters declare (linen boxes, nnx
+      ``with_partitioning``) by the rules of
+      :func:`~fuseopt.optim.muon_weight_dimension_numbers`.
+    muon_axis_rules: overrides of those rules' axis-name sets
+      (``selection_axes``, ``batch_axes``, ``layer_axes``, ``head_axes``:
+      lists of names); only with ``muon_logical_axes``. With neither
+      ``muon_patterns`` nor ``muon_logical_axes``, Muon takes every rank-2
+      parameter (optax's default).
     optimizer_kwargs: extra keyword arguments for the optimizer, verbatim.
   """
 
@@ -107,6 +124,11 @@ class OptimConfig:
   trainable: tuple[str, ...] | None = None
   qk_clip_tau: float = 100.0
   optimizer_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  adam_learning_rate: float | None = None
+  adam_schedule: schedules_lib.ScheduleBase | None = None
+  muon_patterns: tuple[str, ...] | None = None
+  muon_logical_axes: bool = False
+  muon_axis_rules: Mapping[str, Sequence[str]] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     set_ = lambda k, v: object.__setattr__(self, k, v)
@@ -172,6 +194,57 @@ class OptimConfig:
     if reserved:
       raise ValueError(f"OptimConfig.optimizer_kwargs: {sorted(reserved)} are OptimConfig fields; set them there")
     set_("optimizer_kwargs", dict(self.optimizer_kwargs))
+    self._check_muon_fields(set_)
+
+  def _check_muon_fields(self, set_):
+    muon = self.optimizer in ("muon", "muonclip")
+    given = [n for n in ("adam_learning_rate", "adam_schedule", "muon_patterns")
+             if getattr(self, n) is not None]
+    given += [n for n in ("muon_logical_axes", "muon_axis_rules") if getattr(self, n)]
+    if given and not muon:
+      raise ValueError(f"OptimConfig.{given[0]}: only for optimizer 'muon' or 'muonclip', "
+                       f"got optimizer {self.optimizer!r}")
+    if self.adam_schedule is not None:
+      set_("adam_schedule", schedules_lib.schedule_from_dict(self.adam_schedule))
+      if self.adam_learning_rate is not None:
+        raise ValueError("OptimConfig.adam_learning_rate / OptimConfig.adam_schedule: give at most one "
+                         f"(got {self.adam_learning_rate!r} and {self.adam_schedule!r})")
+    if self.adam_learning_rate is not None:
+      if not _is_number(self.adam_learning_rate) or self.adam_learning_rate < 0:
+        raise ValueError("OptimConfig.adam_learning_rate must be a number >= 0 or None, "
+                         f"got {self.adam_learning_rate!r}")
+      set_("adam_learning_rate", float(self.adam_learning_rate))
+    if self.muon_patterns is not None:
+      v = (self.muon_patterns,) if isinstance(self.muon_patterns, str) else self.muon_patterns
+      if not isinstance(v, (list, tuple)) or not v or not all(isinstance(p, str) and p for p in v):
+        raise ValueError(f"OptimConfig.muon_patterns must be a non-empty sequence of fnmatch patterns "
+                         f"or None, got {self.muon_patterns!r}")
+      set_("muon_patterns", tuple(v))
+    if not isinstance(self.muon_logical_axes, bool):
+      raise ValueError(f"OptimConfig.muon_logical_axes must be a bool, got {self.muon_logical_axes!r}")
+    if self.muon_logical_axes and self.muon_patterns is not None:
+      raise ValueError("OptimConfig.muon_patterns / OptimConfig.muon_logical_axes: give at most one")
+    rules = self.muon_axis_rules
+    valid = ("selection_axes", "batch_axes", "layer_axes", "head_axes")
+    if not isinstance(rules, Mapping):
+      raise ValueError(f"OptimConfig.muon_axis_rules must be a mapping, got {rules!r}")
+    for k, names in rules.items():
+      if k not in valid:
+        raise ValueError(f"OptimConfig.muon_axis_rules: unknown rule {k!r}{_suggest(str(k), valid)}; "
+                         f"valid: {valid}")
+      if isinstance(names, str) or not isinstance(names, (list, tuple)) or not all(
+          isinstance(n, str) for n in names):
+        raise ValueError(f"OptimConfig.muon_axis_rules.{k} must be a list of axis names, got {names!r}")
+    if rules and not self.muon_logical_axes:
+      raise ValueError("OptimConfig.muon_axis_rules: only with muon_logical_axes: true")
+    set_("muon_axis_rules", {k: list(v) for k, v in rules.items()})
+    if muon and (self.muon_patterns is not None or self.muon_logical_axes):
+      if "muon_weight_dimension_numbers" in self.optimizer_kwargs:
+        raise ValueError("OptimConfig.optimizer_kwargs['muon_weight_dimension_numbers'] and "
+                         "muon_patterns / muon_logical_axes both choose Muon's parameters; give one")
+    if "adam_learning_rate" in self.optimizer_kwargs:
+      raise ValueError("OptimConfig.optimizer_kwargs: ['adam_learning_rate'] is an OptimConfig field; "
+                       "set adam_learning_rate or adam_schedule there")
 
   # ------------------------------------------------------------------ dicts
 
@@ -180,7 +253,7 @@ class OptimConfig:
     out = {}
     for f in dataclasses.fields(self):
       v = getattr(self, f.name)
-      if f.name == "schedule":
+      if f.name in ("schedule", "adam_schedule"):
         v = None if v is None else v.to_dict()
       elif f.name == "param_groups":
         v = [g.to_dict() for g in v]
@@ -230,4 +303,8 @@ class OptimConfig:
         d["learning_rate"] = None
       elif key.strip() == "learning_rate":
         d["schedule"] = None
+      elif key.strip() == "adam_schedule" or key.startswith("adam_schedule."):
+        d["adam_learning_rate"] = None
+      elif key.strip() == "adam_learning_rate":
+        d["adam_schedule"] = None
     return OptimConfig.from_dict(d)

@@ -39,6 +39,7 @@ from fuseopt.kernels.ns import distributed as distributed_ns
 from fuseopt.optim import _checks
 from fuseopt.optim import fused_adam
 from fuseopt.optim import matrix_views
+from fuseopt.optim import muon_axes
 from fuseopt.optim.matrix_views import DIMENSION_NUMBER_TYPES, MatrixViews, MuonDimensionNumbers
 
 __all__ = ["MuonDimensionNumbers", "MatrixViews", "MuonState", "scale_by_muon", "muon"]
@@ -522,6 +523,7 @@ def muon(
     def param_labels(params):
       dims = (muon_weight_dimension_numbers(params) if callable(muon_weight_dimension_numbers)
               else muon_weight_dimension_numbers)
+      dims = muon_axes.align_to(dims, params, _is_spec_or_none)  # a dict on nnx state
       return jax.tree.map(
           lambda d, sub: jax.tree.map(lambda _: "adam" if d is None else "muon", sub),
           dims, params, is_leaf=_is_spec_or_none)
@@ -533,7 +535,7 @@ def muon(
     dims = dims_source(tree) if callable(dims_source) else dims_source
     if _is_spec(dims):
       return jax.tree.map(lambda _: dims, tree)
-    return _broadcast_specs(dims, tree)
+    return _broadcast_specs(muon_axes.align_to(dims, tree, _is_spec_or_none), tree)
 
   if skip_inactive:
     decay = _add_decayed_weights_active(weight_decay, dims_fn)

@@ -49,7 +49,14 @@ def key_name(key) -> str:
 
 
 def path_str(keypath: Sequence[Any]) -> str:
-  """A key path (from :func:`jax.tree_util.tree_flatten_with_path`) as ``'a/b/c'``."""
+  """A key path (from :func:`jax.tree_util.tree_flatten_with_path`) as ``'a/b/c'``.
+
+  A trailing attribute key ``value`` is dropped: it is the array inside a
+  flax nnx ``Variable``, which ``nnx.Optimizer`` passes to ``init`` wrapped
+  and to ``update`` bare, so both see ``blocks/0/fc1/bias``."""
+  keypath = list(keypath)
+  if keypath and isinstance(keypath[-1], jax.tree_util.GetAttrKey) and keypath[-1].name == "value":
+    keypath.pop()
   return "/".join(key_name(k) for k in keypath)
 
 

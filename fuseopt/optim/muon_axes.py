@@ -10,7 +10,7 @@ declaration answers both questions.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -27,7 +27,9 @@ __all__ = [
     "LAYER_AXES",
     "HEAD_AXES",
     "MuonDimensionNumbers",
+    "align_to",
     "logical_axes",
+    "logical_axes_dimension_numbers",
     "muon_weight_dimension_numbers",
 ]
 
@@ -64,9 +66,41 @@ def _path_str(path) -> str:
   return "/".join(_key_str(k) for k in path) or "<root>"
 
 
+def _is_variable(x) -> bool:
+  """A flax nnx ``Variable`` (``nnx.Param``...): a box whose metadata may hold
+  the logical axis names. Recognised by its API, so flax is never imported."""
+  return (callable(getattr(type(x), "get_metadata", None)) and hasattr(x, "get_value")
+          and not isinstance(x, tuple))
+
+
 def _is_box(x) -> bool:
-  """A flax-like metadata box (``nn.Partitioned``, ``LogicallyPartitioned``)."""
+  """A flax-like metadata box (``nn.Partitioned``, ``LogicallyPartitioned``)
+  or an nnx ``Variable``."""
+  if _is_variable(x):
+    return True
   return hasattr(x, "names") and hasattr(x, "value") and not isinstance(x, tuple)
+
+
+# Where nnx keeps a Variable's logical axis names: ``out_sharding`` (flax
+# 0.12, set by ``nnx.with_partitioning``), ``sharding_names`` and
+# ``sharding`` (earlier releases).
+_NNX_SHARDING_KEYS = ("out_sharding", "sharding_names", "sharding")
+
+
+def _box_names(x):
+  """A box's axis names as a tuple, or None when it declares none."""
+  if _is_variable(x):
+    meta = x.get_metadata()
+    names = next((meta[k] for k in _NNX_SHARDING_KEYS if meta.get(k) is not None), None)
+    if names is None:
+      return None
+    names = getattr(names, "spec", names)  # a NamedSharding: its PartitionSpec
+    return tuple(names)
+  return None if x.names is None else tuple(x.names)
+
+
+def _box_value(x):
+  return x.get_value() if _is_variable(x) else x.value
 
 
 def _is_names(x) -> bool:
@@ -104,12 +138,69 @@ def logical_axes(params):
   leaf becomes None (undeclared). The result has the structure of the
   *unboxed* tree, the one an optimizer sees, so it can be passed as ``axes``
   to :func:`muon_weight_dimension_numbers`. flax itself is not imported.
+
+  flax nnx: the state of a model (``nnx.state(model, nnx.Param)``) holds
+  ``Variable`` leaves; the names are those ``nnx.with_partitioning`` (or
+  ``nnx.with_metadata(..., out_sharding=...)``) stored in their metadata.
   """
-  return jax.tree.map(lambda x: tuple(x.names) if _is_box(x) else None, params, is_leaf=_is_box)
+  return jax.tree.map(lambda x: _box_names(x) if _is_box(x) else None, params, is_leaf=_is_box)
 
 
 def _unbox(params):
-  return jax.tree.map(lambda x: x.value if _is_box(x) else x, params, is_leaf=_is_box)
+  return jax.tree.map(lambda x: _box_value(x) if _is_box(x) else x, params, is_leaf=_is_box)
+
+
+def _path_key(path) -> tuple[str, ...]:
+  """A key path as a tuple of strings, without the trailing ``.value`` of an
+  nnx Variable, so that a Variable-holding state and its pure arrays (the
+  two forms ``nnx.Optimizer`` hands to ``init`` and ``update``) agree."""
+  keys = [_key_str(k) for k in path]
+  if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and keys[-1] == "value":
+    keys.pop()
+  return tuple(keys)
+
+
+def align_to(specs, tree, is_leaf: Callable[[Any], bool]):
+  """``specs`` (a tree or a prefix of one) laid out with ``tree``'s containers.
+
+  A plain dict of per-parameter specs (dimension numbers, axis names) and an
+  ``nnx.State`` (or any other mapping-like pytree) with the same keys are
+  different pytrees to jax; this matches them by key path instead, so a
+  dict written by hand works on nnx state. A spec at a path applies to every
+  leaf below it (optax's prefix rule). ``specs`` already shaped like
+  ``tree`` comes back unchanged; a leaf of ``tree`` without a spec, or a
+  spec below a leaf of ``tree``, raises a ``ValueError`` naming its path.
+  """
+  if is_leaf(specs):
+    return specs
+  try:
+    jax.tree.map(lambda s, _: s, specs, tree, is_leaf=is_leaf)
+    return specs
+  except (ValueError, TypeError, KeyError):
+    pass
+  table = {_path_key(kp): s for kp, s in
+           jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_leaf)[0]}
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_masked)
+  out, used = [], set()
+  for kp, leaf in leaves:
+    if _is_masked(leaf):
+      out.append(leaf)
+      continue
+    key = _path_key(kp)
+    prefix = next((key[:i] for i in range(len(key), -1, -1) if key[:i] in table), None)
+    if prefix is None:
+      raise ValueError(f"no entry for parameter {'/'.join(key) or '<root>'}")
+    used.add(prefix)
+    out.append(table[prefix])
+  extra = sorted("/".join(k) for k in table if k not in used and not any(
+      _path_key(kp)[:len(k)] == k for kp, _ in leaves))
+  if extra:
+    raise ValueError(f"entries {extra} match no parameter (or lie below one)")
+  return treedef.unflatten(out)
+
+
+def _is_axes_leaf(x) -> bool:
+  return _is_names(x) and not _is_variable(x)
 
 
 def _side(axes: list[int]):
@@ -127,7 +218,8 @@ def _dimension_numbers(path: str, leaf_name: str, shape, names, *, selection_axe
     raise ValueError(
         f"muon_weight_dimension_numbers: parameter {path} of shape {tuple(shape)} has rank {ndim} "
         "and declares no logical axes, so its matrix axes cannot be inferred; declare its axes "
-        "(e.g. nn.with_logical_partitioning) or pass them in `axes`")
+        "(linen: nn.with_logical_partitioning; nnx: nnx.with_partitioning, read from the state "
+        "tx.init receives) or pass them in `axes`")
   if len(names) != ndim:
     raise ValueError(f"muon_weight_dimension_numbers: parameter {path} of shape {tuple(shape)} "
                      f"declares {len(names)} axes {names}, expected one name per axis ({ndim})")
@@ -228,6 +320,7 @@ def muon_weight_dimension_numbers(
   params = _unbox(params)
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_masked)
   try:
+    axes = align_to(axes, params, _is_axes_leaf)
     axes_leaves = treedef.flatten_up_to(axes)
   except (ValueError, TypeError) as e:
     raise ValueError(
@@ -247,3 +340,34 @@ def muon_weight_dimension_numbers(
     shape = tuple(leaf.shape) if hasattr(leaf, "shape") else np.shape(leaf)
     out.append(_dimension_numbers(path_s, leaf_name, shape, names, **rules))
   return treedef.unflatten(out)
+
+
+class logical_axes_dimension_numbers:  # pylint: disable=invalid-name
+  """The callable form of :func:`muon_weight_dimension_numbers` for boxed trees.
+
+  ``muon(..., muon_weight_dimension_numbers=logical_axes_dimension_numbers())``
+  reads the logical axis names off the parameters the first time it sees
+  them boxed (``tx.init`` on linen's boxed params or on an nnx state of
+  ``Variable`` objects, which is what ``nnx.Optimizer`` passes) and remembers them
+  by path, so ``update``, which sees plain arrays, splits the same way.
+  Keyword arguments are the axis-name rules of
+  :func:`muon_weight_dimension_numbers` (``selection_axes``, ``batch_axes``,
+  ``layer_axes``, ``head_axes``).
+  """
+
+  def __init__(self, **rules):
+    unknown = set(rules) - {"selection_axes", "batch_axes", "layer_axes", "head_axes"}
+    if unknown:
+      raise TypeError(f"logical_axes_dimension_numbers: unknown rule(s) {sorted(unknown)}; expected "
+                      "selection_axes, batch_axes, layer_axes or head_axes")
+    self.rules = rules
+    self.names: dict[tuple[str, ...], Any] = {}
+
+  def __call__(self, params):
+    seen = jax.tree_util.tree_flatten_with_path(logical_axes(params), is_leaf=_is_axes_leaf)[0]
+    boxed = any(_is_box(x) for x in jax.tree.leaves(params, is_leaf=_is_box))
+    if boxed:
+      self.names.update({_path_key(kp): n for kp, n in seen})
+    axes = jax.tree_util.tree_map_with_path(
+        lambda kp, _: self.names.get(_path_key(kp)), _unbox(params), is_leaf=_is_masked)
+    return muon_weight_dimension_numbers(params, axes, **self.rules)

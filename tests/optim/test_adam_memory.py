@@ -12,7 +12,7 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 
 def _llama_like(d=2048, ff=8192, layers=1, vocab=8000, dtype=F32):
   """About 100M parameters in the shapes of a Llama block stack (the leaf
-  shapes of shared/ANCHORS.md's 1.2 B tree; few leaves keep the compile short)."""
+  shapes of docs/measurements.md's 1.2 B tree; few leaves keep the compile short)."""
   s = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)
   layer = {"wq": s(d, d), "wk": s(d, d), "wv": s(d, d), "wo": s(d, d),
            "w1": s(d, ff), "w3": s(d, ff), "w2": s(ff, d), "norm1": s(d), "norm2": s(d)}

@@ -1,4 +1,4 @@
-"""AdamW, one update of the Llama-shaped tree of ANCHORS.md.
+"""AdamW, one update of the Llama-shaped tree of docs/measurements.md.
 
 On a GPU/TPU ("full" and "quick") the 1.20 B tree (d=2048, ff=8192, 16
 layers, vocab 32000; 147 leaves); on the CPU the scaled-down tree of
@@ -10,7 +10,7 @@ lr 1e-3, weight decay 0.1 on every leaf, b1 0.9, b2 0.999.
 Case ``llama1.2b`` (fp32 params and grads; bytes = 20 B/param, the fused
 step's minimal traffic: read p, g 4+4, mu, nu 2+2, write p 4, mu, nu 2+2):
 
-- ``optax_adamw_fp32`` (baseline; 28 B/param, ANCHORS: 11.44 ms);
+- ``optax_adamw_fp32`` (baseline; 28 B/param, 11.44 ms on the H200, docs/measurements.md);
 - ``optax_adamw_mu_bf16``: ``mu_dtype=bf16`` (nu stays fp32; 24 B/param);
 - ``fuseopt_adamw[drop_in]``: :func:`fuseopt.optim.adamw` through
   ``update`` + ``optax.apply_updates`` (the update leaves the kernel as an

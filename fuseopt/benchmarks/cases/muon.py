@@ -1,4 +1,4 @@
-"""Hybrid Muon + AdamW: one update of the Llama-shaped tree of ANCHORS.md.
+"""Hybrid Muon + AdamW: one update of the Llama-shaped tree of docs/measurements.md.
 
 The layers' matrices (q/k/v/o, gate/up/down: 112 leaves, stored per layer)
 take Muon, the embedding, LM head and norms AdamW. One call is a full
@@ -10,7 +10,8 @@ and state donated. On a GPU/TPU ("full") the 1.20 B tree (d=2048, ff=8192,
 Variants (Jordan's coefficients, 5 steps, lr 0.02, weight decay 0.1):
 
 - ``optax_muon`` (baseline): ``optax.contrib.muon``, fp32 grads and
-  momentum, so NS in fp32 (ANCHORS: 194.7 ms, 8.67 GB temp on an H200);
+  momentum, so NS in fp32 (194.7 ms, 8.67 GB temp on an H200,
+  docs/measurements.md);
 - ``optax_muon_bf16``: optax's best configuration, bf16 grads and
   ``mu_dtype=bf16`` so NS in bf16 (100.1 ms, 4.41 GB);
 - ``fuseopt_muon``: :func:`fuseopt.optim.muon`, fp32 grads and momentum,

@@ -1,4 +1,4 @@
-"""Newton–Schulz, 5 steps, bf16 input: the per-shape table of ANCHORS.md.
+"""Newton–Schulz, 5 steps, bf16 input: the per-shape table of docs/measurements.md.
 
 Variants (Jordan's coefficients everywhere, so every output can be compared
 with optax's; Polar Express costs the same FLOPs):

@@ -73,8 +73,9 @@ class MosaicConfig:
       raise ValueError(f"bm and bk must be positive multiples of 128, got {self.bm}, {self.bk}")
 
 
-# PALLAS_NOTES.md: 128-row tiles, bk 64, 4–8 warps, 3–4 stages measured best on
-# the H200; 256-row tiles spilled registers, so they are not searched.
+# 128-row tiles, bk 64, 4–8 warps, 3–4 stages measured best on the H200 for a
+# prototype of this kernel; 256-row tiles spilled registers, so they are not
+# searched (docs/measurements.md, "Pallas-Triton prototypes").
 TRITON_SEARCH_SPACE = tuple(TritonConfig(bm, bk, w, s) for bm in (64, 128) for bk in (32, 64, 128)
                             for w in (4, 8) for s in (3, 4))
 MOSAIC_SEARCH_SPACE = tuple(MosaicConfig(bm, bk) for bm in (128, 256, 512)

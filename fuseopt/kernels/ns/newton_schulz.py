@@ -39,7 +39,7 @@ iteration is *restarted* (X rebuilt as Q X_0, R recomputed from it) before
 the steps in ``GRAM_RESTARTS[coeffs]``: Jordan before steps 2 and 4; Polar
 Express before 2, 3 and 4 (its steps 1–3 have steep polynomials, and one
 Gram segment across steps 2–3 let σ_max reach 1.22 on well-conditioned
-inputs). Measured (README.md, "Newton–Schulz kernels"): with one restart before step 2,
+inputs). Measured (docs/kernels.md, "Gram Newton–Schulz"): with one restart before step 2,
 ill-conditioned inputs (normalised σ down to 1e-3) reach σ_max 1.29–1.44
 (standard bf16 NS: 1.12–1.20); with these defaults the result stays in the
 standard iteration's band and error. FLOPs: see :func:`ns_flops`.
@@ -315,7 +315,7 @@ class TiledConfig:
 
 
 def _pick_path(impl, m, n, batch, config, use_gram):
-  """'fused' or 'tiled' for a Pallas backend (see README.md, "Newton–Schulz kernels")."""
+  """'fused' or 'tiled' for a Pallas backend (see docs/kernels.md, "What implementation=None runs")."""
   from fuseopt.kernels.ns import fused
   forced = os.environ.get("FUSEOPT_NS_PATH")
   if isinstance(config, TiledConfig):

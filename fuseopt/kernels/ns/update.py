@@ -10,7 +10,7 @@ Which one runs by default: the NS dispatch (``TiledConfig.matmul``) uses
 XLA's dot for this product unless a config asks for this kernel, because
 cuBLAS/XLA's TPU GEMM are the tuned baseline for a dense (non-symmetric)
 product, XLA fuses the scaled add into its GEMM output fusion, and the
-PALLAS_NOTES measurement showed a Pallas-Triton GEMM only at parity
+measured Pallas-Triton GEMM prototype was only at parity (docs/measurements.md)
 (beats XLA at 2048³/4096³, loses at 8192³). The benchmark runs both
 (``fuseopt[triton+pallas_update]``) so the choice can be flipped on data.
 
@@ -76,8 +76,8 @@ MOSAIC_SEARCH_SPACE = tuple(MosaicConfig(bm, bn, bk) for bm in (128, 256, 512)
 
 
 def triton_heuristic(batch: int, m: int, n: int) -> TritonConfig:
-  # 128×128 tiles, bk 64, 8 warps, 3 stages (PALLAS_NOTES: the H200 matmul that
-  # matched XLA); 64-row tiles when 128 would leave most SMs idle.
+  # 128×128 tiles, bk 64, 8 warps, 3 stages (the H200 matmul prototype that
+  # matched XLA, docs/measurements.md); 64-row tiles when 128 would leave most SMs idle.
   if batch * pl.cdiv(m, 128) * pl.cdiv(n, 128) < 132:
     return TritonConfig(64, 64, 64, 4, 3)
   return TritonConfig(128, 128, 64, 8, 3)

@@ -1,0 +1,27 @@
+"""examples/char_lm.py: a smoke run of a few steps with every optimizer."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flax.nnx")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_char_lm_smoke(capsys):
+  spec = importlib.util.spec_from_file_location("char_lm", ROOT / "examples" / "char_lm.py")
+  char_lm = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(char_lm)
+  text = char_lm.corpus(50)
+  assert text == char_lm.corpus(50) and text.count(".") == 50  # generated, deterministic
+  results = char_lm.main(["--steps", "3", "--d", "16", "--layers", "1", "--heads", "2", "--seq", "8",
+                          "--batch", "2", "--no-plot"])
+  assert list(results) == ["optax AdamW", "fuseopt AdamW (bf16, fused)", "optax Muon", "fuseopt builder hybrid"]
+  first = {name: losses[0] for name, (losses, _) in results.items()}
+  assert len(set(first.values())) == 1  # same initial model and batch for every optimizer
+  for losses, ms in results.values():
+    assert len(losses) == 3 and all(math.isfinite(l) for l in losses) and min(ms) > 0
+  assert "ms/step" in capsys.readouterr().out
