@@ -27,6 +27,10 @@ from fuseopt.kernels.adam import adam_update_reference
 from fuseopt.kernels.adam import adam_update_tree
 from fuseopt.kernels.adam import TritonGroupConfig as AdamTritonGroupConfig
 
+# Running the kernels shard-local on a mesh (docs/scaling.md).
+from fuseopt.kernels import sharding
+from fuseopt.kernels.ns.distributed import orthogonalize_sharded
+
 # Newton-Schulz.
 from fuseopt.kernels.ns.newton_schulz import coefficient_table
 from fuseopt.kernels.ns.newton_schulz import JORDAN
@@ -52,11 +56,13 @@ __all__ = (
     "GramMosaicConfig",
     "GramTritonConfig",
     "JORDAN",
+    "orthogonalize_sharded",
     "POLAR_EXPRESS",
     "STREAM_MU",
     "STREAM_NU",
     "STREAM_PARAM",
     "TiledConfig",
+    "sharding",
     "UpdateMosaicConfig",
     "UpdateTritonConfig",
     "adam_update",
