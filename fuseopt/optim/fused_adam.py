@@ -12,8 +12,8 @@ structure as :func:`optax.adamw`'s), so checkpoints, sharding rules and
 (moments, weight decay, learning rate, parameter write) as one fused pass.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: optax's tests (and tools) read
+# `learning_rate`'s annotation as the object optax.ScalarOrSchedule.
 import dataclasses
 from typing import Any, Callable, Optional
 
@@ -76,7 +76,8 @@ def _moment_dtypes(param, mu_dtype, nu_dtype):
   """The ``(mu, nu)`` dtypes of one leaf: ``moment_dtype`` (``nu_dtype``) for
   a float32/bfloat16 parameter, optax's (mu in ``mu_dtype``, nu in the
   parameter's dtype) for any other."""
-  if jnp.dtype(param.dtype) in KERNEL_DTYPES:
+  dtype = param.dtype if hasattr(param, "dtype") else jnp.asarray(param).dtype  # a Python scalar
+  if jnp.dtype(dtype) in KERNEL_DTYPES:
     return mu_dtype or nu_dtype, nu_dtype
   return mu_dtype, None
 

@@ -22,8 +22,8 @@ three differences in how the work is done:
   all zero this step (unrouted experts).
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: optax's tests (and tools) read
+# `learning_rate`'s annotation as the object optax.ScalarOrSchedule.
 import functools
 from typing import Any, Optional
 
