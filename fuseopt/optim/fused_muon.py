@@ -532,6 +532,10 @@ def muon(
                   skip_inactive=skip_inactive, gram=gram, ns_max_elements=ns_max_elements,
                   implementation=implementation,
                   interpret=interpret),
+              # Where optax's chain has scale_by_shape (done inside
+              # scale_by_muon here): its EmptyState, so the whole state has
+              # optax.contrib.muon's structure and checkpoints interoperate.
+              optax.identity(),
               decay,
               optax.scale_by_learning_rate(learning_rate),
           ),

@@ -32,6 +32,7 @@ import unittest
 
 import optax
 import optax.contrib
+import pytest
 
 import fuseopt.optim as fo
 
@@ -174,9 +175,21 @@ def patched(mode: str):
       setattr(module, attr, value)
 
 
+# The bf16 mode of the alias group (its 112 tests are most of the job's time)
+# runs when FUSEOPT_CONFORMANCE_FULL=1; CI runs the rest. Its expected
+# failures above were measured on the full selection.
+CI_SKIPPED = {("bf16", "alias")}
+
+
 def load(mode: str, group: str) -> dict[str, type]:
   """The TestCase classes of ``OPTAX_TEST_FILES[group]``, imported afresh
   under the substitutes of ``mode``; keys are unique class names."""
+  if (mode, group) in CI_SKIPPED and os.environ.get("FUSEOPT_CONFORMANCE_FULL") != "1":
+    pytest.skip(f"{mode} mode of the {group} group: set FUSEOPT_CONFORMANCE_FULL=1",
+                allow_module_level=True)
+  if optax.__version__ != OPTAX_VERSION:
+    pytest.skip(f"the conformance lists are those of optax {OPTAX_VERSION}, "
+                f"found {optax.__version__}", allow_module_level=True)
   root = pathlib.Path(optax.__file__).parent
   classes: dict[str, type] = {}
   for rel in OPTAX_TEST_FILES[group]:
@@ -196,7 +209,7 @@ def load(mode: str, group: str) -> dict[str, type]:
 
 def optax_test_id(item) -> str:
   """``<file in optax>::<Class>::<test>`` of a collected conformance item."""
-  module = item.getparent(__import__("pytest").Class).obj.__module__
+  module = item.getparent(pytest.Class).obj.__module__
   rel = next(r for files in OPTAX_TEST_FILES.values() for r in files
              if module.endswith(r.replace("/", "_").removesuffix(".py").lstrip("_")))
   return f"{rel}::{item.parent.name}::{item.name}"
