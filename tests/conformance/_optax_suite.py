@@ -197,9 +197,17 @@ def load(mode: str, group: str) -> dict[str, type]:
     name = f"_optax_conformance_{mode}_{stem}"
     spec = importlib.util.spec_from_file_location(name, root / rel)
     module = importlib.util.module_from_spec(spec)
-    with patched(mode):
-      sys.modules[name] = module
-      spec.loader.exec_module(module)
+    xla_flags = os.environ.get("XLA_FLAGS")
+    try:
+      with patched(mode):
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    finally:
+      # sharding_test.py sets XLA_FLAGS at import (for its own process).
+      if xla_flags is None:
+        os.environ.pop("XLA_FLAGS", None)
+      else:
+        os.environ["XLA_FLAGS"] = xla_flags
     for attr, obj in vars(module).items():
       if (isinstance(obj, type) and issubclass(obj, unittest.TestCase)
           and obj.__module__ == name and attr not in classes):

@@ -1,5 +1,6 @@
 """The optax conformance job: selection, expected failures, substitution."""
 
+import jax
 import pytest
 
 from tests.conformance import _optax_suite
@@ -41,5 +42,11 @@ def _fuseopt_in_optax(request):
   if mode is None:
     yield
     return
-  with _optax_suite.patched(mode):
-    yield
+  # float64_test.py turns jax_enable_x64 on and off inside the test: a
+  # failure in between must not leave it on for the tests that follow.
+  x64 = jax.config.jax_enable_x64
+  try:
+    with _optax_suite.patched(mode):
+      yield
+  finally:
+    jax.config.update("jax_enable_x64", x64)
