@@ -17,7 +17,6 @@ import jax
 import numpy as np
 
 from fuseopt.optim import groups as groups_lib
-
 # optax's class (fuseopt re-exports it), so the result plugs into
 # optax.contrib.muon and fuseopt.optim.muon alike.
 from fuseopt.optim.matrix_views import MuonDimensionNumbers
