@@ -401,6 +401,16 @@ def _f32(x) -> jax.Array:
   return jnp.asarray(x, jnp.float32)
 
 
+@functools.partial(jax.jit, inline=True)
+def _bias_correction(decay, count):
+  """``1 - decay**count`` inside a jit, as optax.tree.bias_correction computes
+  it: called eagerly, ``decay ** count`` with a concrete integer ``count``
+  takes ``lax.integer_pow`` (repeated multiplication), which rounds
+  differently (1e-5 relative for b2 = 0.999) from the ``pow`` of a jitted
+  call."""
+  return 1 - decay ** count
+
+
 def adam_scalars(*, count, learning_rate=0.0, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0,
                  weight_decay=0.0, nesterov=False) -> jax.Array:
   """The fp32 scalar vector of one step (shared by all leaves of a tree).
@@ -416,9 +426,9 @@ def adam_scalars(*, count, learning_rate=0.0, b1=0.9, b2=0.999, eps=1e-8, eps_ro
   # Same expressions as optax.tree.bias_correction / update_moment, so the
   # fp32 values agree bit for bit with optax's (python floats stay exact
   # until they meet the fp32 operand).
-  bc1 = 1 - b1 ** count
-  bc2 = 1 - b2 ** count
-  bc1_next = 1 - b1 ** optax_safe_increment(count) if nesterov else bc1
+  bc1 = _bias_correction(b1, count)
+  bc2 = _bias_correction(b2, count)
+  bc1_next = _bias_correction(b1, optax_safe_increment(count)) if nesterov else bc1
   vals = [-learning_rate if not isinstance(learning_rate, (int, float)) else -float(learning_rate),
           b1, 1 - b1, b2, 1 - b2, eps, eps_root, bc1, bc2, bc1_next, weight_decay]
   vals = [_f32(v) for v in vals]

@@ -12,8 +12,8 @@ structure as :func:`optax.adamw`'s), so checkpoints, sharding rules and
 (moments, weight decay, learning rate, parameter write) as one fused pass.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: optax's tests (and tools) read
+# `learning_rate`'s annotation as the object optax.ScalarOrSchedule.
 import dataclasses
 from typing import Any, Callable, Optional
 
@@ -53,13 +53,53 @@ class FusedAdamTransformation(optax.GradientTransformationExtraArgs):
   """
 
 
+# The dtypes the Adam kernel reads and writes; a leaf whose gradient or moments
+# have another dtype (float16, float64 under x64, complex, integer) runs
+# optax's own expressions in its own dtypes instead (see _optax_adam).
+KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
 def _canon_dtype(dtype, name):
+  """``moment_dtype``: float32, bfloat16 or None (a dtype, its name or its type)."""
   if dtype is None:
     return None
   dtype = jnp.dtype(dtype)
-  if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+  if dtype not in KERNEL_DTYPES:
     raise ValueError(f"{name} must be float32, bfloat16 or None, got {dtype}")
   return dtype
+
+
+def _optax_dtype(dtype):
+  """``mu_dtype`` as optax reads it: any dtype, canonical for the x64 setting."""
+  return None if dtype is None else jax.dtypes.canonicalize_dtype(dtype)
+
+
+def _moment_dtypes(param, mu_dtype, nu_dtype):
+  """The ``(mu, nu)`` dtypes of one leaf: ``moment_dtype`` (``nu_dtype``) for
+  a float32/bfloat16 parameter, optax's (mu in ``mu_dtype``, nu in the
+  parameter's dtype) for any other."""
+  dtype = param.dtype if hasattr(param, "dtype") else jnp.asarray(param).dtype  # a Python scalar
+  if jnp.dtype(dtype) in KERNEL_DTYPES:
+    return mu_dtype or nu_dtype, nu_dtype
+  return mu_dtype, None
+
+
+def _optax_adam(g, mu, nu, count_inc, *, b1, b2, eps, eps_root, nesterov, mu_dtype):
+  """optax.scale_by_adam's update on lists of leaves, with optax's public tree
+  functions: the same expressions in the same order, so the results are
+  optax's bit for bit, jitted or not."""
+  new_mu = optax.tree.update_moment(g, mu, b1, 1)
+  new_nu = optax.tree.update_moment_per_elem_norm(g, nu, b2, 2)
+  if nesterov:
+    mu_hat = jax.tree.map(
+        lambda m, x: b1 * m + (1 - b1) * x,
+        optax.tree.bias_correction(new_mu, b1, optax.safe_increment(count_inc)),
+        optax.tree.bias_correction(g, b1, count_inc))
+  else:
+    mu_hat = optax.tree.bias_correction(new_mu, b1, count_inc)
+  nu_hat = optax.tree.bias_correction(new_nu, b2, count_inc)
+  u = jax.tree.map(lambda m, v: m / (jnp.sqrt(v + eps_root) + eps), mu_hat, nu_hat)
+  return u, optax.tree.cast(new_mu, mu_dtype), optax.tree.cast_like(new_nu, nu)
 
 
 def _check_hyper(b1, b2, eps, eps_root, owner="scale_by_adam"):
@@ -71,7 +111,7 @@ def _check_hyper(b1, b2, eps, eps_root, owner="scale_by_adam"):
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                   eps_root: float = 0.0, mu_dtype: Any = None, *, nesterov: bool = False,
-                  moment_dtype: Any = jnp.bfloat16, seed: int = 0,
+                  moment_dtype: Any = "bfloat16", seed: Optional[int] = None,
                   implementation: Optional[str] = None,
                   shardings: Any = None) -> optax.GradientTransformation:
   r"""Drop-in for :func:`optax.scale_by_adam` with moments stored in ``moment_dtype``.
@@ -89,13 +129,21 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   ``i`` (in ``jax.tree.leaves`` order) at step ``t`` rounds mu and nu with
   ``derive_seed(seed, t, i, STREAM_MU / STREAM_NU)``.
 
+  Which leaves the kernel takes: a leaf whose parameter is float32 or bfloat16
+  gets its moments in ``moment_dtype`` and runs the kernel (fp32 arithmetic);
+  a leaf of any other dtype (float16, float64 under ``jax_enable_x64``,
+  complex, integer) -- or whose gradient or ``mu_dtype`` is one -- keeps
+  optax's moment dtypes and runs optax's expressions in its own dtypes,
+  bit for bit :func:`optax.scale_by_adam`.
+
   Args:
     b1, b2, eps, eps_root, nesterov: as in :func:`optax.scale_by_adam`.
     mu_dtype: optax's argument: the dtype of ``mu`` alone (default:
       ``moment_dtype``).
-    moment_dtype: dtype of both moments, ``jnp.bfloat16`` (default),
-      ``jnp.float32``, or ``None`` (the parameters' dtype, as optax).
-    seed: integer mixed into the rounding seeds.
+    moment_dtype: dtype of both moments of float32/bfloat16 leaves,
+      ``"bfloat16"`` (default), ``"float32"``, or ``None`` (the parameters'
+      dtype, as optax); a dtype, its name or its scalar type.
+    seed: integer mixed into the rounding seeds (``None``: 0).
     implementation: forwarded to :func:`fuseopt.kernels.adam_update`.
     shardings: where the parameters live when the mesh axes are Auto: a tree
       of ``NamedSharding`` / ``PartitionSpec`` shaped like the params (or a
@@ -106,6 +154,12 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
       plain-jnp reference runs instead (XLA partitions it) and a warning
       names this argument. See docs/scaling.md.
 
+  The defaults of ``moment_dtype``, ``seed`` and ``implementation`` are
+  neither numbers nor callables, so :func:`optax.inject_hyperparams` leaves
+  them alone and injects what it injects into :func:`optax.scale_by_adam`
+  (pass a non-default ``seed`` or a dtype *type* such as ``jnp.float32`` in
+  ``static_args``, or give the dtype by name).
+
   Returns:
     An :class:`optax.GradientTransformation` whose state is
     ``optax.ScaleByAdamState(count, mu, nu)``; updates have the gradients'
@@ -113,25 +167,46 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   """
   _check_hyper(b1, b2, eps, eps_root)
   nu_dtype = _canon_dtype(moment_dtype, "moment_dtype")
-  mu_dtype = _canon_dtype(mu_dtype, "mu_dtype") or nu_dtype
+  mu_dtype = _optax_dtype(mu_dtype)
+  seed = 0 if seed is None else seed
 
   def init_fn(params):
-    mu = optax.tree.zeros_like(params, dtype=mu_dtype)
-    nu = optax.tree.zeros_like(params, dtype=nu_dtype)
+    def zeros(p, which):
+      return optax.tree.zeros_like(p, dtype=_moment_dtypes(p, mu_dtype, nu_dtype)[which])
+    mu = jax.tree.map(lambda p: zeros(p, 0), params)
+    nu = jax.tree.map(lambda p: zeros(p, 1), params)
     return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
   def update_fn(updates, state, params=None):
     del params
     treedef = jax.tree.structure(state.mu)
-    g = treedef.flatten_up_to(updates)
+    g = [jnp.asarray(x) for x in treedef.flatten_up_to(updates)]
+    mu, nu = jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)
     count = optax.safe_increment(state.count)
-    u, mu, nu = kernels.adam_update_tree(
-        None, g, jax.tree.leaves(state.mu), jax.tree.leaves(state.nu), count=count,
-        b1=b1, b2=b2, eps=eps, eps_root=eps_root, nesterov=nesterov, seed=seed,
-        implementation=implementation,
-        shardings=kernel_sharding.flatten_shardings(shardings, state.mu, owner="scale_by_adam"))
+    fused = {i for i in range(len(g))
+             if {g[i].dtype, mu[i].dtype, nu[i].dtype} <= set(KERNEL_DTYPES)}
+    rest = [i for i in range(len(g)) if i not in fused]
+    u, new_mu, new_nu = [None] * len(g), list(mu), list(nu)
+    leaf_shardings = kernel_sharding.flatten_shardings(shardings, state.mu, owner="scale_by_adam")
+    if fused:
+      # Other leaves stand in as empty arrays, so leaf i keeps rounding seed i.
+      empty = jnp.zeros((0,), jnp.float32)
+      pick = lambda xs: [x if i in fused else empty for i, x in enumerate(xs)]
+      outs = kernels.adam_update_tree(
+          None, pick(g), pick(mu), pick(nu), count=count, b1=b1, b2=b2, eps=eps,
+          eps_root=eps_root, nesterov=nesterov, seed=seed, implementation=implementation,
+          shardings=None if leaf_shardings is None else [
+              s if i in fused else None for i, s in enumerate(leaf_shardings)])
+      for i in fused:
+        u[i], new_mu[i], new_nu[i] = outs[0][i], outs[1][i], outs[2][i]
+    if rest:
+      outs = _optax_adam([g[i] for i in rest], [mu[i] for i in rest], [nu[i] for i in rest],
+                         count, b1=b1, b2=b2, eps=eps, eps_root=eps_root, nesterov=nesterov,
+                         mu_dtype=mu_dtype)
+      for k, i in enumerate(rest):
+        u[i], new_mu[i], new_nu[i] = outs[0][k], outs[1][k], outs[2][k]
     return treedef.unflatten(u), optax.ScaleByAdamState(
-        count=count, mu=treedef.unflatten(mu), nu=treedef.unflatten(nu))
+        count=count, mu=treedef.unflatten(new_mu), nu=treedef.unflatten(new_nu))
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -150,7 +225,7 @@ def _fused(chain, hp: AdamHyperparams) -> FusedAdamTransformation:
 
 def adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
          eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: Any = None, *,
-         nesterov: bool = False, moment_dtype: Any = jnp.bfloat16, seed: int = 0,
+         nesterov: bool = False, moment_dtype: Any = "bfloat16", seed: Optional[int] = None,
          implementation: Optional[str] = None, shardings: Any = None) -> FusedAdamTransformation:
   r"""Adam (Kingma & Ba 2014) with bf16-stored moments: drop-in for :func:`optax.adam`.
 
@@ -173,14 +248,15 @@ def adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9
   nu_dtype = _canon_dtype(moment_dtype, "moment_dtype")
   return _fused(chain, AdamHyperparams(
       learning_rate, b1, b2, eps, eps_root, None, None, nesterov,
-      _canon_dtype(mu_dtype, "mu_dtype") or nu_dtype, nu_dtype, seed, implementation, shardings))
+      _optax_dtype(mu_dtype) or nu_dtype, nu_dtype, 0 if seed is None else seed, implementation,
+      shardings))
 
 
 def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
           eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: Any = None,
           weight_decay: optax.ScalarOrSchedule = 1e-4,
           mask: Optional[Any | Callable[[optax.Params], Any]] = None, *,
-          nesterov: bool = False, moment_dtype: Any = jnp.bfloat16, seed: int = 0,
+          nesterov: bool = False, moment_dtype: Any = "bfloat16", seed: Optional[int] = None,
           implementation: Optional[str] = None, shardings: Any = None) -> FusedAdamTransformation:
   r"""AdamW (Loshchilov & Hutter 2019) with bf16 moments: drop-in for :func:`optax.adamw`.
 
@@ -208,5 +284,6 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
   nu_dtype = _canon_dtype(moment_dtype, "moment_dtype")
   return _fused(chain, AdamHyperparams(
       learning_rate, b1, b2, eps, eps_root, weight_decay, mask, nesterov,
-      _canon_dtype(mu_dtype, "mu_dtype") or nu_dtype, nu_dtype, seed, implementation, shardings))
+      _optax_dtype(mu_dtype) or nu_dtype, nu_dtype, 0 if seed is None else seed, implementation,
+      shardings))
 

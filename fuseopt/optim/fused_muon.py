@@ -22,22 +22,22 @@ three differences in how the work is done:
   all zero this step (unrouted experts).
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: optax's tests (and tools) read
+# `learning_rate`'s annotation as the object optax.ScalarOrSchedule.
 import functools
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from optax.transforms import _masking
 
 from fuseopt import kernels
 from fuseopt.kernels import sharding as kernel_sharding
 from fuseopt.kernels.ns import distributed as distributed_ns
 from fuseopt.optim import _checks
 from fuseopt.optim import fused_adam
+from fuseopt.optim import groups as groups_lib
 from fuseopt.optim import matrix_views
 from fuseopt.optim import muon_axes
 from fuseopt.optim.matrix_views import DIMENSION_NUMBER_TYPES, MatrixViews, MuonDimensionNumbers
@@ -65,14 +65,14 @@ def _is_spec(x) -> bool:
 
 
 def _is_spec_or_none(x) -> bool:
-  return x is None or _is_spec(x) or isinstance(x, _masking.MaskedNode)
+  return x is None or _is_spec(x) or groups_lib.is_masked(x)
 
 
-class MuonState(NamedTuple):
-  """State of :func:`scale_by_muon`; the fields of optax's ``MuonState``."""
-  count: jax.Array  # int32 scalar
-  mu: optax.Updates  # one momentum leaf per parameter, as stored
-  ns_coeffs: jax.Array  # (steps, 3) float32, for inspection; the update uses the static table
+# The state of scale_by_muon is optax's own class, with optax's fields:
+# ``count`` (int32), ``mu`` (one momentum leaf per parameter) and
+# ``ns_coeffs`` (``jnp.asarray`` of the ``ns_coeffs`` argument, (3,) or
+# (steps, 3), kept for inspection: the update uses the static table).
+MuonState = optax.contrib.MuonState
 
 
 def _coeff_table(ns_coeffs, ns_steps) -> tuple[tuple[float, float, float], ...]:
@@ -109,20 +109,61 @@ def _resolve_coeffs(coeffs, ns_coeffs, ns_steps):
   return tuple(tuple(float(c) for c in row) for row in table), None
 
 
+def _optax_newton_schulz(x, table, preconditioning, eps):
+  """optax.contrib's Newton-Schulz iteration on one ``(rows, cols)`` matrix,
+  in ``x``'s dtype (Jordan 2024; AOL preconditioning: Boissin et al. 2025,
+  arXiv 2512.04632; Schatten-4 rescaling: Grishina et al. 2025, arXiv
+  2506.10935): the same expressions in the same order as optax 0.2.8's
+  ``orthogonalize_via_newton_schulz``, for what the kernel does not cover."""
+  def base(x, c):
+    a = x @ x.T.conj()
+    b = c[1] * a + c[2] * a @ a
+    return c[0] * x + b @ x
+
+  def aol_first(x, c):
+    a = x @ x.T.conj()
+    s = jnp.expand_dims(jax.lax.rsqrt(jnp.clip(jnp.abs(a).sum(axis=-1), min=1e-8)), -1)
+    x, a = x * s, a * s * s.transpose(-1, -2)
+    b = c[1] * a + c[2] * a @ a
+    return c[0] * x + b @ x
+
+  def schatten_first(x, c):
+    a = x @ x.T
+    s = jnp.expand_dims(jax.lax.rsqrt(jnp.clip(jnp.linalg.norm(a, ord="fro", axis=(-2, -1)),
+                                               min=1e-8)), (0, -1))
+    x, a = x * s, a * s ** 2
+    b = c[1] * a + c[2] * a @ a
+    return c[0] * x + b @ x
+
+  transposed = x.shape[0] > x.shape[1]
+  if transposed:
+    x = x.T
+  if preconditioning == "frobenius":
+    x /= jnp.linalg.norm(x, ord="fro") + eps
+  elif preconditioning == "spectral":
+    x /= jnp.linalg.norm(x, ord=2) + eps
+  first = {"aol": aol_first, "schatten": schatten_first}.get(preconditioning, base)
+  table = table.astype(x.dtype)
+  for i in range(table.shape[0]):
+    x = (first if i == 0 else base)(x, table[i])
+  return x.T if transposed else x
+
+
 def _orthogonalize(x, *, coeffs, steps, ns_dtype, eps, preconditioning, gram, implementation, interpret):
   """Newton-Schulz on a ``(batch, rows, cols)`` array."""
-  if preconditioning == "frobenius":
+  if preconditioning == "frobenius" and jnp.dtype(x.dtype) in fused_adam.KERNEL_DTYPES:
     return kernels.newton_schulz(x, coeffs=coeffs, steps=steps, ns_dtype=ns_dtype, eps=eps,
                                  gram=gram, implementation=implementation, interpret=interpret)
-  # optax's other preconditionings have no kernel: optax's own iteration, in ns_dtype.
+  # What the kernel does not cover runs optax's iteration: optax's other
+  # preconditionings (in ns_dtype), and float16, float64 or complex matrices
+  # (in their own dtype, as optax).
   if isinstance(coeffs, str):
-    raise ValueError(f"muon: preconditioning={preconditioning!r} needs a numeric coefficient table, "
-                     f"got coeffs={coeffs!r}")
-  from optax.contrib import _muon as optax_muon
-  table = jnp.asarray(coeffs, ns_dtype)
-  return optax_muon.orthogonalize_via_newton_schulz(
-      x.astype(ns_dtype), table, table.shape[0], preconditioning, eps,
-      optax.contrib.MuonDimensionNumbers(1, 2))
+    raise ValueError(f"muon: preconditioning={preconditioning!r} and {x.dtype} matrices need a "
+                     f"numeric coefficient table, got coeffs={coeffs!r}")
+  if jnp.dtype(x.dtype) in fused_adam.KERNEL_DTYPES:
+    x = x.astype(ns_dtype)
+  table = jnp.asarray(coeffs)
+  return jax.vmap(lambda m: _optax_newton_schulz(m, table, preconditioning, eps))(x)
 
 
 def _chunked(mats, max_elements, ns):
@@ -162,7 +203,7 @@ def _chunked(mats, max_elements, ns):
 def _broadcast_specs(specs, tree):
   """Spreads a spec tree that may be a prefix of ``tree`` over its leaves."""
   def spread(spec, sub):
-    if isinstance(spec, _masking.MaskedNode):
+    if groups_lib.is_masked(spec):
       return spec
     return jax.tree.map(lambda _: spec, sub)
   return jax.tree.map(spread, specs, tree, is_leaf=_is_spec_or_none)
@@ -244,12 +285,12 @@ def scale_by_muon(
     preconditioning: str = "frobenius",
     weight_dimension_numbers=None,
     coeffs=None,
-    ns_dtype=jnp.bfloat16,
+    ns_dtype="bfloat16",
     shape_scaling: bool = False,
     consistent_rms: Optional[float] = None,
     skip_inactive: bool = False,
     gram: bool | str = False,
-    ns_max_elements: Optional[int] = DEFAULT_NS_MAX_ELEMENTS,
+    ns_max_elements: Optional[int] = None,
     implementation: Optional[str] = None,
     interpret: bool = False,
     shardings: Any = None,
@@ -286,10 +327,21 @@ def scale_by_muon(
       :func:`muon` turns this on; optax does it in a separate transform.
     skip_inactive: a matrix whose gradient is all zero this step (an expert
       that no token reached) keeps its momentum and gets a zero update.
-    ns_max_elements: the most matrix elements one NS call takes (default
-      2^27: 256 MB of bf16 input). Same-shaped matrices beyond it go into
-      several calls, each still batched, so XLA can free one call's
-      temporaries before the next; ``None``: one call per shape.
+    ns_max_elements: the most matrix elements one NS call takes (``None``:
+      the default, 2^27 = 256 MB of bf16 input). Same-shaped matrices beyond
+      it go into several calls, each still batched, so XLA can free one
+      call's temporaries before the next. A Python int: under
+      :func:`optax.inject_hyperparams` list a non-default value in
+      ``static_args`` (as optax's own ``ns_steps``).
+    ns_dtype: ``"bfloat16"`` (default) or ``"float32"`` (optax's numerics);
+      a dtype, its name or its scalar type.
+
+  Dtypes: float32 and bfloat16 matrices (frobenius preconditioning) go
+  through the kernel; float16, float64 (x64) and complex matrices, and
+  optax's other preconditionings, run optax's iteration (in the matrix's
+  own dtype; the other preconditionings in ``ns_dtype``). Non-numeric
+  defaults (``ns_dtype``, ``ns_max_elements``, ``implementation``) are not
+  injected by :func:`optax.inject_hyperparams`.
     gram, implementation, interpret: forwarded to
       :func:`fuseopt.kernels.newton_schulz` (``gram="auto"``: Gram
       Newton-Schulz for matrices of aspect ratio >= 2).
@@ -306,15 +358,21 @@ def scale_by_muon(
     raise ValueError(f"scale_by_muon: unknown preconditioning {preconditioning!r}; "
                      f"expected one of {_PRECONDITIONINGS}")
   kernel_coeffs, kernel_steps = _resolve_coeffs(coeffs, ns_coeffs, ns_steps)
-  state_table = (_coeff_table(ns_coeffs, ns_steps) if not isinstance(kernel_coeffs, tuple)
-                 else kernel_coeffs)
-  mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+  mu_dtype = fused_adam._optax_dtype(mu_dtype)
   ns_dtype = jnp.dtype(ns_dtype)
+  if ns_max_elements is None:
+    ns_max_elements = DEFAULT_NS_MAX_ELEMENTS
+  elif isinstance(ns_max_elements, bool) or not isinstance(ns_max_elements, (int, np.integer)) \
+      or ns_max_elements < 1:
+    raise TypeError(f"scale_by_muon: ns_max_elements must be a Python int >= 1 or None, got "
+                    f"{ns_max_elements!r} (under optax.inject_hyperparams, list it in static_args)")
+  # optax keeps its ns_coeffs argument as given ((3,) or (steps, 3)).
+  state_coeffs = (_OPTAX_PRESETS[ns_coeffs] if isinstance(ns_coeffs, str) else ns_coeffs)
 
   def init_fn(params):
     return MuonState(count=jnp.zeros([], jnp.int32),
                      mu=optax.tree.zeros_like(params, dtype=mu_dtype),
-                     ns_coeffs=jnp.asarray(state_table, jnp.float32))
+                     ns_coeffs=jnp.asarray(state_coeffs))
 
   def update_fn(updates, state, params=None):
     del params
@@ -324,9 +382,8 @@ def scale_by_muon(
     m_old = treedef.flatten_up_to(state.mu)
 
     count_inc = optax.safe_increment(state.count)
-    # Bias corrections as optax computes them (same rounding).
-    bc1 = 1 - jnp.asarray(beta, jnp.float32) ** count_inc
-    bc2 = 1 - jnp.asarray(beta, jnp.float32) ** optax.safe_increment(count_inc)
+    # Bias corrections with optax's own function: same rounding, jitted or not.
+    bias_correction = optax.tree.bias_correction
     active = [(_active(g, s) if skip_inactive and s is not None else None)
               for g, s in zip(g_leaves, specs)]
     mu_leaves, mu_hat = [], []
@@ -335,9 +392,10 @@ def scale_by_muon(
       if a is not None:
         m_new = jnp.where(a, m_new, m)
       if nesterov:
-        h = beta * (m_new / bc2.astype(m_new.dtype)) + (1 - beta) * (g / bc1.astype(g.dtype))
+        h = (beta * bias_correction(m_new, beta, optax.safe_increment(count_inc))
+             + (1 - beta) * bias_correction(g, beta, count_inc))
       else:
-        h = m_new / bc1.astype(m_new.dtype)
+        h = bias_correction(m_new, beta, count_inc)
       mu_leaves.append(m_new)
       mu_hat.append(h)
 
@@ -465,11 +523,11 @@ def muon(
     muon_weight_dimension_numbers=None,
     consistent_rms: Optional[float] = None,
     coeffs=None,
-    ns_dtype=jnp.bfloat16,
+    ns_dtype="bfloat16",
     adam_moment_dtype: Optional[Any] = None,
     skip_inactive: bool = False,
     gram: bool | str = False,
-    ns_max_elements: Optional[int] = DEFAULT_NS_MAX_ELEMENTS,
+    ns_max_elements: Optional[int] = None,
     implementation: Optional[str] = None,
     interpret: bool = False,
     shardings: Any = None,
@@ -555,6 +613,10 @@ def muon(
                   skip_inactive=skip_inactive, gram=gram, ns_max_elements=ns_max_elements,
                   implementation=implementation,
                   interpret=interpret, shardings=shardings),
+              # Where optax's chain has scale_by_shape (done inside
+              # scale_by_muon here): its EmptyState, so the whole state has
+              # optax.contrib.muon's structure and checkpoints interoperate.
+              optax.identity(),
               decay,
               optax.scale_by_learning_rate(learning_rate),
           ),

@@ -15,10 +15,12 @@ import fnmatch
 from typing import Any, Callable, Sequence
 
 import jax
+import optax
 
 __all__ = [
     "NO_DECAY_PATTERNS",
     "ParamGroup",
+    "is_masked",
     "key_name",
     "match_group",
     "matches_any",
@@ -38,6 +40,13 @@ NO_DECAY_PATTERNS = ("*/bias", "*/scale", "*norm/weight", "*/dt_bias")
 # GPT-2 style trees give them.
 # A flax nn.Embed's table is the leaf `embedding`.
 EMBEDDING_PATTERNS = ("*embed_tokens/*", "*tok_embeddings/*", "*wte/*", "*wpe/*", "embedding", "*/embedding")
+
+
+def is_masked(x) -> bool:
+  """True for :class:`optax.MaskedNode`, optax's placeholder for a leaf that
+  belongs to another partition (``optax.partition``, ``optax.masked``):
+  callables given a partition's view of a tree meet it where a leaf was."""
+  return isinstance(x, optax.MaskedNode)
 
 
 def key_name(key) -> str:

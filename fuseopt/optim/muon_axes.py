@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-
+from fuseopt.optim import groups as groups_lib
 # optax's class (fuseopt re-exports it), so the result plugs into
 # optax.contrib.muon and fuseopt.optim.muon alike.
 from fuseopt.optim.matrix_views import MuonDimensionNumbers
@@ -49,21 +49,13 @@ LAYER_AXES = frozenset({"layers", "layer", "stack"})
 HEAD_AXES = frozenset({"heads", "head_dim", "kv"})
 
 
-def _is_masked(x) -> bool:
-  """optax's placeholder for a leaf masked out of a partition: optax.contrib.muon
-  calls a callable spec with its masked updates, so one shows up there."""
-  return type(x).__name__ == "MaskedNode" and isinstance(x, tuple)
-
-
-def _key_str(key) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
+# optax.contrib.muon calls a callable spec with its masked updates, so
+# optax.MaskedNode shows up among the leaves there.
+_is_masked = groups_lib.is_masked
 
 
 def _path_str(path) -> str:
-  return "/".join(_key_str(k) for k in path) or "<root>"
+  return groups_lib.path_str(path) or "<root>"
 
 
 def _is_variable(x) -> bool:
@@ -336,7 +328,7 @@ def muon_weight_dimension_numbers(
       raise ValueError(f"muon_weight_dimension_numbers: axes at {path_s} must be a tuple of axis "
                        f"names, a box with .names, or None (the structure of `params`), got {names!r}")
     names = _names_of(names, path_s)
-    leaf_name = _key_str(path[-1]) if path else ""
+    leaf_name = groups_lib.key_name(path[-1]) if path else ""
     shape = tuple(leaf.shape) if hasattr(leaf, "shape") else np.shape(leaf)
     out.append(_dimension_numbers(path_s, leaf_name, shape, names, **rules))
   return treedef.unflatten(out)

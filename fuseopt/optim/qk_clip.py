@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fuseopt.optim import groups as groups_lib
+
 __all__ = [
     "QK_PROJECTIONS",
     "PROJECTION_ROLES",
@@ -76,19 +78,12 @@ def _resolve_roles(projections) -> dict[str, str]:
   return {name: PROJECTION_ROLES[name] for name in projections}
 
 
-def _is_masked(x) -> bool:
-  """optax's placeholder for a leaf of another partition (optax.partition)."""
-  return type(x).__name__ == "MaskedNode" and isinstance(x, tuple)
+_is_masked = groups_lib.is_masked  # a leaf of another partition (optax.partition)
 
 
 def _keys_of(path) -> tuple[str, ...]:
-  keys = []
-  for k in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(k, attr):
-        keys.extend(str(getattr(k, attr)).split("/"))
-        break
-  return tuple(k for k in keys if k)
+  """A key path as its components (a key holding '/' counts as several)."""
+  return tuple(k for k in groups_lib.path_str(path).split("/") if k)
 
 
 def _find_module(params, keys):

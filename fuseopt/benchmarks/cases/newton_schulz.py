@@ -58,10 +58,13 @@ def flops(shape) -> float:
 
 
 def optax_ns(x):
-  """optax.contrib's NS on x (bf16 in, bf16 iterates), a stack vmapped."""
-  from optax.contrib import _muon
-  coeffs = jnp.asarray(ns.JORDAN, x.dtype)
-  f = functools.partial(_muon.orthogonalize_via_newton_schulz, ns_coeffs=coeffs, ns_steps=STEPS)
+  """optax.contrib's NS on x (bf16 in, bf16 iterates), a stack vmapped: optax
+  0.2.8's expressions as fuseopt.optim.fused_muon carries them (optax has no
+  public function for the iteration alone)."""
+  from fuseopt.optim import fused_muon
+  table = jnp.tile(jnp.asarray(ns.JORDAN, x.dtype), (STEPS, 1))
+  f = functools.partial(fused_muon._optax_newton_schulz, table=table,
+                        preconditioning="frobenius", eps=1e-8)
   for _ in range(x.ndim - 2):
     f = jax.vmap(f)
   return f(x)
