@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-CASE_MODULES = ("stochastic_round", "adam", "newton_schulz", "muon")
+CASE_MODULES = ("stochastic_round", "adam", "newton_schulz", "muon", "step")
 SIZES = ("quick", "full")
 
 
