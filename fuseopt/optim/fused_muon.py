@@ -283,14 +283,17 @@ def scale_by_muon(
                      mu=optax.tree.zeros_like(params, dtype=mu_dtype),
                      ns_coeffs=jnp.asarray(state_table, jnp.float32))
 
-  # The NS input in ns_dtype (half the bytes in bf16), straight from the
-  # momentum pass; optax's other preconditionings and the adaptive dual norm
-  # read it in the gradient's dtype.
-  ns_input_dtype = ns_dtype if preconditioning == "frobenius" and not adaptive else None
+  # The fused step's NS input in ns_dtype (half the bytes in bf16), straight
+  # from the momentum pass; optax's other preconditionings and the adaptive
+  # dual norm read it in the gradient's dtype. update() keeps the gradient's
+  # dtype: there XLA's CPU schedule held more temporaries with a bf16 input
+  # (the direction leaves as a tree before apply_updates).
+  fused_ns_input = ns_dtype if preconditioning == "frobenius" and not adaptive else None
 
-  def direction(updates, mu, count):
+  def direction(updates, mu, count, ns_input_dtype=None):
     """The Muon direction of ``updates``: ``(u leaves, treedef, new mu
-    leaves, count + 1)``; the new mu leaves keep their stored dtype."""
+    leaves, count + 1)``; the new mu leaves keep their stored dtype, the NS
+    input is in ``ns_input_dtype`` (None: the gradient's)."""
     g_leaves, treedef = jax.tree.flatten(updates)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(updates)[0]]
     specs = _leaf_specs(weight_dimension_numbers, updates, treedef)
@@ -374,7 +377,7 @@ def scale_by_muon(
 
   tx = fusion.FusedTransformation(init_fn, update_fn)
   # Not a rule (the direction alone moves no parameter): what muon()'s rule calls.
-  tx.fuseopt_muon_direction = direction
+  tx.fuseopt_muon_direction = functools.partial(direction, ns_input_dtype=fused_ns_input)
   return tx
 
 

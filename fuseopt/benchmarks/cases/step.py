@@ -155,6 +155,9 @@ def cases(size: str, platform: str):
         op="step", name=f"{recipe}_{prefix}",
         variants={k: variant(tx, fused) for k, (tx, fused) in opts.items()},
         baseline="optax_chain", params=n,
+        # The AdamW recipe's floor: 20 B/param for the update + 4 for the
+        # clip's read of g (docs/fused_step.md); the hybrid's has NS on top.
+        bytes=24 * n if recipe == "adamw_recipe" else None,
         state_bytes={k: state_bytes(tx) for k, (tx, _) in opts.items()}, check=check))
   return out
 
