@@ -68,8 +68,10 @@ from fuseopt.kernels._elementwise import LANES, MosaicConfig, TritonConfig, trit
 
 OP_NAME = "adam_update"
 
-# Layout of the fp32 scalar vector handed to every backend.
-NEG_LR, B1, OMB1, B2, OMB2, EPS, EPS_ROOT, BC1, BC2, BC1_NEXT, WD = range(11)
+# Layout of the fp32 scalar vector handed to every backend. GRAD_SCALE
+# multiplies g as it is loaded (a global-norm clip factor, 1.0 otherwise);
+# APPLY is 1.0, or 0.0 to keep p, mu and nu as they are (a skipped step).
+NEG_LR, B1, OMB1, B2, OMB2, EPS, EPS_ROOT, BC1, BC2, BC1_NEXT, WD, GRAD_SCALE, APPLY = range(13)
 N_SCALARS = 16   # padded to a power of two (Triton block shapes)
 N_SEEDS = 4      # uint32s: the param, mu and nu seeds, then the leaf's global index base
 SEED_BASE = 3    # (sharding: the shard's first element's global flat index)
@@ -97,10 +99,16 @@ def mosaic_heuristic(size: int) -> MosaicConfig:
 def _adam_math(s, p32, g32, mu32, nu32, *, nesterov: bool, apply: bool):
   """fp32 math of one element block; ``s`` indexes the scalar vector.
 
-  The operation order follows optax (scale_by_adam, add_decayed_weights,
-  scale_by_learning_rate, apply_updates), so fp32 moments match optax to the
-  last bit wherever the compiler keeps that order.
+  The operation order follows optax (clip's ``g * scale``, scale_by_adam,
+  add_decayed_weights, scale_by_learning_rate, apply_updates), so fp32
+  moments match optax to the last bit wherever the compiler keeps that order.
+  Where ``APPLY`` is 0 the outputs are the inputs (the direction is 0): a
+  select, so a skipped step costs no second pass; a stored bf16 value comes
+  back bit for bit through the stochastic rounding, which leaves values that
+  are already bf16 unchanged.
   """
+  keep_old = s(APPLY) == 0
+  g32 = g32 * s(GRAD_SCALE)
   mu_new = s(OMB1) * g32 + s(B1) * mu32
   nu_new = s(OMB2) * (g32 * g32) + s(B2) * nu32
   if nesterov:
@@ -111,10 +119,10 @@ def _adam_math(s, p32, g32, mu32, nu32, *, nesterov: bool, apply: bool):
   u = mu_hat / (jnp.sqrt(nu_hat + s(EPS_ROOT)) + s(EPS))
   if apply:
     u = u + s(WD) * p32
-    out = p32 + s(NEG_LR) * u
+    out = jnp.where(keep_old, p32, p32 + s(NEG_LR) * u)
   else:
-    out = u
-  return out, mu_new, nu_new
+    out = jnp.where(keep_old, jnp.zeros_like(u), u)
+  return out, jnp.where(keep_old, mu32, mu_new), jnp.where(keep_old, nu32, nu_new)
 
 
 def _store(x32, dtype, index, seed):
@@ -412,8 +420,11 @@ def _bias_correction(decay, count):
 
 
 def adam_scalars(*, count, learning_rate=0.0, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0,
-                 weight_decay=0.0, nesterov=False) -> jax.Array:
+                 weight_decay=0.0, nesterov=False, grad_scale=1.0, apply=True) -> jax.Array:
   """The fp32 scalar vector of one step (shared by all leaves of a tree).
+
+  ``grad_scale`` (fp32, may be traced) multiplies the gradient inside the
+  kernel; ``apply`` (bool, may be traced) False returns p, mu and nu unchanged.
 
   ``count`` is the step number after increment (1 on the first step), as in
   optax; bias corrections are ``1 - b**count`` computed in fp32 as optax does
@@ -430,7 +441,8 @@ def adam_scalars(*, count, learning_rate=0.0, b1=0.9, b2=0.999, eps=1e-8, eps_ro
   bc2 = _bias_correction(b2, count)
   bc1_next = _bias_correction(b1, optax_safe_increment(count)) if nesterov else bc1
   vals = [-learning_rate if not isinstance(learning_rate, (int, float)) else -float(learning_rate),
-          b1, 1 - b1, b2, 1 - b2, eps, eps_root, bc1, bc2, bc1_next, weight_decay]
+          b1, 1 - b1, b2, 1 - b2, eps, eps_root, bc1, bc2, bc1_next, weight_decay, grad_scale,
+          jnp.where(apply, 1.0, 0.0) if isinstance(apply, jax.Array) else float(bool(apply))]
   vals = [_f32(v) for v in vals]
   return jnp.stack(vals + [jnp.float32(0)] * (N_SCALARS - len(vals)))
 
@@ -495,7 +507,8 @@ def _run(impl, scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, interpret, 
 
 def adam_update(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0.999,
                 eps=1e-8, eps_root=0.0, weight_decay=0.0, nesterov=False, seed=0,
-                leaf_index=0, sharding=None, implementation=None, interpret=False, config=None):
+                leaf_index=0, sharding=None, implementation=None, interpret=False, config=None,
+                grad_scale=1.0, apply=True):
   r"""One fused Adam/AdamW step of one leaf.
 
   With :math:`t` = ``count`` (the step number after increment, 1 first) and
@@ -538,6 +551,11 @@ def adam_update(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0
       ``"mosaic_tpu"``.
     interpret: run a Pallas backend in interpret mode (CPU debugging).
     config: a :class:`TritonConfig` / :class:`MosaicConfig`.
+    grad_scale: fp32 scalar (may be traced) the gradient is multiplied by as
+      it is read, before everything above (a global-norm clip factor).
+    apply: bool scalar (may be traced); False returns ``params``, ``mu`` and
+      ``nu`` bit for bit (a zero direction when ``params`` is ``None``), in
+      the same single pass (a skipped non-finite step).
 
   Returns:
     ``(new_params or update, new_mu, new_nu)`` in the dtypes of
@@ -553,7 +571,7 @@ def adam_update(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0
   scalars = adam_scalars(count=count, learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
                          eps_root=eps_root,
                          weight_decay=weight_decay if params is not None else 0.0,
-                         nesterov=nesterov)
+                         nesterov=nesterov, grad_scale=grad_scale, apply=apply)
   seeds = adam_seeds(seed, count, leaf_index)
   impl = _backend.resolve_implementation(OP_NAME, implementation, (grads,))
   if config is not None and impl == "triton" and not isinstance(config, TritonConfig):
@@ -685,11 +703,12 @@ def _update_leaves(impl, scalars, seeds, ps, gs, mus, nus, shardings, *, nestero
 def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0.999,
                      eps=1e-8, eps_root=0.0, weight_decay=0.0, nesterov=False, seed=0,
                      shardings=None, implementation=None, interpret=False, config=None,
-                     group=True):
+                     group=True, grad_scale=1.0, apply=True):
   """:func:`adam_update` over lists of leaves sharing one step's scalars.
 
   ``params`` is a list of arrays or ``None`` (direction only);
   ``weight_decay`` a scalar or a list with one value per leaf (0 where masked).
+  ``grad_scale`` and ``apply`` (see :func:`adam_update`) hold for every leaf.
   Leaf ``i`` rounds with ``adam_seeds(seed, count, i)``.
 
   Launches: with the ``triton`` implementation and ``group=True`` (the
@@ -720,6 +739,7 @@ def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9,
   if len(mu) != n or len(nu) != n:
     raise ValueError(f"adam_update: mu/nu have {len(mu)}/{len(nu)} leaves, grads has {n}")
   wds = weight_decay if isinstance(weight_decay, (list, tuple)) else [weight_decay] * n
+  applies = apply  # the step's flag; `apply` below says whether params are given
   apply = params is not None
   grads = [jnp.asarray(g) for g in grads]
   impl = _backend.resolve_implementation(OP_NAME, implementation, grads)
@@ -736,7 +756,7 @@ def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9,
     if base is None or base[0] != key:
       base = (key, adam_scalars(count=count, learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
                                 eps_root=eps_root, weight_decay=wds[i] if apply else 0.0,
-                                nesterov=nesterov))
+                                nesterov=nesterov, grad_scale=grad_scale, apply=applies))
     scalars.append(base[1])
     seeds.append(adam_seeds(seed, count, i))
   return tuple(list(o) for o in _update_leaves(

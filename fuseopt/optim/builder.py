@@ -11,7 +11,11 @@ The solver a config describes is, from the outside in::
           ))))
 
 Each layer is present only when the config asks for it, except the clip,
-which always records the global norm (``clip_norm=0`` does not clip).
+which always records the global norm (``clip_norm=0`` does not clip). Every
+layer carries its in-place rule (:mod:`fuseopt.optim.fusion`), so
+:func:`fuseopt.optim.step` runs the whole solver as fused passes for the
+fuseopt optimizers (adam, adamw, muon, muonclip); optax's (lamb, lion,
+adafactor) fall back to ``update`` + ``apply_updates``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import optax
 
 from fuseopt.optim import fused_adam
 from fuseopt.optim import fused_muon
+from fuseopt.optim import fusion
 from fuseopt.optim import groups as groups_lib
 from fuseopt.optim import muon_axes
 from fuseopt.optim import qk_clip
@@ -175,16 +180,16 @@ def build_optimizer(config: OptimConfig | dict, steps: int) -> optax.GradientTra
     for g in config.param_groups:
       decay = config.weight_decay if g.weight_decay is None else g.weight_decay
       solvers[g.name] = solver(g.learning_rate_multiplier, decay)
-    tx = optax.partition(solvers, groups_lib.param_labels(config.param_groups))
+    tx = fusion.partition(solvers, groups_lib.param_labels(config.param_groups),
+                          name="param_groups")
   else:
     tx = solver(1.0, config.weight_decay)
 
-  tx = optax.chain(safeguards.clip_by_global_norm(config.clip_norm), tx)
+  tx = fusion.chain(safeguards.clip_by_global_norm(config.clip_norm), tx)
   if config.accumulate_steps > 1:
-    # Not .gradient_transformation(): that plain GradientTransformation would
-    # drop extra args (MuonClip's qk_stats) on their way to the solver.
-    multi = optax.MultiSteps(tx, every_k_schedule=config.accumulate_steps)
-    tx = optax.GradientTransformationExtraArgs(multi.init, multi.update)
+    # Extra args (MuonClip's qk_stats) reach the solver: not MultiSteps'
+    # .gradient_transformation(), a plain GradientTransformation.
+    tx = fusion.multi_steps(tx, config.accumulate_steps)
   if config.skip_nonfinite:
     tx = safeguards.skip_nonfinite(tx, config.max_consecutive_skips, config.on_max_skips)
   if config.frozen or config.trainable is not None:

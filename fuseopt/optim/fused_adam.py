@@ -8,8 +8,10 @@ structure as :func:`optax.adamw`'s), so checkpoints, sharding rules and
 ``optax.tree_map_params`` read it as they read fp32 state.
 
 :func:`adam` and :func:`adamw` carry their hyperparameters (attribute
-``fuseopt_adam``), which lets :func:`fuseopt.optim.step` run the whole update
-(moments, weight decay, learning rate, parameter write) as one fused pass.
+``fuseopt_adam``) and an in-place rule (:mod:`fuseopt.optim.fusion`), which
+lets :func:`fuseopt.optim.step` run the whole update (clip factor, moments,
+weight decay, learning rate, parameter write) as one fused pass, alone or
+inside the wrappers the builder puts around it.
 """
 
 # No `from __future__ import annotations`: optax's tests (and tools) read
@@ -24,6 +26,7 @@ import optax
 from fuseopt import kernels
 from fuseopt.kernels import sharding as kernel_sharding
 from fuseopt.optim import _checks
+from fuseopt.optim import fusion
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,10 +44,11 @@ class AdamHyperparams:
   nu_dtype: Any
   seed: int
   implementation: Optional[str]
+  interpret: bool = False
   shardings: Any = None  # placement of the params (Auto mesh axes); see scale_by_adam
 
 
-class FusedAdamTransformation(optax.GradientTransformationExtraArgs):
+class FusedAdamTransformation(fusion.FusedTransformation):
   """An optax transformation that also carries its Adam hyperparameters.
 
   It behaves exactly like the ``GradientTransformationExtraArgs`` it wraps
@@ -113,6 +117,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                   eps_root: float = 0.0, mu_dtype: Any = None, *, nesterov: bool = False,
                   moment_dtype: Any = "bfloat16", seed: Optional[int] = None,
                   implementation: Optional[str] = None,
+                  interpret: bool = False,
                   shardings: Any = None) -> optax.GradientTransformation:
   r"""Drop-in for :func:`optax.scale_by_adam` with moments stored in ``moment_dtype``.
 
@@ -144,7 +149,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
       ``"bfloat16"`` (default), ``"float32"``, or ``None`` (the parameters'
       dtype, as optax); a dtype, its name or its scalar type.
     seed: integer mixed into the rounding seeds (``None``: 0).
-    implementation: forwarded to :func:`fuseopt.kernels.adam_update`.
+    implementation, interpret: forwarded to :func:`fuseopt.kernels.adam_update`.
     shardings: where the parameters live when the mesh axes are Auto: a tree
       of ``NamedSharding`` / ``PartitionSpec`` shaped like the params (or a
       prefix, or one for all). The kernels then run shard-local
@@ -195,6 +200,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
       outs = kernels.adam_update_tree(
           None, pick(g), pick(mu), pick(nu), count=count, b1=b1, b2=b2, eps=eps,
           eps_root=eps_root, nesterov=nesterov, seed=seed, implementation=implementation,
+          interpret=interpret,
           shardings=None if leaf_shardings is None else [
               s if i in fused else None for i, s in enumerate(leaf_shardings)])
       for i in fused:
@@ -217,16 +223,72 @@ def bf16_moments(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   return scale_by_adam(b1, b2, eps, eps_root, nesterov=nesterov, moment_dtype=jnp.bfloat16)
 
 
-def _fused(chain, hp: AdamHyperparams) -> FusedAdamTransformation:
+def _schedule_count(s):
+  """The count of a (possibly masked) schedule state."""
+  return getattr(s, "inner_state", s).count
+
+
+def _in_place(hp: AdamHyperparams, decay_at: Optional[int], lr_at: int):
+  """The rule of the chain ``scale_by_adam [, add_decayed_weights],
+  scale_by_learning_rate`` built below (``decay_at``/``lr_at``: where its
+  pieces sit in that chain): one kernel pass reads p, g, mu, nu and writes
+  p, mu, nu, with the clip factor, learning rate and per-leaf decay in its
+  scalars."""
+
+  def apply(grads, state, params, ctx):
+    adam_state = state[0]
+    count = optax.safe_increment(adam_state.count)
+    lr = hp.learning_rate
+    if callable(lr):
+      lr = lr(_schedule_count(state[lr_at]))
+    p_leaves, treedef = jax.tree.flatten(params)
+    n = len(p_leaves)
+    if decay_at is None:
+      wds = [0.0] * n
+    else:
+      wd = hp.weight_decay
+      if callable(wd):
+        wd = wd(_schedule_count(state[decay_at]))
+      skip = isinstance(wd, (int, float)) and wd == 0.0
+      wds = [wd if (m and not skip) else 0.0 for m in fusion.per_leaf_mask(hp.mask, params)]
+    g_leaves = treedef.flatten_up_to(grads)
+    mu_leaves = treedef.flatten_up_to(adam_state.mu)
+    nu_leaves = treedef.flatten_up_to(adam_state.nu)
+    for leaves in (p_leaves, g_leaves, mu_leaves, nu_leaves):
+      for x in leaves:
+        if jnp.result_type(x) not in KERNEL_DTYPES:
+          raise fusion.NotFusable(f"a {jnp.result_type(x)} leaf: the kernels take float32 "
+                                  f"and bfloat16 only")
+    new_p, mu, nu = kernels.adam_update_tree(
+        p_leaves, g_leaves, mu_leaves, nu_leaves, count=count, learning_rate=lr, b1=hp.b1,
+        b2=hp.b2, eps=hp.eps, eps_root=hp.eps_root, weight_decay=wds, nesterov=hp.nesterov,
+        seed=hp.seed, implementation=hp.implementation, interpret=hp.interpret,
+        group=ctx.group, grad_scale=1.0 if ctx.grad_scale is None else ctx.grad_scale,
+        apply=True if ctx.apply is None else ctx.apply,
+        shardings=kernel_sharding.flatten_shardings(
+            hp.shardings if ctx.shardings is None else ctx.shardings, params, owner="step"))
+    new_adam = optax.ScaleByAdamState(count=ctx.keep(count, adam_state.count),
+                                      mu=treedef.unflatten(mu), nu=treedef.unflatten(nu))
+    # The chain's other states (weight-decay and learning-rate schedules,
+    # masks) hold only step counters, all advanced once per update.
+    rest = tuple(ctx.keep(jax.tree.map(optax.safe_increment, s), s) for s in state[1:])
+    return treedef.unflatten(new_p), (new_adam,) + rest
+
+  return fusion.InPlace("adamw" if decay_at is not None else "adam", apply=apply)
+
+
+def _fused(chain, hp: AdamHyperparams, decay_at=None, lr_at=1) -> FusedAdamTransformation:
   tx = FusedAdamTransformation(chain.init, chain.update)
   tx.fuseopt_adam = hp
+  tx.fuseopt_in_place = _in_place(hp, decay_at, lr_at)
   return tx
 
 
 def adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
          eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: Any = None, *,
          nesterov: bool = False, moment_dtype: Any = "bfloat16", seed: Optional[int] = None,
-         implementation: Optional[str] = None, shardings: Any = None) -> FusedAdamTransformation:
+         implementation: Optional[str] = None, interpret: bool = False,
+         shardings: Any = None) -> FusedAdamTransformation:
   r"""Adam (Kingma & Ba 2014) with bf16-stored moments: drop-in for :func:`optax.adam`.
 
   ``chain(scale_by_adam(...), scale_by_learning_rate(learning_rate))``, so
@@ -237,19 +299,19 @@ def adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9
   Args:
     learning_rate: a scalar or an optax schedule.
     b1, b2, eps, eps_root, mu_dtype, nesterov: as in :func:`optax.adam`.
-    moment_dtype, seed, implementation, shardings: see :func:`scale_by_adam`.
+    moment_dtype, seed, implementation, interpret, shardings: see :func:`scale_by_adam`.
   """
   _checks.check_rate("adam", "learning_rate", learning_rate)
   chain = optax.chain(
       scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov,
                     moment_dtype=moment_dtype, seed=seed, implementation=implementation,
-                    shardings=shardings),
+                    interpret=interpret, shardings=shardings),
       optax.scale_by_learning_rate(learning_rate))
   nu_dtype = _canon_dtype(moment_dtype, "moment_dtype")
   return _fused(chain, AdamHyperparams(
       learning_rate, b1, b2, eps, eps_root, None, None, nesterov,
       _optax_dtype(mu_dtype) or nu_dtype, nu_dtype, 0 if seed is None else seed, implementation,
-      shardings))
+      interpret, shardings))
 
 
 def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
@@ -257,7 +319,8 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
           weight_decay: optax.ScalarOrSchedule = 1e-4,
           mask: Optional[Any | Callable[[optax.Params], Any]] = None, *,
           nesterov: bool = False, moment_dtype: Any = "bfloat16", seed: Optional[int] = None,
-          implementation: Optional[str] = None, shardings: Any = None) -> FusedAdamTransformation:
+          implementation: Optional[str] = None, interpret: bool = False,
+         shardings: Any = None) -> FusedAdamTransformation:
   r"""AdamW (Loshchilov & Hutter 2019) with bf16 moments: drop-in for :func:`optax.adamw`.
 
   :math:`p_t = p_{t-1} - \alpha_t (u_t + \lambda p_{t-1})` with :math:`u_t`
@@ -271,19 +334,20 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
     mask: a pytree of bools (prefix of the params) or a callable returning
       one; True where weight decay applies.
     b1, b2, eps, eps_root, mu_dtype, nesterov: as in :func:`optax.adamw`.
-    moment_dtype, seed, implementation, shardings: see :func:`scale_by_adam`.
+    moment_dtype, seed, implementation, interpret, shardings: see :func:`scale_by_adam`.
   """
   _checks.check_rate("adamw", "learning_rate", learning_rate)
   _checks.check_rate("adamw", "weight_decay", weight_decay)
   chain = optax.chain(
       scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov,
                     moment_dtype=moment_dtype, seed=seed, implementation=implementation,
-                    shardings=shardings),
+                    interpret=interpret, shardings=shardings),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate))
   nu_dtype = _canon_dtype(moment_dtype, "moment_dtype")
   return _fused(chain, AdamHyperparams(
       learning_rate, b1, b2, eps, eps_root, weight_decay, mask, nesterov,
       _optax_dtype(mu_dtype) or nu_dtype, nu_dtype, 0 if seed is None else seed, implementation,
-      shardings))
+      interpret, shardings),
+      decay_at=1, lr_at=2)
 

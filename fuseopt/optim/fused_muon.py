@@ -20,6 +20,14 @@ three differences in how the work is done:
   dimension numbers go, to orthogonalise several matrices held in one tensor
   independently; ``skip_inactive=True`` freezes matrices whose gradient is
   all zero this step (unrouted experts).
+
+:func:`muon` declares an in-place rule (:mod:`fuseopt.optim.fusion`):
+:func:`fuseopt.optim.step` runs its Muon leaves as one elementwise pass
+(new momentum, stored in its dtype with stochastic rounding when bf16, and
+the Nesterov NS input in ``ns_dtype``), the batched Newton-Schulz, and one
+pass writing ``p - lr (scale O + wd p)`` over the parameter (stochastic
+rounding for bf16 parameters); its AdamW leaves go through the fused Adam
+kernel.
 """
 
 # No `from __future__ import annotations`: optax's tests (and tools) read
@@ -33,10 +41,12 @@ import numpy as np
 import optax
 
 from fuseopt import kernels
+from fuseopt.kernels import counter_hash
 from fuseopt.kernels import sharding as kernel_sharding
 from fuseopt.kernels.ns import distributed as distributed_ns
 from fuseopt.optim import _checks
 from fuseopt.optim import fused_adam
+from fuseopt.optim import fusion
 from fuseopt.optim import groups as groups_lib
 from fuseopt.optim import matrix_views
 from fuseopt.optim import muon_axes
@@ -58,6 +68,24 @@ _DION_COEFFS = (
 # optax.contrib.muon's preset names.
 _OPTAX_PRESETS = {"standard": JORDAN_COEFFS, "dion": _DION_COEFFS}
 _PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten")
+# Seed of Muon's stochastic roundings (momentum and, in the fused step,
+# bf16 parameters), apart from the Adam side's default seed 0: "Muon".
+MUON_SEED = 0x4D756F6E
+
+
+@functools.partial(jax.jit, inline=True)
+def _one_minus_pow(decay, count):
+  return 1 - decay ** count
+
+
+def _store(x32, dtype, count, leaf_index, stream):
+  """fp32 -> ``dtype``; bf16 with the counter-hash stochastic rounding
+  (seed ``derive_seed(MUON_SEED, count, leaf_index, stream)``), plain jnp so
+  XLA fuses it into the pass that computes ``x32``."""
+  if jnp.dtype(dtype) == jnp.bfloat16:
+    seed = counter_hash.derive_seed(MUON_SEED, count, leaf_index, stream)
+    return kernels.stochastic_round_bf16(x32, seed, implementation="xla")
+  return x32.astype(dtype)
 
 
 def _is_spec(x) -> bool:
@@ -374,35 +402,57 @@ def scale_by_muon(
                      mu=optax.tree.zeros_like(params, dtype=mu_dtype),
                      ns_coeffs=jnp.asarray(state_coeffs))
 
-  def update_fn(updates, state, params=None):
-    del params
+  # The fused step's NS input in ns_dtype (half the bytes in bf16), straight
+  # from the momentum pass; optax's other preconditionings and the adaptive
+  # dual norm read it in the gradient's dtype. update() keeps the gradient's
+  # dtype: there XLA's CPU schedule held more temporaries with a bf16 input
+  # (the direction leaves as a tree before apply_updates).
+  fused_ns_input = ns_dtype if preconditioning == "frobenius" and not adaptive else None
+
+  def direction(updates, mu, count, ns_input_dtype=None, placement=None):
+    """The Muon direction of ``updates``: ``(u leaves, treedef, new mu
+    leaves, count + 1)``; the new mu leaves keep their stored dtype, the NS
+    input is in ``ns_input_dtype`` (None: the gradient's)."""
     g_leaves, treedef = jax.tree.flatten(updates)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(updates)[0]]
     specs = _leaf_specs(weight_dimension_numbers, updates, treedef)
-    m_old = treedef.flatten_up_to(state.mu)
+    m_old = treedef.flatten_up_to(mu)
 
-    count_inc = optax.safe_increment(state.count)
+    count_inc = optax.safe_increment(count)
     # Bias corrections with optax's own function: same rounding, jitted or not.
-    bias_correction = optax.tree.bias_correction
+    # optax.tree.bias_correction's ``1 - beta**t``, jitted so that an eager
+    # call rounds as optax's does; dividing leaf by leaf below (rather than
+    # through optax's tree function) lets XLA fuse the pass with less
+    # temporary memory.
+    bc1 = _one_minus_pow(beta, count_inc)
+    bc2 = _one_minus_pow(beta, optax.safe_increment(count_inc))
     active = [(_active(g, s) if skip_inactive and s is not None else None)
               for g, s in zip(g_leaves, specs)]
+    # One elementwise pass a leaf: fp32 momentum, stored in the state's dtype
+    # (stochastically rounded when bf16), and the NS input from the same values.
     mu_leaves, mu_hat = [], []
-    for g, m, s, a in zip(g_leaves, m_old, specs, active):
-      m_new = (1 - beta) * g + beta * m
+    for i, (g, m, s, a) in enumerate(zip(g_leaves, m_old, specs, active)):
+      # fp32 math for fp32/bf16 (bf16 momentum is stored stochastically
+      # rounded); other dtypes keep optax's arithmetic in their own dtype.
+      wide = (jnp.float32 if {jnp.result_type(g), jnp.result_type(m)} <= set(fused_adam.KERNEL_DTYPES)
+              else jnp.promote_types(jnp.result_type(g), jnp.result_type(m)))
+      g32, m32 = g.astype(wide), m.astype(wide)
+      m_new = (1 - beta) * g32 + beta * m32
+      stored = _store(m_new, m.dtype, count_inc, i, counter_hash.STREAM_MU)
       if a is not None:
-        m_new = jnp.where(a, m_new, m)
+        m_new = jnp.where(a, m_new, m32)
+        stored = jnp.where(a, stored, m)
       if nesterov:
-        h = (beta * bias_correction(m_new, beta, optax.safe_increment(count_inc))
-             + (1 - beta) * bias_correction(g, beta, count_inc))
+        h = beta * (m_new / bc2.astype(wide)) + (1 - beta) * (g32 / bc1.astype(wide))
       else:
-        h = bias_correction(m_new, beta, count_inc)
-      mu_leaves.append(m_new)
-      mu_hat.append(h)
+        h = m_new / bc1.astype(wide)
+      mu_leaves.append(stored)
+      mu_hat.append(h.astype(ns_input_dtype if s is not None and ns_input_dtype else g.dtype))
 
     # Leaves on a multi-device mesh: whole matrices per device (all-to-all).
     distributed = _place_ns_inputs(
-        mu_hat, specs, kernel_sharding.flatten_shardings(shardings, state.mu,
-                                                         owner="scale_by_muon"), paths)
+        mu_hat, specs, kernel_sharding.flatten_shardings(
+            shardings if placement is None else placement, mu, owner="scale_by_muon"), paths)
     # Cut every other Muon leaf into (batch, rows, cols) families; group them by shape.
     plans = [None] * len(mu_hat)
     groups: dict[tuple, list[tuple[int, int]]] = {}
@@ -441,11 +491,11 @@ def scale_by_muon(
         fan = lambda axes: int(np.prod([h.shape[a] for a in axes]))
         pieces = [matrix_views.Piece(h, lambda y: y)]
         merge = lambda parts: parts[0]
-        ys = [results[(i, 0)].astype(h.dtype)]
+        ys = [results[(i, 0)].astype(g_leaves[i].dtype)]
         fans = [(fan(red), fan(outs))]
       else:
         pieces, merge = plans[i]
-        ys = [results[(i, j)].astype(h.dtype) for j in range(len(pieces))]
+        ys = [results[(i, j)].astype(g_leaves[i].dtype) for j in range(len(pieces))]
         fans = [y.shape[1:] for y in ys]
       if adaptive:
         # optax's dual-norm scale <mu_hat, NS(mu_hat)> over the whole leaf, before shape scaling.
@@ -464,12 +514,18 @@ def scale_by_muon(
       if active[i] is not None:
         u = jnp.where(active[i], u, jnp.zeros((), u.dtype))
       out.append(u)
+    return out, treedef, mu_leaves, count_inc
 
-    mu_leaves = [m if mu_dtype is None else m.astype(mu_dtype) for m in mu_leaves]
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
+    out, treedef, mu_leaves, count_inc = direction(updates, state.mu, state.count)
     return (treedef.unflatten(out),
             MuonState(count=count_inc, mu=treedef.unflatten(mu_leaves), ns_coeffs=state.ns_coeffs))
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  tx = fusion.FusedTransformation(init_fn, update_fn)
+  # Not a rule (the direction alone moves no parameter): what muon()'s rule calls.
+  tx.fuseopt_muon_direction = functools.partial(direction, ns_input_dtype=fused_ns_input)
+  return tx
 
 
 def _add_decayed_weights_active(weight_decay, dims_fn) -> optax.GradientTransformation:
@@ -492,14 +548,63 @@ def _add_decayed_weights_active(weight_decay, dims_fn) -> optax.GradientTransfor
 
 
 def _adamw(learning_rate, b1, b2, eps, eps_root, weight_decay, mu_dtype, moment_dtype, nesterov,
-           shardings=None):
+           implementation=None, interpret=False, shardings=None):
   """fuseopt's AdamW; ``moment_dtype=None`` keeps optax's dtypes (mu in
   ``mu_dtype`` or the parameter's, nu in the parameter's)."""
   if moment_dtype is not None:
     mu_dtype = moment_dtype
   return fused_adam.adamw(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
                          weight_decay=weight_decay, nesterov=nesterov, moment_dtype=moment_dtype,
+                         implementation=implementation, interpret=interpret,
                          shardings=shardings)
+
+
+def _muon_branch(direction_tx, decay, learning_rate, weight_decay, weight_decay_mask, dims_fn,
+                 skip_inactive):
+  """``chain(scale_by_muon, decay, scale_by_learning_rate)`` with its in-place
+  rule: after the momentum pass and Newton-Schulz of ``direction_tx``, one
+  elementwise pass a leaf computes ``p + (-lr) * (u + wd * p)`` in fp32 (the
+  fallback's operation order) and stores it in the parameter's dtype,
+  stochastically rounded when bf16 (``derive_seed(MUON_SEED, t, i,
+  STREAM_PARAM)``); under a donating jit XLA writes it in place."""
+  lr_tx = optax.scale_by_learning_rate(learning_rate)
+  # optax.identity() where optax's chain has scale_by_shape (done inside
+  # scale_by_muon here): its EmptyState, so the whole state has
+  # optax.contrib.muon's structure and checkpoints interoperate.
+  tx = optax.chain(direction_tx, optax.identity(), decay, lr_tx)
+
+  def apply(grads, state, params, ctx):
+    muon_state, shape_state, decay_state, lr_state = state  # the chain above
+    if callable(weight_decay):
+      raise fusion.NotFusable("muon: a weight-decay schedule has no in-place rule")
+    u_leaves, treedef, mu_leaves, count_inc = direction_tx.fuseopt_muon_direction(
+        ctx.scale_grads(grads), muon_state.mu, muon_state.count, placement=ctx.shardings)
+    p_leaves = treedef.flatten_up_to(params)
+    neg_lr = -(learning_rate(lr_state.count) if callable(learning_rate) else learning_rate)
+    if weight_decay_mask is None:
+      decayed = [True] * len(p_leaves)
+    else:
+      decayed = fusion.per_leaf_mask(weight_decay_mask, grads)
+    specs = _leaf_specs(dims_fn, grads, treedef) if skip_inactive else [None] * len(p_leaves)
+    new_p = []
+    for i, (u, p, d, s) in enumerate(zip(u_leaves, p_leaves, decayed, specs)):
+      p32 = p.astype(jnp.float32)
+      if d and s is not None:
+        u = u + jnp.where(_active(u, s), weight_decay * p32, 0.0)
+      elif d:
+        u = u + weight_decay * p32
+      new = _store(p32 + neg_lr * u, p.dtype, count_inc, i, counter_hash.STREAM_PARAM)
+      new_p.append(new if ctx.apply is None else jnp.where(ctx.apply, new, p))
+    mu_old = treedef.flatten_up_to(muon_state.mu)
+    new_state = (
+        muon_state._replace(count=ctx.keep(count_inc, muon_state.count),
+                            mu=treedef.unflatten(ctx.keep(mu_leaves, mu_old))),
+        shape_state,
+        decay_state,
+        ctx.keep(jax.tree.map(optax.safe_increment, lr_state), lr_state))
+    return treedef.unflatten(new_p), new_state
+
+  return fusion.with_in_place(tx, fusion.InPlace("muon", apply=apply))
 
 
 def muon(
@@ -602,9 +707,9 @@ def muon(
   else:
     decay = optax.add_decayed_weights(weight_decay, weight_decay_mask)
 
-  return optax.partition(
+  return fusion.partition(
       transforms={
-          "muon": optax.chain(
+          "muon": _muon_branch(
               scale_by_muon(
                   ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=beta, eps=eps, mu_dtype=mu_dtype,
                   nesterov=nesterov, adaptive=adaptive, preconditioning=preconditioning,
@@ -613,16 +718,14 @@ def muon(
                   skip_inactive=skip_inactive, gram=gram, ns_max_elements=ns_max_elements,
                   implementation=implementation,
                   interpret=interpret, shardings=shardings),
-              # Where optax's chain has scale_by_shape (done inside
-              # scale_by_muon here): its EmptyState, so the whole state has
-              # optax.contrib.muon's structure and checkpoints interoperate.
-              optax.identity(),
-              decay,
-              optax.scale_by_learning_rate(learning_rate),
+              decay, learning_rate, weight_decay, weight_decay_mask, dims_fn, skip_inactive,
           ),
           "adam": _adamw(adam_learning_rate, adam_b1, adam_b2, eps, adam_eps_root,
-                         adam_weight_decay, mu_dtype, adam_moment_dtype, nesterov, shardings),
+                         adam_weight_decay, mu_dtype, adam_moment_dtype, nesterov,
+                         implementation=implementation, interpret=interpret,
+                         shardings=shardings),
       },
       param_labels=param_labels,
+      name="muon",
   )
 

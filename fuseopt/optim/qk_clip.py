@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import optax
 
 from fuseopt.optim import groups as groups_lib
+from fuseopt.optim import fusion
 
 __all__ = [
     "QK_PROJECTIONS",
@@ -349,7 +350,15 @@ def scale_by_qk_clip(
     new_updates = jax.tree_util.tree_map_with_path(clip, updates)
     return new_updates, state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  def prepare(grads, state, ctx):
+    # Without qk_stats the clip passes updates through: nothing to fuse. With
+    # them it rescales q/k columns after the update, which has no in-place rule.
+    if ctx.extra_args.get("qk_stats") is not None:
+      raise fusion.NotFusable("scale_by_qk_clip: qk_stats given (the rescale has no in-place rule)")
+    return ctx, state
+
+  return fusion.with_in_place(optax.GradientTransformationExtraArgs(init_fn, update_fn),
+                              fusion.InPlace("scale_by_qk_clip", prepare=prepare, identity=True))
 
 
 def muonclip(learning_rate, *, tau: float = 100.0,
@@ -365,4 +374,4 @@ def muonclip(learning_rate, *, tau: float = 100.0,
   clip = scale_by_qk_clip(tau, projections, mla=mla)
   # Imported here: fused_muon imports the kernels, the clip alone does not need them.
   from fuseopt.optim.fused_muon import muon  # pylint: disable=g-import-not-at-top
-  return optax.chain(muon(learning_rate, **muon_kwargs), clip)
+  return fusion.chain(muon(learning_rate, **muon_kwargs), clip)

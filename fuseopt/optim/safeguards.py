@@ -8,6 +8,12 @@ Each is an optax transform (or a wrapper of one) the builder composes:
   without touching the wrapped solver's state (its step count, and so its
   schedule, stays put);
 * :func:`freeze` gives frozen parameters a zero update and no optimizer state.
+
+Each also declares its in-place rule (:mod:`fuseopt.optim.fusion`), so
+:func:`fuseopt.optim.step` runs a solver wrapped in them as fused passes: the
+clip's factor and the non-finite flag come from one reduction over the
+gradients (:func:`fuseopt.optim.fusion.grad_stats`), the factor scales g
+inside the solver's pass and a skipped step is a select in the same passes.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fuseopt.optim import fusion
 from fuseopt.optim import groups as groups_lib
 
 __all__ = [
@@ -56,16 +63,29 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     del params
     return ClipByGlobalNormState(global_norm=jnp.zeros([], jnp.float32))
 
+  def factor(norm):
+    # Divide by max(norm, c), not norm: a zero gradient stays zero, no 0/0.
+    return max_norm / jnp.maximum(norm, max_norm)
+
   def update_fn(updates, state, params=None):
     del params, state
-    norm = optax.tree.norm(updates).astype(jnp.float32)
+    # The sum of squares in fp32 by the same one-pass reduction the fused
+    # step shares with skip_nonfinite, so both paths clip by the same factor.
+    norm = jnp.sqrt(fusion.grad_stats(updates)[0])
     if max_norm > 0:
-      # Divide by max(norm, c), not norm: a zero gradient stays zero, no 0/0.
-      scale = max_norm / jnp.maximum(norm, max_norm)
+      scale = factor(norm)
       updates = jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates)
     return updates, ClipByGlobalNormState(global_norm=norm)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  def prepare(grads, state, ctx):
+    norm = jnp.sqrt(ctx.stats(grads)[0])
+    if ctx.grad_scale is not None:
+      norm = norm * ctx.grad_scale
+    new_state = ctx.keep(ClipByGlobalNormState(global_norm=norm), state)
+    return (ctx.scaled(factor(norm)) if max_norm > 0 else ctx), new_state
+
+  return fusion.with_in_place(optax.GradientTransformation(init_fn, update_fn),
+                              fusion.InPlace("clip_by_global_norm", prepare=prepare))
 
 
 class SkipNonfiniteState(NamedTuple):
@@ -84,8 +104,7 @@ class SkipNonfiniteState(NamedTuple):
 
 
 def _all_finite(tree) -> jax.Array:
-  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-  return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+  return fusion.grad_stats(tree)[1]
 
 
 def _raise_if(flag, limit):
@@ -124,6 +143,7 @@ def skip_nonfinite(inner: optax.GradientTransformation, max_consecutive_skips: i
                      f"got {max_consecutive_skips!r}")
   if on_limit not in ("raise", "apply"):
     raise ValueError(f"skip_nonfinite: on_limit must be 'raise' or 'apply', got {on_limit!r}")
+  inner_tx = inner
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
@@ -132,31 +152,44 @@ def skip_nonfinite(inner: optax.GradientTransformation, max_consecutive_skips: i
                               total_skips=jnp.zeros([], jnp.int32),
                               last_finite=jnp.array(True))
 
+  def apply_flag(finite, state):
+    if max_consecutive_skips is None:
+      return finite
+    at_limit = jnp.logical_and(~finite, state.consecutive_skips >= max_consecutive_skips)
+    if on_limit == "apply":
+      return jnp.logical_or(finite, at_limit)
+    # Inside a cond so a healthy step makes no host round trip.
+    jax.lax.cond(at_limit, lambda: jax.debug.callback(_raise_if, True, max_consecutive_skips),
+                 lambda: None)
+    return finite
+
+  def counters(apply, finite, state):
+    skipped = (~apply).astype(jnp.int32)
+    return dict(consecutive_skips=(state.consecutive_skips + 1) * skipped,
+                total_skips=state.total_skips + skipped, last_finite=finite)
+
+  def in_place(grads, state, params, ctx):
+    rule = fusion.require_apply(inner_tx, "skip_nonfinite")
+    finite = ctx.stats(ctx.scale_grads(grads) if ctx.grad_scale is not None else grads)[1]
+    apply = apply_flag(finite, state)
+    # The inner pieces keep their params and state where apply is False.
+    params, inner_state = rule.apply(grads, state.inner_state, params, ctx.gated(apply))
+    own = counters(apply, finite, state)
+    if ctx.apply is not None:  # a skip above this one leaves these alone too
+      own = dict(zip(own, ctx.keep(tuple(own.values()), tuple(getattr(state, k) for k in own))))
+    return params, SkipNonfiniteState(inner_state=inner_state, **own)
+
   def update_fn(updates, state, params=None, **extra_args):
     finite = _all_finite(updates)
     new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
-    if max_consecutive_skips is None:
-      apply = finite
-    else:
-      at_limit = jnp.logical_and(~finite, state.consecutive_skips >= max_consecutive_skips)
-      if on_limit == "apply":
-        apply = jnp.logical_or(finite, at_limit)
-      else:
-        apply = finite
-        # Inside a cond so a healthy step makes no host round trip.
-        jax.lax.cond(at_limit, lambda: jax.debug.callback(_raise_if, True, max_consecutive_skips),
-                     lambda: None)
+    apply = apply_flag(finite, state)
     keep = lambda new, old: jnp.where(apply, new, old)
     inner_state = jax.tree.map(keep, new_inner, state.inner_state)
     new_updates = jax.tree.map(lambda u: jnp.where(apply, u, jnp.zeros_like(u)), new_updates)
-    skipped = (~apply).astype(jnp.int32)
-    return new_updates, SkipNonfiniteState(
-        inner_state=inner_state,
-        consecutive_skips=(state.consecutive_skips + 1) * skipped,
-        total_skips=state.total_skips + skipped,
-        last_finite=finite)
+    return new_updates, SkipNonfiniteState(inner_state=inner_state, **counters(apply, finite, state))
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return fusion.with_in_place(optax.GradientTransformationExtraArgs(init_fn, update_fn),
+                              fusion.InPlace("skip_nonfinite", apply=in_place))
 
 
 def frozen_labels(frozen: Sequence[str] = (), trainable: Sequence[str] | None = None):
@@ -186,8 +219,11 @@ def freeze(inner: optax.GradientTransformation, frozen: Sequence[str] = (),
   (and its clip norm and non-finite check cover) the trainable leaves only,
   and its state holds ``optax.MaskedNode`` where a frozen leaf would be.
   """
-  return optax.partition({"trainable": inner, "frozen": optax.set_to_zero()},
-                         frozen_labels(frozen, trainable))
+  frozen_part = fusion.with_in_place(
+      optax.set_to_zero(),
+      fusion.InPlace("frozen", apply=lambda grads, state, params, ctx: (params, state)))
+  return fusion.partition({"trainable": inner, "frozen": frozen_part},
+                          frozen_labels(frozen, trainable), name="freeze")
 
 
 def global_norm_of(state) -> jax.Array | None:

@@ -4,35 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import optax
 
-from fuseopt import kernels
 from fuseopt.kernels import sharding as kernel_sharding
-
-
-def _per_leaf_mask(mask, params):
-  """The weight-decay mask as one Python bool per leaf of ``params``."""
-  if mask is None:
-    return [True] * len(jax.tree.leaves(params))
-  if callable(mask):
-    mask = mask(params)
-  full = jax.tree.map(lambda m, sub: jax.tree.map(lambda _: m, sub), mask, params)
-  out = []
-  for m in jax.tree.leaves(full):
-    if isinstance(m, jax.core.Tracer):
-      raise TypeError("step: the weight-decay mask must hold Python bools, not traced values")
-    out.append(bool(m))
-  return out
-
-
-def _schedule_count(s):
-  """The count of a (possibly masked) schedule state."""
-  return getattr(s, "inner_state", s).count
+from fuseopt.optim import fusion
 
 
 def step(tx: Any, grads: Any, state: Any, params: Any, *, group: bool = True,
-         shardings: Any = None) -> tuple[Any, Any]:
+         shardings: Any = None, **extra_args: Any) -> tuple[Any, Any]:
   """Applies one update of ``tx`` to ``params``; returns ``(params, state)``.
 
   For :func:`fuseopt.optim.adam` / :func:`fuseopt.optim.adamw` it runs fused
@@ -49,9 +28,25 @@ def step(tx: Any, grads: Any, state: Any, params: Any, *, group: bool = True,
   Llama tree); ``group=False`` runs one launch per leaf, for measurement.
   On TPU it is one kernel per leaf either way.
 
-  Any other transformation (including a fuseopt Adam wrapped in another
-  ``optax.chain``) falls back to ``tx.update(grads, state, params)`` +
-  :func:`optax.apply_updates`, so ``step`` is safe to call on anything.
+  The same holds for what :func:`fuseopt.optim.build_optimizer` returns and
+for every composition of pieces that declare an in-place rule
+(:mod:`fuseopt.optim.fusion`): fuseopt's global-norm clip (its factor is a
+scalar of the Adam kernel, scaling g in registers, and comes from the same
+single reduction pass over the gradients as ``skip_nonfinite``'s finiteness
+flag), ``fusion.partition`` groups (each with its learning rate, schedule
+and weight decay), ``skip_nonfinite`` (a skipped step keeps params and
+state by a select inside the same passes), ``freeze``, ``fusion.multi_steps``
+and :func:`fuseopt.optim.muon` (one elementwise pass for the momentum and
+the Newton-Schulz input, one for ``p - lr (scale O + wd p)``; its AdamW
+leaves as above). ``extra_args`` are the ``update`` extra arguments (e.g.
+MuonClip's ``qk_stats``).
+
+Any other transformation, or a composition with a piece that has no rule
+(``optax.chain(optax.clip_by_global_norm(1.0), fo.adamw(...))``: optax's
+clip has none), falls back to ``tx.update(grads, state, params)`` +
+:func:`optax.apply_updates`, so ``step`` is safe to call on anything; the
+piece that forced the fallback is logged at debug level on the ``"fuseopt"``
+logger.
 
   Example::
 
@@ -77,40 +72,18 @@ def step(tx: Any, grads: Any, state: Any, params: Any, *, group: bool = True,
   moments), ``jit(step, donate_argnums=(2, 3))`` would hand the moment's
   buffer to the new parameter and XLA would copy every such leaf.
   """
-  hp = getattr(tx, "fuseopt_adam", None)
-  if hp is None:
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  adam_state = state[0]
-  rest = tuple(state[1:])
-  count = optax.safe_increment(adam_state.count)
-  lr = hp.learning_rate
-  if callable(lr):
-    lr = lr(_schedule_count(rest[-1]))
-  p_leaves, treedef = jax.tree.flatten(params)
-  n = len(p_leaves)
-  if hp.weight_decay is None:
-    wds = [0.0] * n
-  else:
-    wd = hp.weight_decay
-    if callable(wd):
-      wd = wd(_schedule_count(rest[0]))
-    skip = isinstance(wd, (int, float)) and wd == 0.0
-    wds = [wd if (m and not skip) else 0.0 for m in _per_leaf_mask(hp.mask, params)]
-  g_leaves = treedef.flatten_up_to(grads)
-  mu_leaves = treedef.flatten_up_to(adam_state.mu)
-  nu_leaves = treedef.flatten_up_to(adam_state.nu)
-  new_p, mu, nu = kernels.adam_update_tree(
-      p_leaves, g_leaves, mu_leaves, nu_leaves, count=count, learning_rate=lr,
-      b1=hp.b1, b2=hp.b2, eps=hp.eps, eps_root=hp.eps_root, weight_decay=wds,
-      nesterov=hp.nesterov, seed=hp.seed, implementation=hp.implementation,
-      group=group, shardings=kernel_sharding.flatten_shardings(
-          hp.shardings if shardings is None else shardings, params, owner="step",
-          strict=True))
-  new_adam = optax.ScaleByAdamState(count=count, mu=treedef.unflatten(mu),
-                                    nu=treedef.unflatten(nu))
-  # The other states of the chain (weight-decay and learning-rate schedules,
-  # masks) hold only step counters, all advanced once per update.
-  new_rest = tuple(jax.tree.map(optax.safe_increment, s) for s in rest)
-  return treedef.unflatten(new_p), (new_adam,) + new_rest
+  if shardings is not None:   # the whole tree: every entry must name a parameter
+    kernel_sharding.flatten_shardings(shardings, params, owner="step", strict=True)
+  rule = fusion.in_place_rule(tx)
+  reason = "it declares no in-place rule" if rule is None or rule.apply is None else None
+  if reason is None:
+    try:
+      return rule.apply(grads, state, params,
+                        fusion.Context(group=group, shardings=shardings,
+                                       extra_args=dict(extra_args)))
+    except fusion.NotFusable as e:
+      reason = str(e)
+  fusion.logger.debug("fuseopt.optim.step: %s runs tx.update + optax.apply_updates: %s",
+                      fusion.describe(tx), reason)
+  updates, state = tx.update(grads, state, params, **extra_args)
+  return optax.apply_updates(params, updates), state

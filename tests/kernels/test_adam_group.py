@@ -201,3 +201,21 @@ def test_group_config_errors_and_heuristic():
     # Block 4096 failed inside a CUDA graph on the H200: never the default.
     assert c.block <= 1024 and c.block & (c.block - 1) == 0
   assert A.triton_group_heuristic([1 << 20]) == A.TritonGroupConfig(1024, 8, 16)
+
+
+def test_grouped_launch_applies_grad_scale_and_apply_flag():
+  """The clip factor and the skip flag reach every leaf's scalar row."""
+  p, g, mu, nu = _tree(jax.random.key(9), [(300,), (3, 129)], [(F32, F32, BF16), (BF16, BF16, BF16)])
+  run = lambda g, scale, apply: A.adam_update_tree(
+      p, g, mu, nu, count=3, learning_rate=1e-2, weight_decay=0.1, implementation="triton",
+      interpret=True, config=SMALL, grad_scale=scale, apply=apply)
+  with jax.disable_jit():
+    kept = run(g, jnp.float32(0.5), jnp.bool_(False))
+    scaled = run(g, jnp.float32(0.5), jnp.bool_(True))
+  for got, want in zip(kept, (p, mu, nu)):
+    for a, b in zip(got, want):
+      harness.assert_bitwise_equal(a, b, "apply=False")
+  want = A.adam_update_tree(p, [x.astype(F32) * 0.5 for x in g], mu, nu, count=3,
+                            learning_rate=1e-2, weight_decay=0.1, implementation="xla")
+  for got_k, want_k in zip(scaled, want):
+    _compare(got_k, want_k, "grad_scale")

@@ -148,6 +148,29 @@ def test_nonfinite_gradients_follow_the_documented_rule(backend):
   assert np.isfinite(new_p[rest]).all()
 
 
+@pytest.mark.parametrize("backend", ("xla", "triton", "mosaic_tpu"))
+def test_grad_scale_and_apply_flag(backend):
+  """grad_scale multiplies g as it is read (a clip factor: same bits as a
+  pre-scaled gradient); apply=False returns p, mu, nu bit for bit, NaN
+  gradients included (a skipped step)."""
+  p, g, mu, nu = _inputs(jax.random.key(8), (32, 128), BF16, F32, BF16)
+  g = g.at[0, 3].set(jnp.nan)
+  run = jax.jit(lambda p, g, mu, nu, s, a: adam_update(
+      p, g, mu, nu, count=3, grad_scale=s, apply=a, implementation=backend, interpret=True,
+      **HYPER))
+  scale = jnp.float32(0.37)
+  got = run(p, g, mu, nu, scale, jnp.bool_(True))
+  want = run(p, g * scale, mu, nu, jnp.float32(1.0), jnp.bool_(True))
+  for a, b in zip(got, want):
+    harness.assert_bitwise_equal(a, b, f"{backend} grad_scale")
+  kept = run(p, g, mu, nu, scale, jnp.bool_(False))
+  for a, b in zip(kept, (p, mu, nu)):
+    harness.assert_bitwise_equal(a, b, f"{backend} apply=False")
+  u, _, _ = adam_update(None, g, mu, nu, count=3, apply=False, implementation=backend,
+                        interpret=True)
+  assert not np.asarray(u).any()
+
+
 def test_fp32_moments_match_optax_bitwise_on_cpu():
   import optax
   p, g, mu, nu = _inputs(jax.random.key(7), (300,), F32, F32, F32)

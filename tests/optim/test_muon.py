@@ -91,8 +91,11 @@ def test_scale_by_muon_matches_optax_adaptive():
     g = jax.tree.map(lambda x, t=t: jnp.cos(x + t), p)
     ur, sr = ref_up(g, sr)
     um, sm = mine_up(g, sm)
+    # Step 1 from zero momentum agrees to fp32 rounding. fuseopt stores the bf16
+    # momentum stochastically rounded, optax to nearest: from step 2 on the
+    # two differ at the bf16 rounding level (2**-9 relative an element).
     for a, b in zip(jax.tree.leaves(ur), jax.tree.leaves(um)):
-      assert _rel(a, b) < 1e-4
+      assert _rel(a, b) < (1e-4 if t == 0 else 4e-3)
   assert sm.mu["a"].dtype == jnp.bfloat16
 
 

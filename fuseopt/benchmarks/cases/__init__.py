@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-CASE_MODULES = ("stochastic_round", "adam", "newton_schulz", "muon", "sharded_muon")
+CASE_MODULES = ("stochastic_round", "adam", "newton_schulz", "muon", "sharded_muon", "step")
 SIZES = ("quick", "full")
 
 
