@@ -44,9 +44,10 @@ def mosaic_heuristic(size: int) -> MosaicConfig:
 def stochastic_round_reference(x: jax.Array, seed, *, offset=0) -> jax.Array:
   """The specification: plain jnp over the whole array."""
   x = jnp.asarray(x)
-  seed = jnp.asarray(seed).astype(jnp.uint32)
+  seed = counter_hash.uint32_scalar(seed, name="seed", owner="stochastic_round_reference")
+  offset = counter_hash.uint32_scalar(offset, name="offset", owner="stochastic_round_reference")
   index = jax.lax.iota(jnp.uint32, x.size).reshape(x.shape) if x.ndim else jnp.uint32(0)
-  index = index + jnp.asarray(offset).astype(jnp.uint32)
+  index = index + offset
   return counter_hash.stochastic_round_values(x, index, seed)
 
 
@@ -95,7 +96,7 @@ def _round_mosaic(flat, scalars, *, config: MosaicConfig, interpret):
       in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
                 pl.BlockSpec((block_rows, LANES), lambda i: (i, 0))],
       out_specs=pl.BlockSpec((block_rows, LANES), lambda i: (i, 0)),
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+      compiler_params=_backend.mosaic_compiler_params(interpret, ("parallel",)),
       interpret=interpret,
       name="fuseopt_stochastic_round",
   )(scalars.astype(jnp.int32), x2)
@@ -114,8 +115,10 @@ def stochastic_round_bf16(x, seed, *, offset=0, implementation=None,
 
   Args:
     x: fp32 array of any shape (bf16 is returned unchanged).
-    seed: uint32-convertible scalar.
-    offset: index of ``x``'s first element in the logical array it belongs to.
+    seed: an integer scalar in [0, 2**32) (Python int, NumPy or jax integer;
+      a traced value is taken modulo 2**32).
+    offset: index of ``x``'s first element in the logical array it belongs
+      to, an integer in [0, 2**32) like ``seed`` (a float raises).
     implementation: ``None`` (by platform), ``"xla"``, ``"triton"`` or
       ``"mosaic_tpu"``.
     interpret: run a Pallas backend in interpret mode (CPU debugging).
@@ -123,7 +126,9 @@ def stochastic_round_bf16(x, seed, *, offset=0, implementation=None,
       shape heuristic.
 
   Returns:
-    A bf16 array shaped like ``x``.
+    A bf16 array shaped like ``x``. Its derivative is the identity (the
+    straight-through estimator: the rounding is unbiased, so that is the
+    derivative of its expectation).
   """
   x = jnp.asarray(x)
   if x.dtype == jnp.bfloat16:
@@ -131,16 +136,37 @@ def stochastic_round_bf16(x, seed, *, offset=0, implementation=None,
   if x.dtype != jnp.float32:
     raise TypeError(f"stochastic_round_bf16: x must be float32 (or bfloat16, "
                     f"returned unchanged), got {x.dtype}")
-  seed = jnp.asarray(seed)
-  if seed.ndim or not (jnp.issubdtype(seed.dtype, jnp.integer)):
-    raise TypeError(f"stochastic_round_bf16: seed must be an integer scalar, "
-                    f"got {seed.dtype}{list(seed.shape)}")
+  seed = counter_hash.uint32_scalar(seed, name="seed", owner="stochastic_round_bf16")
+  offset = counter_hash.uint32_scalar(offset, name="offset", owner="stochastic_round_bf16")
   impl = _backend.resolve_implementation(OP_NAME, implementation, (x,))
+  want = {"triton": TritonConfig, "mosaic_tpu": MosaicConfig}.get(impl)
+  if config is not None and want is not None and not isinstance(config, want):
+    raise TypeError(f"stochastic_round_bf16: config must be a {want.__name__} for "
+                    f"implementation={impl!r}, got {config!r}")
+  return _straight_through(functools.partial(
+      _round, impl=impl, interpret=interpret, config=config), x, seed, offset)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _straight_through(fn, x, seed, offset):
+  return fn(x, seed, offset)
+
+
+@_straight_through.defjvp
+def _straight_through_jvp(fn, primals, tangents):
+  # The rounding is unbiased, E[round(x)] = x: its derivative in expectation
+  # is the identity (the straight-through estimator), where the bit
+  # manipulation itself would give zero (xla) or no rule at all (kernels).
+  x, seed, offset = primals
+  return fn(x, seed, offset), tangents[0].astype(jnp.bfloat16)
+
+
+def _round(x, seed, offset, *, impl, interpret, config):
   if impl == "xla" or x.size == 0:
     return stochastic_round_reference(x, seed, offset=offset)
   interp = _backend.interpret_arg(impl, interpret)
   flat = x.reshape(-1)
-  scalars = jnp.stack([seed.astype(jnp.uint32), jnp.asarray(offset).astype(jnp.uint32)])
+  scalars = jnp.stack([seed, offset])
   n = flat.shape[0]
   if impl == "triton":
     config = config or triton_heuristic(n)
@@ -152,7 +178,6 @@ def stochastic_round_bf16(x, seed, *, offset=0, implementation=None,
     if main:
       parts.append(_round_mosaic(flat[:main], scalars, config=config, interpret=interp))
     if main < n:
-      parts.append(stochastic_round_reference(
-          flat[main:], seed, offset=jnp.asarray(offset).astype(jnp.uint32) + jnp.uint32(main)))
+      parts.append(stochastic_round_reference(flat[main:], seed, offset=offset + jnp.uint32(main)))
     out = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
   return out.reshape(x.shape)

@@ -119,8 +119,9 @@ def build_optimizer(config: OptimConfig | dict, steps: int) -> optax.GradientTra
 
   Args:
     config: an :class:`OptimConfig` or its dict.
-    steps: the run's length in optimizer updates (after accumulation), which
-      a schedule decays over unless it names its own end.
+    steps: the run's length in optimizer updates (after accumulation), an
+      integer >= 1, which a schedule decays over unless it names its own
+      end; a schedule's warmup must end within it.
 
   ``param_groups`` runs one solver per group under :func:`optax.partition`,
   each on the schedule times its ``learning_rate_multiplier`` and with its own
@@ -129,8 +130,11 @@ def build_optimizer(config: OptimConfig | dict, steps: int) -> optax.GradientTra
   :func:`fuseopt.optim.safeguards.global_norm_of` finds it.
   """
   config = OptimConfig.from_dict(config)
-  if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-    raise ValueError(f"build_optimizer: steps must be a non-negative integer, got {steps!r}")
+  if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    # Every schedule needs a run of at least one update (schedules.py states
+    # the rule); a constant rate does not read it, but one rule is simpler.
+    raise ValueError(f"build_optimizer: steps (the run's length in updates) must be an integer >= 1, "
+                     f"got {steps!r}")
   make = OPTIMIZER_MAP[config.optimizer]
   rate = learning_rate_schedule(config, steps)
 

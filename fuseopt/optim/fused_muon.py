@@ -265,6 +265,16 @@ def scale_by_muon(
     g_leaves, treedef = jax.tree.flatten(updates)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(updates)[0]]
     specs = _leaf_specs(weight_dimension_numbers, updates, treedef)
+    if weight_dimension_numbers is None:
+      # None promises 2-D leaves; the default dimension numbers would read a
+      # 3-D leaf as a batch of matrices over its last axis.
+      for path, g in zip(paths, g_leaves):
+        if jnp.ndim(g) != 2:
+          raise ValueError(
+              f"scale_by_muon: leaf {path or '<root>'} has shape {jnp.shape(g)}, but "
+              "weight_dimension_numbers=None means every leaf is a 2-D matrix; pass "
+              "weight_dimension_numbers (e.g. MuonDimensionNumbers(reduction_axis=1, "
+              "output_axis=2) for a stack of matrices, None for a leaf Muon should not touch)")
     m_old = treedef.flatten_up_to(state.mu)
 
     count_inc = optax.safe_increment(state.count)
@@ -331,7 +341,11 @@ def scale_by_muon(
         u = jnp.where(active[i], u, jnp.zeros((), u.dtype))
       out.append(u)
 
-    mu_leaves = [m if mu_dtype is None else m.astype(mu_dtype) for m in mu_leaves]
+    # The momentum keeps its stored dtype step after step (fp32 gradients on
+    # bf16 params would otherwise promote it, and a state whose dtype changes
+    # cannot be a lax.scan carry).
+    mu_leaves = [m.astype(old.dtype) if mu_dtype is None else m.astype(mu_dtype)
+                 for m, old in zip(mu_leaves, m_old)]
     return (treedef.unflatten(out),
             MuonState(count=count_inc, mu=treedef.unflatten(mu_leaves), ns_coeffs=state.ns_coeffs))
 

@@ -8,6 +8,7 @@ import jax
 import optax
 
 from fuseopt import kernels
+from fuseopt.optim import _checks
 
 
 def _per_leaf_mask(mask, params):
@@ -48,6 +49,9 @@ def step(tx: Any, grads: Any, state: Any, params: Any, *, group: bool = True
   Llama tree); ``group=False`` runs one launch per leaf, for measurement.
   On TPU it is one kernel per leaf either way.
 
+  A ``state`` whose tree structure, leaf shapes or dtypes differ from
+  ``tx.init(params)``'s raises a ``ValueError`` naming the first difference.
+
   Any other transformation (including a fuseopt Adam wrapped in another
   ``optax.chain``) falls back to ``tx.update(grads, state, params)`` +
   :func:`optax.apply_updates`, so ``step`` is safe to call on anything.
@@ -69,6 +73,7 @@ def step(tx: Any, grads: Any, state: Any, params: Any, *, group: bool = True
   moments), ``jit(step, donate_argnums=(2, 3))`` would hand the moment's
   buffer to the new parameter and XLA would copy every such leaf.
   """
+  _checks.check_state("step", tx, state, params)
   hp = getattr(tx, "fuseopt_adam", None)
   if hp is None:
     updates, state = tx.update(grads, state, params)

@@ -26,14 +26,14 @@ def apply_updates(params, updates, *, seed, implementation=None):
   Args:
     params: a pytree of arrays.
     updates: a pytree with the same structure (``None`` leaves are skipped).
-    seed: an integer scalar (may be traced).
+    seed: an integer scalar in [0, 2**32) (may be traced).
     implementation: forwarded to :func:`fuseopt.kernels.stochastic_round_bf16`.
   """
   leaves, treedef = jax.tree.flatten(params)
   upd_leaves = treedef.flatten_up_to(updates)
-  seed = jnp.asarray(seed)
-  if not jnp.issubdtype(seed.dtype, jnp.integer) or seed.ndim:
-    raise TypeError(f"apply_updates: seed must be an integer scalar, got {seed.dtype}{list(seed.shape)}")
+  # Any uint32 value, also a Python int in [2**31, 2**32) (which jax's default
+  # int32 cannot hold); floats, negatives and non-scalars raise naming `seed`.
+  seed = counter_hash.uint32_scalar(seed, name="seed", owner="apply_updates")
   out = []
   for i, (p, u) in enumerate(zip(leaves, upd_leaves)):
     if u is None:
