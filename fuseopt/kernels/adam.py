@@ -401,6 +401,10 @@ def adam_scalars(*, count, learning_rate=0.0, b1=0.9, b2=0.999, eps=1e-8, eps_ro
   """
   if isinstance(count, (bool, float)):
     raise TypeError(f"adam_update: count must be an integer scalar, got {count!r}")
+  if isinstance(count, int) and not 1 <= count < 2**31:
+    # (a Python int past int32 would otherwise fail inside jnp.asarray)
+    raise ValueError(f"adam_update: count must be >= 1 (the step number after increment, "
+                     f"1 on the first step) and < 2**31, got {count}")
   count = jnp.asarray(count)
   if count.ndim or not jnp.issubdtype(count.dtype, jnp.integer):
     raise TypeError(f"adam_update: count must be an integer scalar, got "

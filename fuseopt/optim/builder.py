@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -71,18 +72,36 @@ def _adamw(config, rate, weight_decay):
                           moment_dtype=_moments(config) or jnp.float32, **kw)
 
 
+def _keep_state_dtypes(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """``tx`` whose state leaves keep their ``init`` dtypes from step to step.
+
+  optax's lamb, lion and adafactor store moments in the parameters' dtype
+  and let the update promote them (bf16 params with fp32 gradients give an
+  fp32 moment after the first step): a state whose dtype changes cannot be a
+  ``lax.scan`` carry, and a jitted step would recompile once.
+  """
+  def update_fn(updates, state, params=None):
+    new_updates, new_state = tx.update(updates, state, params)
+    keep = lambda new, old: new.astype(old.dtype) if hasattr(old, "dtype") else new
+    return new_updates, jax.tree.map(keep, new_state, state)
+
+  return optax.GradientTransformation(tx.init, update_fn)
+
+
 def _lamb(config, rate, weight_decay):
-  return optax.lamb(rate, weight_decay=weight_decay, **_betas(config), **config.optimizer_kwargs)
+  return _keep_state_dtypes(optax.lamb(rate, weight_decay=weight_decay, **_betas(config),
+                                       **config.optimizer_kwargs))
 
 
 def _lion(config, rate, weight_decay):
-  return optax.lion(rate, weight_decay=weight_decay, mu_dtype=_moments(config),
-                    **_betas(config, eps=None), **config.optimizer_kwargs)
+  return _keep_state_dtypes(optax.lion(rate, weight_decay=weight_decay, mu_dtype=_moments(config),
+                                       **_betas(config, eps=None), **config.optimizer_kwargs))
 
 
 def _adafactor(config, rate, weight_decay):
-  return optax.adafactor(rate, weight_decay_rate=weight_decay or None,
-                         **_betas(config, b1=None, b2=None), **config.optimizer_kwargs)
+  return _keep_state_dtypes(optax.adafactor(rate, weight_decay_rate=weight_decay or None,
+                                            **_betas(config, b1=None, b2=None),
+                                            **config.optimizer_kwargs))
 
 
 def _muon_kwargs(config, weight_decay):

@@ -185,6 +185,9 @@ def test_skip_limit_has_one_name():
     lambda: fo.muon(0.02),
     lambda: fo.adamw(1e-3),
     lambda: fo.scale_by_adam(moment_dtype=None),
+    lambda: build_optimizer(OptimConfig(optimizer="lion", learning_rate=1e-3), 10),
+    lambda: build_optimizer(OptimConfig(optimizer="lamb", learning_rate=1e-3), 10),
+    lambda: build_optimizer(OptimConfig(optimizer="adafactor", learning_rate=1e-3), 10),
 ])
 def test_state_dtypes_survive_lax_scan_with_other_grad_dtypes(make):
   tx = make()
