@@ -249,6 +249,15 @@ def scale_by_muon(
   if preconditioning not in _PRECONDITIONINGS:
     raise ValueError(f"scale_by_muon: unknown preconditioning {preconditioning!r}; "
                      f"expected one of {_PRECONDITIONINGS}")
+  # beta = 1 makes the bias corrections 1 - beta**t zero (NaN updates);
+  # ns_steps=2.5 would be truncated to 2 by int().
+  _checks.check_decay("scale_by_muon", "beta", beta)
+  _checks.check_nonnegative("scale_by_muon", "eps", eps)
+  steps_arr = np.asarray(ns_steps) if not isinstance(ns_steps, jax.core.Tracer) else None
+  if (isinstance(ns_steps, bool) or steps_arr is None or steps_arr.shape
+      or not np.issubdtype(steps_arr.dtype, np.integer) or int(steps_arr) < 1):
+    raise ValueError(f"scale_by_muon: ns_steps must be an integer >= 1 (a static value), "
+                     f"got {ns_steps!r}")
   kernel_coeffs, kernel_steps = _resolve_coeffs(coeffs, ns_coeffs, ns_steps)
   state_table = (_coeff_table(ns_coeffs, ns_steps) if not isinstance(kernel_coeffs, tuple)
                  else kernel_coeffs)

@@ -98,6 +98,10 @@ def test_yaml_nan_is_rejected():
     (lambda: fo.scale_by_adam(eps=NAN), "eps"),
     (lambda: fo.scale_by_adam(eps=INF), "eps"),
     (lambda: fo.muon(0.02, eps=NAN), "eps"),
+    (lambda: scale_by_muon(beta=1.0), "scale_by_muon: beta"),
+    (lambda: scale_by_muon(eps=-1.0), "scale_by_muon: eps"),
+    (lambda: scale_by_muon(ns_steps=2.5), "scale_by_muon: ns_steps"),
+    (lambda: fo.muon(0.02, ns_steps=0), "ns_steps"),
 ])
 def test_non_finite_hyperparameters_raise(make, match):
   with pytest.raises(ValueError, match=match):
