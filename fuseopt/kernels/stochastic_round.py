@@ -131,13 +131,14 @@ def stochastic_round_bf16(x, seed, *, offset=0, implementation=None,
     derivative of its expectation).
   """
   x = jnp.asarray(x)
+  # checked before the bf16 early return: a bad seed is bad whatever x is
+  seed = counter_hash.uint32_scalar(seed, name="seed", owner="stochastic_round_bf16")
+  offset = counter_hash.uint32_scalar(offset, name="offset", owner="stochastic_round_bf16")
   if x.dtype == jnp.bfloat16:
     return x
   if x.dtype != jnp.float32:
     raise TypeError(f"stochastic_round_bf16: x must be float32 (or bfloat16, "
                     f"returned unchanged), got {x.dtype}")
-  seed = counter_hash.uint32_scalar(seed, name="seed", owner="stochastic_round_bf16")
-  offset = counter_hash.uint32_scalar(offset, name="offset", owner="stochastic_round_bf16")
   impl = _backend.resolve_implementation(OP_NAME, implementation, (x,))
   want = {"triton": TritonConfig, "mosaic_tpu": MosaicConfig}.get(impl)
   if config is not None and want is not None and not isinstance(config, want):
