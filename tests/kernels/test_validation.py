@@ -126,6 +126,13 @@ def test_vmap_over_mosaic_adam_update():
   _compare(run("mosaic_tpu"), run("xla"), "vmap mosaic")
 
 
+def test_vmap_over_mosaic_newton_schulz():
+  x = jax.random.normal(jax.random.key(7), (2, 8, 32), F32)
+  got = jax.vmap(lambda m: newton_schulz(m, ns_dtype=F32, implementation="mosaic_tpu",
+                                         interpret=True))(x)
+  harness.assert_close(got, newton_schulz_reference(x, ns_dtype=F32), rtol=1e-3, atol=1e-4)
+
+
 @pytest.mark.parametrize("target", harness.targets_for("mosaic_tpu")[:1], ids=lambda t: t.name)
 def test_vmap_over_mosaic_kernels_lowers_for_tpu(target):
   s = jax.ShapeDtypeStruct((2, 2048), F32)
