@@ -79,3 +79,22 @@ def interpret_arg(implementation: str, interpret: bool) -> Any:
     from jax.experimental.pallas import tpu as pltpu
     return pltpu.InterpretParams()
   return True
+
+
+def mosaic_compiler_params(interpret: Any, dimension_semantics, **kwargs) -> Any:
+  """``pltpu.CompilerParams`` for a Mosaic kernel, safe under ``jax.vmap``.
+
+  ``vmap`` of a ``pallas_call`` prepends a grid axis. jax 0.11.2's Mosaic
+  lowering gives that axis "parallel" semantics itself and expects
+  ``dimension_semantics`` to cover only the kernel's own grid axes
+  (``jax/_src/pallas/mosaic/lowering.py``), but its TPU interpreter zips the
+  semantics with the whole grid and fails (``safe_zip() argument 1 has
+  length 1 but argument 0 has length 2``). In interpret mode the semantics
+  are therefore left unset (every axis "arbitrary": the interpreter then runs
+  the grid in order, which gives the same results); compiled kernels get
+  ``dimension_semantics`` as given.
+  """
+  from jax.experimental.pallas import tpu as pltpu
+  if interpret is not False and interpret is not None:
+    return pltpu.CompilerParams(**kwargs)
+  return pltpu.CompilerParams(dimension_semantics=dimension_semantics, **kwargs)

@@ -61,6 +61,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from fuseopt.kernels import _backend
+from fuseopt.kernels import _validate
 from fuseopt.kernels import counter_hash
 from fuseopt.kernels import _elementwise
 from fuseopt.kernels import sharding as sharding_lib
@@ -151,7 +152,9 @@ def _reference(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, order_for_i
   # than materialising one shared index array (docs/measurements.md).
   idx = lambda: sharding_lib.global_index(jax.lax.iota(jnp.uint32, g.size).reshape(shape),
                                           index_map, seeds[SEED_BASE])
-  out = _store(out, out_dtype, idx(), seeds[0] if apply else jnp.uint32(0))
+  # The param stream's seed whether ``out`` is the parameter or the
+  # direction, as the kernels do.
+  out = _store(out, out_dtype, idx(), seeds[0])
   if order_for_in_place:
     # XLA's CPU backend emits the three outputs as three loop fusions, each
     # re-reading the old moments; unordered, they make XLA copy the donated
@@ -397,7 +400,7 @@ def _adam_mosaic(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, i
                 pl.BlockSpec(memory_space=pltpu.SMEM)] + [spec] * len(arrays),
       out_specs=(spec, spec, spec),
       input_output_aliases=aliases,
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+      compiler_params=_backend.mosaic_compiler_params(interpret, ("parallel",)),
       interpret=interpret,
       name="fuseopt_adam_update",
   )(scalars, jax.lax.bitcast_convert_type(seeds, jnp.int32), *arrays)
@@ -430,10 +433,26 @@ def adam_scalars(*, count, learning_rate=0.0, b1=0.9, b2=0.999, eps=1e-8, eps_ro
   optax; bias corrections are ``1 - b**count`` computed in fp32 as optax does
   (a bf16 ``0.999`` would be 1.0 and nu would never decay).
   """
+  if isinstance(count, (bool, float)):
+    raise TypeError(f"adam_update: count must be an integer scalar, got {count!r}")
+  if isinstance(count, int) and not 1 <= count < 2**31:
+    # (a Python int past int32 would otherwise fail inside jnp.asarray)
+    raise ValueError(f"adam_update: count must be >= 1 (the step number after increment, "
+                     f"1 on the first step) and < 2**31, got {count}")
   count = jnp.asarray(count)
   if count.ndim or not jnp.issubdtype(count.dtype, jnp.integer):
     raise TypeError(f"adam_update: count must be an integer scalar, got "
                     f"{count.dtype}{list(count.shape)}")
+  if not isinstance(count, jax.core.Tracer) and int(count) < 1:
+    # 1 - b ** 0 = 0: the bias corrections would divide by zero.
+    raise ValueError(f"adam_update: count must be >= 1 (the step number after increment, "
+                     f"1 on the first step), got {int(count)}")
+  _validate.check_real("adam_update", "b1", b1, lo=0.0, hi=1.0, hi_open=True)
+  _validate.check_real("adam_update", "b2", b2, lo=0.0, hi=1.0, hi_open=True)
+  _validate.check_real("adam_update", "eps", eps, lo=0.0)
+  _validate.check_real("adam_update", "eps_root", eps_root, lo=0.0)
+  _validate.check_real("adam_update", "learning_rate", learning_rate)
+  _validate.check_real("adam_update", "weight_decay", weight_decay)
   # Same expressions as optax.tree.bias_correction / update_moment, so the
   # fp32 values agree bit for bit with optax's (python floats stay exact
   # until they meet the fp32 operand).
@@ -472,11 +491,27 @@ def _check(p, g, mu, nu):
       raise ValueError(f"adam_update: {name} has shape {a.shape}, expected the gradient's {g.shape}")
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _no_derivative(impl, fn, *args):
+  return fn(*args)
+
+
+@_no_derivative.defjvp
+def _no_derivative_jvp(impl, fn, primals, tangents):
+  # pallas_call's own rule fails with "JVP with aliasing not supported".
+  raise TypeError(f"adam_update: implementation={impl!r} has no derivative (its kernels "
+                  "write their outputs in place of their inputs); differentiate through "
+                  "implementation='xla', the plain-jnp reference")
+
+
 def _run(impl, scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, interpret, config,
          index_map=None):
   shape = g.shape
   n = g.size
   kw = dict(nesterov=nesterov, out_dtype=out_dtype, index_map=index_map)
+  want = {"triton": TritonConfig, "mosaic_tpu": MosaicConfig}.get(impl)
+  if config is not None and want is not None and not isinstance(config, want):
+    raise TypeError(f"adam_update: config must be a {want.__name__} for {impl}, got {config!r}")
   if impl == "mosaic_tpu" and (n % LANES or _mosaic_block_rows(
       n // LANES, (config or mosaic_heuristic(n)).block_rows) is None
                                or sharding_lib.needs_division(index_map)):
@@ -494,14 +529,16 @@ def _run(impl, scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, interpret, 
     config = config or triton_heuristic(n)
     if not isinstance(config, TritonConfig):
       raise TypeError(f"adam_update: config must be a TritonConfig for triton, got {config!r}")
-    outs = _adam_triton(scalars, seeds, p, g, mu, nu, config=config,
-                        interpret=_backend.interpret_arg(impl, interpret), **kw)
+    outs = _no_derivative(impl, functools.partial(
+        _adam_triton, config=config, interpret=_backend.interpret_arg(impl, interpret), **kw),
+        scalars, seeds, p, g, mu, nu)
   else:
     config = config or mosaic_heuristic(n)
     if not isinstance(config, MosaicConfig):
       raise TypeError(f"adam_update: config must be a MosaicConfig for mosaic_tpu, got {config!r}")
-    outs = _adam_mosaic(scalars, seeds, p, g, mu, nu, config=config,
-                        interpret=_backend.interpret_arg(impl, interpret), **kw)
+    outs = _no_derivative(impl, functools.partial(
+        _adam_mosaic, config=config, interpret=_backend.interpret_arg(impl, interpret), **kw),
+        scalars, seeds, p, g, mu, nu)
   return tuple(o.reshape(shape) for o in outs)
 
 
@@ -535,12 +572,17 @@ def adam_update(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0
       gradient's dtype instead of new parameters.
     grads: the gradient, fp32 or bf16, same shape.
     mu, nu: the moments, fp32 or bf16, same shape.
-    count: integer scalar (may be traced), the step number after increment.
+    count: integer scalar (may be traced), the step number after increment;
+      a concrete count must be >= 1.
     learning_rate, weight_decay: scalars (may be traced, e.g. a schedule's
       value); ignored when ``params`` is ``None``.
-    b1, b2, eps, eps_root, nesterov: as in :func:`optax.scale_by_adam`.
-    seed: integer scalar mixed into the rounding seeds.
-    leaf_index: the leaf's index in its tree (another seed input).
+    b1, b2, eps, eps_root, nesterov: as in :func:`optax.scale_by_adam`:
+      b1, b2 in [0, 1), eps, eps_root >= 0. Concrete values (numbers or
+      arrays) are checked and must be finite, as must a concrete learning
+      rate and weight decay; traced ones are used as they are.
+    seed: integer scalar in [0, 2**32) mixed into the rounding seeds.
+    leaf_index: the leaf's index in its tree (another seed input), an
+      integer in [0, 2**32).
     sharding: the leaf's placement on an Auto mesh (``NamedSharding`` or
       ``PartitionSpec``); ``None`` reads it from the type (Explicit axes).
       On a multi-device mesh the kernel runs shard-local with global
@@ -561,9 +603,12 @@ def adam_update(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0
     ``(new_params or update, new_mu, new_nu)`` in the dtypes of
     ``params`` (or ``grads``), ``mu`` and ``nu``. Pallas backends write them
     in place of their inputs (``input_output_aliases``): donate the inputs to
-    the enclosing ``jit`` to avoid copies.
+    the enclosing ``jit`` to avoid copies. Only the ``xla`` implementation
+    has a derivative; differentiating through a kernel raises a TypeError.
   """
   _check(params, grads, mu, nu)
+  seed = counter_hash.uint32_scalar(seed, name="seed", owner="adam_update")
+  leaf_index = counter_hash.uint32_scalar(leaf_index, name="leaf_index", owner="adam_update")
   grads = jnp.asarray(grads)
   if params is not None:
     params = jnp.asarray(params)
@@ -606,9 +651,10 @@ def _tree_run(impl, scalars, seeds, ps, gs, mus, nus, *, nesterov, interpret, co
       sig = (p.dtype if apply else None, g.dtype, m.dtype, v.dtype)
       groups.setdefault(sig, []).append(i)
       continue
+    # (grouped: only empty leaves get here; the group config is not theirs)
     r = _run(impl, scalars[i], seeds[i], p, g, m, v, nesterov=nesterov,
-             out_dtype=(p if apply else g).dtype, interpret=interpret, config=config,
-             index_map=index_maps[i])
+             out_dtype=(p if apply else g).dtype, interpret=interpret,
+             config=None if grouped else config, index_map=index_maps[i])
     for lst, x in zip(outs, r):
       lst[i] = x
   for members in groups.values():
@@ -617,11 +663,12 @@ def _tree_run(impl, scalars, seeds, ps, gs, mus, nus, *, nesterov, interpret, co
     for c in range(0, len(members), step):
       chunk = members[c:c + step]
       flat = lambda arrays: [arrays[i].reshape(-1) for i in chunk]
-      res = _adam_triton_group(
+      res = _no_derivative(impl, functools.partial(
+          _adam_triton_group, nesterov=nesterov, config=cfg,
+          interpret=_backend.interpret_arg(impl, interpret),
+          index_maps=[index_maps[i] for i in chunk]),
           jnp.stack([scalars[i] for i in chunk]), jnp.stack([seeds[i] for i in chunk]),
-          flat(ps) if apply else None, flat(gs), flat(mus), flat(nus), nesterov=nesterov,
-          config=cfg, interpret=_backend.interpret_arg(impl, interpret),
-          index_maps=[index_maps[i] for i in chunk])
+          flat(ps) if apply else None, flat(gs), flat(mus), flat(nus))
       for i, r in zip(chunk, res):
         for lst, x in zip(outs, r):
           lst[i] = x.reshape(gs[i].shape)
@@ -739,6 +786,9 @@ def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9,
   if len(mu) != n or len(nu) != n:
     raise ValueError(f"adam_update: mu/nu have {len(mu)}/{len(nu)} leaves, grads has {n}")
   wds = weight_decay if isinstance(weight_decay, (list, tuple)) else [weight_decay] * n
+  if len(wds) != n:
+    raise ValueError(f"adam_update: weight_decay has {len(wds)} values, grads has {n} leaves")
+  seed = counter_hash.uint32_scalar(seed, name="seed", owner="adam_update")
   applies = apply  # the step's flag; `apply` below says whether params are given
   apply = params is not None
   grads = [jnp.asarray(g) for g in grads]

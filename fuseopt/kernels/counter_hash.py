@@ -13,8 +13,11 @@ they run unchanged inside Pallas kernels (Triton and Mosaic) and in XLA.
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 GOLDEN = 0x9E3779B1
 _M1 = 0x85EBCA6B
@@ -25,6 +28,38 @@ _M2 = 0xC2B2AE35
 STREAM_PARAM = 0
 STREAM_MU = 1
 STREAM_NU = 2
+
+
+def uint32_scalar(value, *, name: str, owner: str) -> jax.Array:
+  """``value`` as a uint32 scalar, for a seed or an index offset.
+
+  Every value of uint32 is valid: Python and NumPy integers in [0, 2**32)
+  (those in [2**31, 2**32) do not fit jax's default int32, so they are
+  converted through NumPy's uint32, never through ``jnp.asarray``), and
+  integer jax arrays of shape ``()``. Concrete values outside that range,
+  floats, bools and non-scalars raise an error naming ``owner``'s argument
+  ``name``; a traced integer is taken modulo 2**32 (it cannot be checked).
+  """
+  where = f"{owner}: {name}"
+  if isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{where} must be an integer in [0, 2**32), got the bool {value!r}")
+  if isinstance(value, numbers.Integral):
+    v = int(value)
+    if not 0 <= v < 2**32:
+      raise ValueError(f"{where} must be an integer in [0, 2**32), got {v}")
+    return jnp.asarray(np.uint32(v))
+  if isinstance(value, numbers.Real):
+    raise TypeError(f"{where} must be an integer in [0, 2**32), got the float {value!r} "
+                    "(it would be truncated)")
+  arr = value if isinstance(value, jax.Array) else np.asarray(value)
+  if arr.ndim or not jnp.issubdtype(arr.dtype, jnp.integer):
+    raise TypeError(f"{where} must be an integer scalar in [0, 2**32), got "
+                    f"{arr.dtype}{list(arr.shape)}")
+  if not isinstance(arr, jax.core.Tracer):
+    v = int(np.asarray(arr))
+    if not 0 <= v < 2**32:
+      raise ValueError(f"{where} must be an integer in [0, 2**32), got {v}")
+  return jnp.asarray(arr).astype(jnp.uint32)
 
 
 def _u32(v) -> jax.Array:
@@ -97,11 +132,14 @@ def stochastic_round_values(x: jax.Array, index: jax.Array, seed: jax.Array) -> 
 
 
 def stochastic_round_values_32bit(x: jax.Array, index: jax.Array, seed: jax.Array) -> jax.Array:
-  """The bits of :func:`stochastic_round_values`, without 16-bit integers.
+  """The bits of :func:`stochastic_round_values`, for the Mosaic kernels.
 
-  For Mosaic, which lays out 32-bit types best: the rounded pattern has zero
-  low bits, so widening it back to fp32 and converting to bf16 is exact.
+  All the arithmetic is on 32-bit lanes; the rounded half-word is narrowed
+  by an integer truncation (uint32 -> uint16) and a same-width bitcast, never
+  by a float conversion: widening the pattern to fp32 and converting it to
+  bf16 is exact for numbers, but a float conversion may canonicalise a NaN
+  (jax 0.11.2's TPU interpreter turns the pattern 0xFFFFFFFF into 0xFFC0
+  where the other backends keep 0xFFFF), and NaN bits must agree on every
+  backend too.
   """
-  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-  half = round_fp32_bits_to_bf16(bits, hash_bits(index, seed))
-  return jax.lax.bitcast_convert_type(half << 16, jnp.float32).astype(jnp.bfloat16)
+  return stochastic_round_values(x, index, seed)

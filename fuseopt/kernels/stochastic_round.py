@@ -50,9 +50,10 @@ def stochastic_round_reference(x: jax.Array, seed, *, offset=0, index_map=None) 
   is contiguous in it, from ``offset`` on.
   """
   x = jnp.asarray(x)
-  seed = jnp.asarray(seed).astype(jnp.uint32)
+  seed = counter_hash.uint32_scalar(seed, name="seed", owner="stochastic_round_reference")
+  offset = counter_hash.uint32_scalar(offset, name="offset", owner="stochastic_round_reference")
   local = jax.lax.iota(jnp.uint32, x.size).reshape(x.shape) if x.ndim else jnp.uint32(0)
-  index = sharding_lib.global_index(local, index_map, jnp.asarray(offset).astype(jnp.uint32))
+  index = sharding_lib.global_index(local, index_map, offset)
   return counter_hash.stochastic_round_values(x, index, seed)
 
 
@@ -101,7 +102,7 @@ def _round_mosaic(flat, scalars, *, config: MosaicConfig, interpret, index_map=N
       in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
                 pl.BlockSpec((block_rows, LANES), lambda i: (i, 0))],
       out_specs=pl.BlockSpec((block_rows, LANES), lambda i: (i, 0)),
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+      compiler_params=_backend.mosaic_compiler_params(interpret, ("parallel",)),
       interpret=interpret,
       name="fuseopt_stochastic_round",
   )(scalars.astype(jnp.int32), x2)
@@ -154,8 +155,10 @@ def stochastic_round_bf16(x, seed, *, offset=0, sharding=None, implementation=No
 
   Args:
     x: fp32 array of any shape (bf16 is returned unchanged).
-    seed: uint32-convertible scalar.
-    offset: index of ``x``'s first element in the logical array it belongs to.
+    seed: an integer scalar in [0, 2**32) (Python int, NumPy or jax integer;
+      a traced value is taken modulo 2**32).
+    offset: index of ``x``'s first element in the logical array it belongs
+      to, an integer in [0, 2**32) like ``seed`` (a float raises).
     sharding: ``x``'s placement when its mesh axes are Auto (a
       ``NamedSharding`` or a ``PartitionSpec``); ``None`` reads it from
       ``x``'s type (Explicit axes). On an Auto mesh without it the reference
@@ -167,21 +170,45 @@ def stochastic_round_bf16(x, seed, *, offset=0, sharding=None, implementation=No
       shape heuristic.
 
   Returns:
-    A bf16 array shaped (and sharded) like ``x``.
+    A bf16 array shaped (and sharded) like ``x``. Its derivative is the identity (the
+    straight-through estimator: the rounding is unbiased, so that is the
+    derivative of its expectation).
   """
   x = jnp.asarray(x)
+  # checked before the bf16 early return: a bad seed is bad whatever x is
+  seed = counter_hash.uint32_scalar(seed, name="seed", owner="stochastic_round_bf16")
+  offset = counter_hash.uint32_scalar(offset, name="offset", owner="stochastic_round_bf16")
   if x.dtype == jnp.bfloat16:
     return x
   if x.dtype != jnp.float32:
     raise TypeError(f"stochastic_round_bf16: x must be float32 (or bfloat16, "
                     f"returned unchanged), got {x.dtype}")
-  seed = jnp.asarray(seed)
-  if seed.ndim or not (jnp.issubdtype(seed.dtype, jnp.integer)):
-    raise TypeError(f"stochastic_round_bf16: seed must be an integer scalar, "
-                    f"got {seed.dtype}{list(seed.shape)}")
-  seed = seed.astype(jnp.uint32)
-  offset = jnp.asarray(offset).astype(jnp.uint32)
   impl = _backend.resolve_implementation(OP_NAME, implementation, (x,))
+  want = {"triton": TritonConfig, "mosaic_tpu": MosaicConfig}.get(impl)
+  if config is not None and want is not None and not isinstance(config, want):
+    raise TypeError(f"stochastic_round_bf16: config must be a {want.__name__} for "
+                    f"implementation={impl!r}, got {config!r}")
+  return _straight_through(functools.partial(
+      _round, impl=impl, interpret=interpret, config=config, sharding=sharding), x, seed, offset)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _straight_through(fn, x, seed, offset):
+  return fn(x, seed, offset)
+
+
+@_straight_through.defjvp
+def _straight_through_jvp(fn, primals, tangents):
+  # The rounding is unbiased, E[round(x)] = x: its derivative in expectation
+  # is the identity (the straight-through estimator), where the bit
+  # manipulation itself would give zero (xla) or no rule at all (kernels).
+  x, seed, offset = primals
+  return fn(x, seed, offset), tangents[0].astype(jnp.bfloat16)
+
+
+def _round(x, seed, offset, *, impl, interpret, config, sharding):
+  """Places the rounding: the kernel on an unsharded ``x``, shard-local
+  kernels on an evenly sharded one, the reference otherwise."""
   run = functools.partial(_round_local, impl=impl, interpret=interpret, config=config)
   placement = sharding_lib.placement_of(x, sharding, what="stochastic_round_bf16: x")
   if placement is sharding_lib.UNKNOWN:

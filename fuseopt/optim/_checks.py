@@ -1,30 +1,74 @@
 """Argument checks shared by fuseopt's transforms: errors name the parameter
-and what was expected. Traced values and schedules are not checked here (a
-schedule's own record validates its fields, see :mod:`fuseopt.optim.schedules`)."""
+and what was expected.
+
+A value is checked when it is concrete: a Python number, a NumPy scalar or a
+jax array of shape ``()`` outside any trace (so an array-valued
+hyperparameter cannot bypass a check written for Python floats). Traced
+values (inside ``jit``, or ``optax.inject_hyperparams``' update) and
+schedules are not checked here (a schedule's own record validates its fields,
+see :mod:`fuseopt.optim.schedules`)."""
 
 from __future__ import annotations
 
 import math
 
+from fuseopt.kernels._validate import concrete_float
 
-def _number(value) -> bool:
-  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+def _value(value):
+  """The concrete float to check, or None (a schedule, a traced value, ...)."""
+  if callable(value):
+    return None
+  return concrete_float(value)
 
 
 def check_rate(owner: str, name: str, value) -> None:
   """A learning rate or weight decay: a finite number >= 0, or a schedule."""
-  if callable(value) or not _number(value):
-    return
-  if not math.isfinite(value) or value < 0:
+  v = _value(value)
+  if v is not None and (not math.isfinite(v) or v < 0):
     raise ValueError(f"{owner}: {name} must be a finite number >= 0 or a schedule, got {value!r}")
 
 
 def check_decay(owner: str, name: str, value) -> None:
   """A moment decay (b1, b2, beta): in [0, 1)."""
-  if _number(value) and not 0.0 <= value < 1.0:
+  v = _value(value)
+  if v is not None and not 0.0 <= v < 1.0:
     raise ValueError(f"{owner}: {name} must be in [0, 1), got {value!r}")
 
 
 def check_nonnegative(owner: str, name: str, value) -> None:
-  if _number(value) and not value >= 0.0:
-    raise ValueError(f"{owner}: {name} must be >= 0, got {value!r}")
+  """An epsilon: a finite number >= 0."""
+  v = _value(value)
+  if v is not None and not (math.isfinite(v) and v >= 0.0):
+    raise ValueError(f"{owner}: {name} must be >= 0 and finite, got {value!r}")
+
+
+def check_state(owner: str, tx, state, params) -> None:
+  """Raises a ``ValueError`` naming the first difference between ``state``
+  and what ``tx.init(params)`` builds (its tree structure, then each leaf's
+  shape and dtype). Costs one abstract trace of ``tx.init``, no computation."""
+  import jax
+
+  try:
+    expected = jax.eval_shape(tx.init, params)
+  except Exception:  # noqa: BLE001 - init cannot be traced here (e.g. a traced mask):
+    return           # the update itself reports its own, more precise error
+
+  got_paths, got_def = jax.tree_util.tree_flatten_with_path(state)
+  want_paths, want_def = jax.tree_util.tree_flatten_with_path(expected)
+  if got_def != want_def:
+    got = {jax.tree_util.keystr(k) for k, _ in got_paths}
+    want = {jax.tree_util.keystr(k) for k, _ in want_paths}
+    missing, extra = sorted(want - got)[:3], sorted(got - want)[:3]
+    detail = "; ".join(s for s in (f"missing {missing}" if missing else "",
+                                   f"unexpected {extra}" if extra else "") if s)
+    raise ValueError(f"{owner}: state does not have the structure of tx.init(params) "
+                     f"({detail or 'same leaves, different containers'}): was it built by "
+                     f"this transformation, for these params?\n  expected: {want_def}\n"
+                     f"  got:      {got_def}")
+  for (path, g), (_, w) in zip(got_paths, want_paths):
+    shape, dtype = getattr(g, "shape", None), getattr(g, "dtype", None)
+    if shape is None or tuple(shape) != tuple(w.shape) or dtype != w.dtype:
+      raise ValueError(f"{owner}: state leaf {jax.tree_util.keystr(path)} is "
+                       f"{dtype}{list(shape) if shape is not None else ''}, but tx.init(params) "
+                       f"gives {w.dtype}{list(w.shape)}")

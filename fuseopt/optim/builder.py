@@ -78,18 +78,36 @@ def _adamw(config, rate, weight_decay):
                           moment_dtype=_moments(config) or jnp.float32, **kw)
 
 
+def _keep_state_dtypes(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """``tx`` whose state leaves keep their ``init`` dtypes from step to step.
+
+  optax's lamb, lion and adafactor store moments in the parameters' dtype
+  and let the update promote them (bf16 params with fp32 gradients give an
+  fp32 moment after the first step): a state whose dtype changes cannot be a
+  ``lax.scan`` carry, and a jitted step would recompile once.
+  """
+  def update_fn(updates, state, params=None):
+    new_updates, new_state = tx.update(updates, state, params)
+    keep = lambda new, old: new.astype(old.dtype) if hasattr(old, "dtype") else new
+    return new_updates, jax.tree.map(keep, new_state, state)
+
+  return optax.GradientTransformation(tx.init, update_fn)
+
+
 def _lamb(config, rate, weight_decay):
-  return optax.lamb(rate, weight_decay=weight_decay, **_betas(config), **config.optimizer_kwargs)
+  return _keep_state_dtypes(optax.lamb(rate, weight_decay=weight_decay, **_betas(config),
+                                       **config.optimizer_kwargs))
 
 
 def _lion(config, rate, weight_decay):
-  return optax.lion(rate, weight_decay=weight_decay, mu_dtype=_moments(config),
-                    **_betas(config, eps=None), **config.optimizer_kwargs)
+  return _keep_state_dtypes(optax.lion(rate, weight_decay=weight_decay, mu_dtype=_moments(config),
+                                       **_betas(config, eps=None), **config.optimizer_kwargs))
 
 
 def _adafactor(config, rate, weight_decay):
-  return optax.adafactor(rate, weight_decay_rate=weight_decay or None,
-                         **_betas(config, b1=None, b2=None), **config.optimizer_kwargs)
+  return _keep_state_dtypes(optax.adafactor(rate, weight_decay_rate=weight_decay or None,
+                                            **_betas(config, b1=None, b2=None),
+                                            **config.optimizer_kwargs))
 
 
 def pattern_dimension_numbers(patterns):
@@ -153,8 +171,9 @@ def build_optimizer(config: OptimConfig | dict, steps: int) -> optax.GradientTra
 
   Args:
     config: an :class:`OptimConfig` or its dict.
-    steps: the run's length in optimizer updates (after accumulation), which
-      a schedule decays over unless it names its own end.
+    steps: the run's length in optimizer updates (after accumulation), an
+      integer >= 1, which a schedule decays over unless it names its own
+      end; a schedule's warmup must end within it.
 
   ``param_groups`` runs one solver per group under :func:`optax.partition`,
   each on the schedule times its ``learning_rate_multiplier`` and with its own
@@ -163,8 +182,11 @@ def build_optimizer(config: OptimConfig | dict, steps: int) -> optax.GradientTra
   :func:`fuseopt.optim.safeguards.global_norm_of` finds it.
   """
   config = OptimConfig.from_dict(config)
-  if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-    raise ValueError(f"build_optimizer: steps must be a non-negative integer, got {steps!r}")
+  if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    # Every schedule needs a run of at least one update (schedules.py states
+    # the rule); a constant rate does not read it, but one rule is simpler.
+    raise ValueError(f"build_optimizer: steps (the run's length in updates) must be an integer >= 1, "
+                     f"got {steps!r}")
   make = OPTIMIZER_MAP[config.optimizer]
   rate = learning_rate_schedule(config, steps)
   # Muon's AdamW side on its own rate, when the config gives one.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 from typing import Any, Mapping, Sequence
 
@@ -74,8 +75,9 @@ class OptimConfig:
       :data:`BF16_STATE_OPTIMIZERS`.
     param_groups: :class:`~fuseopt.optim.groups.ParamGroup` records (or their
       dicts); empty means one group for everything.
-    clip_norm: global-norm clip threshold over all gradients; 0 disables the
-      clip (the norm is still reported).
+    clip_norm: global-norm clip threshold over all gradients; 0 or ``inf``
+      (YAML ``.inf``) disables the clip (the norm is still reported).
+      Numbers must be finite except this one; NaN is always refused.
     accumulate_steps: apply the mean gradient of this many micro-steps
       (:class:`optax.MultiSteps`); 1 applies every step.
     skip_nonfinite: skip steps with a NaN/Inf gradient
@@ -84,7 +86,9 @@ class OptimConfig:
     on_max_skips: ``"raise"`` or ``"apply"`` once the bound is hit.
     frozen: patterns of parameters that get zero updates and no state.
     trainable: when set, every parameter matching none of these is frozen
-      too (``("*lora_*",)`` trains only LoRA adapters).
+      too (``("*lora_*",)`` trains only LoRA adapters). Patterns match the
+      whole ``'/'``-joined path (``*`` crosses ``'/'``); one that matches no
+      parameter raises when the solver first sees the parameters.
     qk_clip_tau: MuonClip's logit threshold (``muonclip`` only).
     adam_learning_rate, adam_schedule: the AdamW side of ``muon`` /
       ``muonclip``: its own constant rate or schedule (at most one; neither:
@@ -141,20 +145,29 @@ class OptimConfig:
       raise ValueError("OptimConfig.learning_rate / OptimConfig.schedule: give exactly one "
                        f"(got learning_rate={self.learning_rate!r}, schedule={self.schedule!r})")
     if self.learning_rate is not None:
-      if not _is_number(self.learning_rate) or self.learning_rate < 0:
-        raise ValueError(f"OptimConfig.learning_rate must be a number >= 0, got {self.learning_rate!r}")
+      if (not _is_number(self.learning_rate) or not math.isfinite(self.learning_rate)
+          or self.learning_rate < 0):
+        raise ValueError(f"OptimConfig.learning_rate must be a finite number >= 0, got {self.learning_rate!r}")
       set_("learning_rate", float(self.learning_rate))
-    for name, lo, hi in (("weight_decay", 0.0, None), ("clip_norm", 0.0, None), ("qk_clip_tau", 0.0, None)):
+    # NaN compares False with everything, so each check says "not (v >= lo)";
+    # clip_norm alone may be +inf, a natural way to say "no clip".
+    for name, lo, inf_ok in (("weight_decay", 0.0, False), ("clip_norm", 0.0, True)):
       v = getattr(self, name)
-      if not _is_number(v) or v < lo:
-        raise ValueError(f"OptimConfig.{name} must be a number >= {lo}, got {v!r}")
+      if not _is_number(v) or not v >= lo or (v == math.inf and not inf_ok):
+        what = "a number >= 0 (inf or 0: no clip)" if inf_ok else "a finite number >= 0"
+        raise ValueError(f"OptimConfig.{name} must be {what}, got {v!r}")
       set_(name, float(v))
+    v = self.qk_clip_tau
+    if not _is_number(v) or not v > 0:
+      raise ValueError(f"OptimConfig.qk_clip_tau must be a number > 0 (inf: never clip), got {v!r}")
+    set_("qk_clip_tau", float(v))
     for name in ("b1", "b2"):
       v = getattr(self, name)
       if v is not None and (not _is_number(v) or not 0.0 <= v < 1.0):
         raise ValueError(f"OptimConfig.{name} must be a number in [0, 1) or None, got {v!r}")
-    if self.eps is not None and (not _is_number(self.eps) or self.eps < 0):
-      raise ValueError(f"OptimConfig.eps must be a number >= 0 or None, got {self.eps!r}")
+    if self.eps is not None and (not _is_number(self.eps) or not math.isfinite(self.eps)
+                                 or self.eps < 0):
+      raise ValueError(f"OptimConfig.eps must be a finite number >= 0 or None, got {self.eps!r}")
     if self.state_dtype not in STATE_DTYPES:
       raise ValueError(f"OptimConfig.state_dtype must be one of {STATE_DTYPES}, got {self.state_dtype!r}")
     if self.state_dtype == "bfloat16" and self.optimizer not in BF16_STATE_OPTIMIZERS:

@@ -385,6 +385,15 @@ def scale_by_muon(
   if preconditioning not in _PRECONDITIONINGS:
     raise ValueError(f"scale_by_muon: unknown preconditioning {preconditioning!r}; "
                      f"expected one of {_PRECONDITIONINGS}")
+  # beta = 1 makes the bias corrections 1 - beta**t zero (NaN updates);
+  # ns_steps=2.5 would be truncated to 2 by int().
+  _checks.check_decay("scale_by_muon", "beta", beta)
+  _checks.check_nonnegative("scale_by_muon", "eps", eps)
+  steps_arr = np.asarray(ns_steps) if not isinstance(ns_steps, jax.core.Tracer) else None
+  if (isinstance(ns_steps, bool) or steps_arr is None or steps_arr.shape
+      or not np.issubdtype(steps_arr.dtype, np.integer) or int(steps_arr) < 1):
+    raise ValueError(f"scale_by_muon: ns_steps must be an integer >= 1 (a static value), "
+                     f"got {ns_steps!r}")
   kernel_coeffs, kernel_steps = _resolve_coeffs(coeffs, ns_coeffs, ns_steps)
   mu_dtype = fused_adam._optax_dtype(mu_dtype)
   ns_dtype = jnp.dtype(ns_dtype)
@@ -416,6 +425,16 @@ def scale_by_muon(
     g_leaves, treedef = jax.tree.flatten(updates)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(updates)[0]]
     specs = _leaf_specs(weight_dimension_numbers, updates, treedef)
+    if weight_dimension_numbers is None:
+      # None promises 2-D leaves; the default dimension numbers would read a
+      # 3-D leaf as a batch of matrices over its last axis.
+      for path, g in zip(paths, g_leaves):
+        if jnp.ndim(g) != 2:
+          raise ValueError(
+              f"scale_by_muon: leaf {path or '<root>'} has shape {jnp.shape(g)}, but "
+              "weight_dimension_numbers=None means every leaf is a 2-D matrix; pass "
+              "weight_dimension_numbers (e.g. MuonDimensionNumbers(reduction_axis=1, "
+              "output_axis=2) for a stack of matrices, None for a leaf Muon should not touch)")
     m_old = treedef.flatten_up_to(mu)
 
     count_inc = optax.safe_increment(count)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -110,13 +111,15 @@ class ParamGroup:
       raise ValueError(f"ParamGroup {self.name!r}: patterns must be non-empty strings, got {patterns!r}")
     object.__setattr__(self, "patterns", patterns)
     m = self.learning_rate_multiplier
-    if isinstance(m, bool) or not isinstance(m, (int, float)) or not m > 0:
-      raise ValueError(f"ParamGroup {self.name!r}: learning_rate_multiplier must be a number > 0, got {m!r}")
+    if isinstance(m, bool) or not isinstance(m, (int, float)) or not (m > 0 and math.isfinite(m)):
+      raise ValueError(f"ParamGroup {self.name!r}: learning_rate_multiplier must be a finite number > 0, "
+                       f"got {m!r}")
     object.__setattr__(self, "learning_rate_multiplier", float(m))
     wd = self.weight_decay
     if wd is not None:
-      if isinstance(wd, bool) or not isinstance(wd, (int, float)) or wd < 0:
-        raise ValueError(f"ParamGroup {self.name!r}: weight_decay must be a number >= 0 or None, got {wd!r}")
+      if isinstance(wd, bool) or not isinstance(wd, (int, float)) or not (wd >= 0 and math.isfinite(wd)):
+        raise ValueError(f"ParamGroup {self.name!r}: weight_decay must be a finite number >= 0 or None, "
+                         f"got {wd!r}")
       object.__setattr__(self, "weight_decay", float(wd))
 
   def matches(self, path: str) -> bool:
@@ -185,8 +188,9 @@ def mup_param_groups(width_multiplier: float) -> tuple[ParamGroup, ...]:
   Tied output heads share the embedding and so its group; an untied head
   falls into ``mup``.
   """
-  if isinstance(width_multiplier, bool) or not isinstance(width_multiplier, (int, float)) or not width_multiplier > 0:
-    raise ValueError(f"mup_param_groups: width_multiplier must be a number > 0, got {width_multiplier!r}")
+  if (isinstance(width_multiplier, bool) or not isinstance(width_multiplier, (int, float))
+      or not (width_multiplier > 0 and math.isfinite(width_multiplier))):
+    raise ValueError(f"mup_param_groups: width_multiplier must be a finite number > 0, got {width_multiplier!r}")
   return (
       ParamGroup("no_weight_decay", NO_DECAY_PATTERNS, 1.0, 0.0),
       ParamGroup("embeddings", EMBEDDING_PATTERNS, 1.0, None),

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Sequence
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -52,12 +54,17 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
   Pascanu et al. 2013, "On the difficulty of training recurrent neural
   networks", arXiv 1211.5063. Unlike :func:`optax.clip_by_global_norm` the
   norm is kept in the state (``ClipByGlobalNormState.global_norm``), and
-  ``max_norm == 0`` disables the clip while still reporting the norm. Put it
-  before any :func:`optax.partition` so the norm covers every group.
+  ``max_norm == 0`` or ``max_norm == inf`` disables the clip while still
+  reporting the norm (``inf / max(norm, inf)`` would be NaN). A NaN
+  ``max_norm`` raises. Put it before any :func:`optax.partition` so the norm
+  covers every group.
   """
-  if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or max_norm < 0:
-    raise ValueError(f"clip_by_global_norm: max_norm must be a number >= 0 (0 disables), got {max_norm!r}")
+  if (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))
+      or math.isnan(max_norm) or max_norm < 0):
+    raise ValueError(f"clip_by_global_norm: max_norm must be a number >= 0 (0 or inf disables), "
+                     f"got {max_norm!r}")
   max_norm = float(max_norm)
+  clips = 0 < max_norm < math.inf
 
   def init_fn(params):
     del params
@@ -72,7 +79,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     # The sum of squares in fp32 by the same one-pass reduction the fused
     # step shares with skip_nonfinite, so both paths clip by the same factor.
     norm = jnp.sqrt(fusion.grad_stats(updates)[0])
-    if max_norm > 0:
+    if clips:
       scale = factor(norm)
       updates = jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates)
     return updates, ClipByGlobalNormState(global_norm=norm)
@@ -82,7 +89,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     if ctx.grad_scale is not None:
       norm = norm * ctx.grad_scale
     new_state = ctx.keep(ClipByGlobalNormState(global_norm=norm), state)
-    return (ctx.scaled(factor(norm)) if max_norm > 0 else ctx), new_state
+    return (ctx.scaled(factor(norm)) if clips else ctx), new_state
 
   return fusion.with_in_place(optax.GradientTransformation(init_fn, update_fn),
                               fusion.InPlace("clip_by_global_norm", prepare=prepare))
@@ -111,11 +118,11 @@ def _raise_if(flag, limit):
   if flag:
     raise FloatingPointError(
         f"skip_nonfinite: {limit} consecutive non-finite gradients; the run is diverging "
-        "(lower the learning rate, or pass on_limit='apply' to apply such steps)")
+        "(lower the learning rate, or pass on_max_skips='apply' to apply such steps)")
 
 
 def skip_nonfinite(inner: optax.GradientTransformation, max_consecutive_skips: int | None = 10,
-                   on_limit: str = "raise") -> optax.GradientTransformationExtraArgs:
+                   on_max_skips: str = "raise") -> optax.GradientTransformationExtraArgs:
   """Skip a step whose gradient holds a NaN or an Inf, as if it never happened.
 
   A non-finite gradient (any leaf) makes the update all zeros and leaves
@@ -127,10 +134,10 @@ def skip_nonfinite(inner: optax.GradientTransformation, max_consecutive_skips: i
   ``max_consecutive_skips`` bounds a run of skipped steps (None: no bound).
   A non-finite gradient arriving once that many steps in a row were skipped:
 
-  * ``on_limit="raise"`` raises ``FloatingPointError`` from a host callback,
+  * ``on_max_skips="raise"`` raises ``FloatingPointError`` from a host callback,
     surfacing as a ``JaxRuntimeError`` when the step's results are read
     (the step itself is still skipped);
-  * ``on_limit="apply"`` applies that gradient (optax.apply_if_finite's
+  * ``on_max_skips="apply"`` applies that gradient (optax.apply_if_finite's
     behaviour), which spreads the NaN into the parameters for the trainer's
     own checks to catch, and resets the count.
 
@@ -141,8 +148,8 @@ def skip_nonfinite(inner: optax.GradientTransformation, max_consecutive_skips: i
                                             or max_consecutive_skips < 1):
     raise ValueError(f"skip_nonfinite: max_consecutive_skips must be an integer >= 1 or None, "
                      f"got {max_consecutive_skips!r}")
-  if on_limit not in ("raise", "apply"):
-    raise ValueError(f"skip_nonfinite: on_limit must be 'raise' or 'apply', got {on_limit!r}")
+  if on_max_skips not in ("raise", "apply"):
+    raise ValueError(f"skip_nonfinite: on_max_skips must be 'raise' or 'apply', got {on_max_skips!r}")
   inner_tx = inner
   inner = optax.with_extra_args_support(inner)
 
@@ -156,7 +163,7 @@ def skip_nonfinite(inner: optax.GradientTransformation, max_consecutive_skips: i
     if max_consecutive_skips is None:
       return finite
     at_limit = jnp.logical_and(~finite, state.consecutive_skips >= max_consecutive_skips)
-    if on_limit == "apply":
+    if on_max_skips == "apply":
       return jnp.logical_or(finite, at_limit)
     # Inside a cond so a healthy step makes no host round trip.
     jax.lax.cond(at_limit, lambda: jax.debug.callback(_raise_if, True, max_consecutive_skips),
@@ -194,18 +201,41 @@ def skip_nonfinite(inner: optax.GradientTransformation, max_consecutive_skips: i
 
 def frozen_labels(frozen: Sequence[str] = (), trainable: Sequence[str] | None = None):
   """Labeller for :func:`freeze`: ``'frozen'`` where a path matches ``frozen``
-  or (when ``trainable`` is given) matches none of ``trainable``; else ``'trainable'``."""
+  or (when ``trainable`` is given) matches none of ``trainable``; else ``'trainable'``.
+
+  A pattern that matches no parameter path raises a ``ValueError`` naming it
+  (and showing a few paths): with nested parameters, ``'lora_*'`` matches
+  nothing (the path is ``'layer_0/lora_a'``), and a ``trainable`` list that
+  matches nothing would silently freeze the whole model.
+  """
+  if isinstance(frozen, str):
+    frozen = (frozen,)
+  if isinstance(trainable, str):
+    trainable = (trainable,)
   frozen, trainable = tuple(frozen), None if trainable is None else tuple(trainable)
 
-  def label(kp, _):
-    path = groups_lib.path_str(kp)
-    if groups_lib.matches_any(path, frozen):
-      return "frozen"
-    if trainable is not None and not groups_lib.matches_any(path, trainable):
-      return "frozen"
-    return "trainable"
+  def labels(params):
+    paths = jax.tree_util.tree_map_with_path(lambda kp, _: groups_lib.path_str(kp), params)
+    flat = jax.tree.leaves(paths)
+    for name, patterns in (("frozen", frozen), ("trainable", trainable or ())):
+      for p in patterns:
+        if not any(groups_lib.matches_any(path, (p,)) for path in flat):
+          shown = ", ".join(repr(x) for x in flat[:5]) + (", ..." if len(flat) > 5 else "")
+          raise ValueError(
+              f"freeze: {name} pattern {p!r} matches no parameter. Patterns are "
+              f"fnmatch patterns over the whole '/'-joined path, where '*' also crosses "
+              f"'/' (e.g. '*lora_*' or '*/lora_*' for nested keys); paths: {shown or 'none'}")
 
-  return lambda params: jax.tree_util.tree_map_with_path(label, params)
+    def label(path):
+      if groups_lib.matches_any(path, frozen):
+        return "frozen"
+      if trainable is not None and not groups_lib.matches_any(path, trainable):
+        return "frozen"
+      return "trainable"
+
+    return jax.tree.map(label, paths)
+
+  return labels
 
 
 def freeze(inner: optax.GradientTransformation, frozen: Sequence[str] = (),

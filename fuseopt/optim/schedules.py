@@ -10,6 +10,14 @@ Every decay endpoint is an absolute step: a run resumed from a checkpoint
 evaluates the same curve, however long each stretch of training lasts. Steps
 at and past a schedule's end keep its end value.
 
+One rule for every kind about the run's length: ``steps`` (the whole run, in
+updates) is an integer >= 1, and the warmup ends within the run
+(``warmup_steps <= steps``); otherwise ``.schedule(steps)`` raises naming the
+field. A zero-length run has no updates to schedule, and a warmup longer than
+the run never reaches ``peak``: both are mistakes in a config, never a curve
+anyone wants. Decay endpoints given as absolute steps may lie past the run's
+end (the run stops part-way down the curve, as when a longer run is cut).
+
 Impossible combinations raise a ``ValueError`` that names the field
 (``Linear.decay_start``, ``Power.tail.start``, ...).
 """
@@ -84,9 +92,17 @@ def _step(owner: str, name: str, value, *, allow_none=False):
 
 
 def _run_steps(owner: str, steps) -> int:
-  if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-    raise ValueError(f"{owner}.schedule: steps (the run's length) must be a non-negative integer, got {steps!r}")
+  if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    raise ValueError(f"{owner}.schedule: steps (the run's length in updates) must be an integer >= 1, "
+                     f"got {steps!r}")
   return steps
+
+
+def _warmup_within(owner: str, warmup_steps: int, steps: int) -> None:
+  """The rule shared by every kind: the warmup ends within the run."""
+  if warmup_steps > steps:
+    raise ValueError(f"{owner}.warmup_steps ({warmup_steps}) is longer than the run ({steps} steps): "
+                     "the rate would never reach its peak; shorten the warmup or lengthen the run")
 
 
 def _ramp(count, start, stop):
@@ -171,7 +187,7 @@ class Constant(ScheduleBase):
     _step("Constant", "warmup_steps", self.warmup_steps)
 
   def schedule(self, steps: int) -> optax.Schedule:
-    _run_steps("Constant", steps)
+    _warmup_within("Constant", self.warmup_steps, _run_steps("Constant", steps))
     peak, warmup = float(self.peak), self.warmup_steps
     return lambda count: _warmup(count, 0.0, peak, warmup)
 
@@ -209,6 +225,7 @@ class Cosine(ScheduleBase):
     if end_step < self.warmup_steps:
       raise ValueError(f"Cosine.decay_steps: the run's end ({steps}) comes before the warmup's end "
                        f"({self.warmup_steps}); set decay_steps or a longer run")
+    _warmup_within("Cosine", self.warmup_steps, steps)
     peak, end, init, w = float(self.peak), float(self.end), float(self.init), self.warmup_steps
 
     def fn(count):
@@ -283,6 +300,7 @@ class Linear(ScheduleBase):
     if end_step < start:
       raise ValueError(f"Linear.decay_steps: the run's end ({steps}) comes before the decay's start ({start}); "
                        "set decay_steps or a longer run")
+    _warmup_within("Linear", self.warmup_steps, steps)
     return linear_schedule(self.peak, self.warmup_steps, start, end_step, self.end)
 
 
@@ -390,6 +408,7 @@ class Power(ScheduleBase):
 
   def schedule(self, steps: int) -> optax.Schedule:
     steps = _run_steps("Power", steps)
+    _warmup_within("Power", self.warmup_steps, steps)
     if self.tail is None:
       return power_schedule(self.peak, self.warmup_steps, self.a, self.b, self.c)
     end_step = steps if self.tail.steps is None else self.tail.steps
@@ -449,6 +468,7 @@ class WSD(ScheduleBase):
       field = "decay_steps" if self.decay_steps is not None else "decay_fraction"
       raise ValueError(f"WSD.{field}: the decay would start at step {start}, before the warmup's end "
                        f"({self.warmup_steps}) of a {steps}-step run")
+    _warmup_within("WSD", self.warmup_steps, steps)
     peak, end, w, decay = float(self.peak), float(self.end), self.warmup_steps, self.decay
 
     def fn(count):

@@ -8,6 +8,7 @@ import optax
 
 from fuseopt.kernels import sharding as kernel_sharding
 from fuseopt.optim import fusion
+from fuseopt.optim import _checks
 
 
 def step(tx: Any, grads: Any, state: Any, params: Any, *, group: bool = True,
@@ -48,6 +49,9 @@ clip has none), falls back to ``tx.update(grads, state, params)`` +
 piece that forced the fallback is logged at debug level on the ``"fuseopt"``
 logger.
 
+A ``state`` whose tree structure, leaf shapes or dtypes differ from
+``tx.init(params)``'s raises a ``ValueError`` naming the first difference.
+
   Example::
 
     tx = fuseopt.optim.adamw(1e-3, weight_decay=0.1)
@@ -72,6 +76,7 @@ logger.
   moments), ``jit(step, donate_argnums=(2, 3))`` would hand the moment's
   buffer to the new parameter and XLA would copy every such leaf.
   """
+  _checks.check_state("step", tx, state, params)
   if shardings is not None:   # the whole tree: every entry must name a parameter
     kernel_sharding.flatten_shardings(shardings, params, owner="step", strict=True)
   rule = fusion.in_place_rule(tx)

@@ -36,7 +36,7 @@ def apply_updates(params, updates, *, seed=None, implementation=None, shardings=
   Args:
     params: a pytree of arrays.
     updates: a pytree with the same structure.
-    seed: ``None`` (optax's add) or an integer scalar (may be traced).
+    seed: ``None`` (optax's add) or an integer scalar in [0, 2**32) (may be traced).
     implementation: forwarded to :func:`fuseopt.kernels.stochastic_round_bf16`.
     shardings: the params' placement on an Auto mesh (a tree of
       ``NamedSharding`` / ``PartitionSpec``, a prefix, or one for all); the
@@ -47,9 +47,9 @@ def apply_updates(params, updates, *, seed=None, implementation=None, shardings=
     return jax.tree.map(_optax_add, params, updates, is_leaf=lambda x: x is None)
   leaves, treedef = jax.tree.flatten(params)
   upd_leaves = treedef.flatten_up_to(updates)
-  seed = jnp.asarray(seed)
-  if not jnp.issubdtype(seed.dtype, jnp.integer) or seed.ndim:
-    raise TypeError(f"apply_updates: seed must be an integer scalar, got {seed.dtype}{list(seed.shape)}")
+  # Any uint32 value, also a Python int in [2**31, 2**32) (which jax's default
+  # int32 cannot hold); floats, negatives and non-scalars raise naming `seed`.
+  seed = counter_hash.uint32_scalar(seed, name="seed", owner="apply_updates")
   leaf_shardings = kernel_sharding.flatten_shardings(shardings, params, owner="apply_updates",
                                                      strict=True) or [None] * len(leaves)
   out = []

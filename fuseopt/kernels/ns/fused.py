@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from fuseopt.kernels import _backend
 from fuseopt.kernels.ns.gram import precision
 
 F32 = jnp.float32
@@ -121,8 +122,8 @@ def newton_schulz_fused(x, table, *, implementation, interpret=False, config=Non
     params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
   elif implementation == "mosaic_tpu":
     from jax.experimental.pallas import tpu as pltpu
-    params = pltpu.CompilerParams(dimension_semantics=("parallel",),
-                                  vmem_limit_bytes=config.vmem_limit_bytes)
+    params = _backend.mosaic_compiler_params(interpret, ("parallel",),
+                                             vmem_limit_bytes=config.vmem_limit_bytes)
   else:
     raise ValueError(f"newton_schulz_fused: implementation must be 'triton' or 'mosaic_tpu', "
                      f"got {implementation!r}")

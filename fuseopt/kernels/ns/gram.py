@@ -40,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from fuseopt.kernels import _backend
+
 F32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))  # contract the last axes: a @ bᵀ
 
@@ -283,8 +285,8 @@ def _sym_mosaic(x, coef, *, terms, out_dtype, config: MosaicConfig, interpret):
       functools.partial(_mosaic_kernel, nk=nk, bm=bm, terms=terms),
       out_shape=jax.ShapeDtypeStruct((batch, m, m), out_dtype),
       grid_spec=grid_spec,
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+      compiler_params=_backend.mosaic_compiler_params(
+          interpret, ("parallel", "arbitrary", "arbitrary")),
       interpret=interpret,
       name="fuseopt_ns_sym",
   )(jnp.asarray(rows), jnp.asarray(cols), *args)

@@ -48,6 +48,7 @@ standard iteration's band and error. FLOPs: see :func:`ns_flops`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from typing import Any, Sequence
@@ -57,6 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fuseopt.kernels import _backend
+from fuseopt.kernels import _validate
 
 OP_NAME = "newton_schulz"
 
@@ -210,8 +212,30 @@ class _ReferenceOps:
 
 
 def _normalise(x32, scale, eps, dtype):
-  norm = jnp.sqrt(jnp.sum(jnp.square(x32), axis=(-2, -1), keepdims=True))
-  return (x32 / (norm * scale + eps)).astype(dtype)
+  """X_0 = G / (s·‖G‖_F + eps), without the overflow of ‖G‖².
+
+  ‖G‖² overflows fp32 once entries reach about 1.8e19 (the result was
+  G / inf = 0: a zero update no non-finite check can see) and underflows for
+  entries below about 1e-23. So the norm is taken of G·c, with c = 1 / (G's
+  largest magnitude, clipped to the normal range [2^-126, 2^126]), which
+  neither overflows nor underflows; then X_0 = G·k with one per-matrix factor
+  k = c / (s·‖G·c‖_F + eps·c). That is exact for any s·‖G‖_F + eps up to
+  2^126 ≈ 8.5e37 (entries up to about 8.5e37 / sqrt(rows·cols)). Beyond it
+  k would be subnormal, which XLA flushes to zero (it turns a division by a
+  broadcast scalar into a multiplication by its reciprocal, on every
+  backend), so k is NaN there instead: a visible non-finite result, never a
+  silent zero. Scaling in two steps would cover that last range too, but on
+  the CPU it made XLA keep a bf16 copy of every Muon matrix (temp memory of
+  the test tree's Muon step: 0.92 → 1.18 MB). A zero matrix gives zeros
+  (also with eps = 0); a NaN or Inf entry gives NaN.
+  """
+  amax = jnp.max(jnp.abs(x32), axis=(-2, -1), keepdims=True)
+  c = 1.0 / jnp.clip(amax, 2.0**-126, 2.0**126)
+  norm = jnp.sqrt(jnp.sum(jnp.square(x32 * c), axis=(-2, -1), keepdims=True))
+  den = norm * scale + eps * c
+  k = c / jnp.where(den > 0, den, 1.0)  # zero matrix with eps = 0: 0·c, not 0/0
+  k = jnp.where(k >= jnp.finfo(jnp.float32).tiny, k, jnp.nan)
+  return (x32 * k).astype(dtype)
 
 
 def _iterate_standard(x, table, ops):
@@ -291,6 +315,7 @@ def newton_schulz_reference(x, *, coeffs="polar_express", steps=None,
   """The specification of :func:`newton_schulz` in plain jnp (also the CPU path)."""
   x = jnp.asarray(x)
   ns_dtype = _check_dtype(x, ns_dtype)
+  _validate.check_real("newton_schulz", "eps", eps, lo=0.0)
   table, scale = coefficient_table(coeffs, steps)
   xb, restore = _as_batched(x)
   if xb.size == 0:
@@ -342,8 +367,11 @@ def newton_schulz(x, *, coeffs="polar_express", steps=None, ns_dtype=jnp.bfloat1
     steps: number of steps (default 5, or the table's length).
     ns_dtype: dtype of the iterates (bf16 default; fp32 for a precise run);
       products always accumulate in fp32.
-    eps: added to the (inflated) Frobenius norm before dividing, so a zero
-      matrix gives zeros.
+    eps: added to the (inflated) Frobenius norm before dividing; a finite
+      number >= 0. The norm is taken after scaling by the largest magnitude,
+      so it neither overflows nor underflows (exact for norms up to 2^126;
+      beyond, a NaN result rather than a silent zero), and a zero matrix
+      gives zeros.
     gram: Gram Newton–Schulz (iterate on the m × m Gram matrix, restarted
       before the steps in ``GRAM_RESTARTS[coeffs]``); ``"auto"`` enables it from
       aspect ratio 2; a tuple of step indices sets the restarts (``(2,)``:
@@ -355,10 +383,12 @@ def newton_schulz(x, *, coeffs="polar_express", steps=None, ns_dtype=jnp.bfloat1
       to force the single-kernel path.
 
   Returns:
-    An array of ``x``'s shape and dtype.
+    An array of ``x``'s shape and dtype. Its derivative is the reference's
+    (:func:`newton_schulz_reference`), whatever the implementation.
   """
   x = jnp.asarray(x)
   ns_dtype = _check_dtype(x, ns_dtype)
+  _validate.check_real("newton_schulz", "eps", eps, lo=0.0)
   table, scale = coefficient_table(coeffs, steps)
   impl = _backend.resolve_implementation(OP_NAME, implementation, (x,))
   xb, restore = _as_batched(x)
@@ -367,6 +397,32 @@ def newton_schulz(x, *, coeffs="polar_express", steps=None, ns_dtype=jnp.bfloat1
                                    eps=eps, gram=gram)
   batch, m, n = xb.shape
   restarts = _gram_restarts(gram, m, n, coeffs)
+  reference = functools.partial(newton_schulz_reference, coeffs=coeffs, steps=steps,
+                                ns_dtype=ns_dtype, eps=eps, gram=gram)
+  kernel = functools.partial(_newton_schulz_kernels, impl=impl, interpret=interpret,
+                             config=config, table=table, scale=scale, eps=eps,
+                             ns_dtype=ns_dtype, restarts=restarts)
+  return _reference_derivative(kernel, reference, x)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _reference_derivative(kernel, reference, x):
+  return kernel(x)
+
+
+@_reference_derivative.defjvp
+def _reference_derivative_jvp(kernel, reference, primals, tangents):
+  # Pallas calls have no usable derivative (jax fails with "Linearization
+  # failed to produce known values"); the kernels compute the reference's
+  # function, so they take the reference's derivative (computed by XLA).
+  (x,), (t,) = primals, tangents
+  _, dy = jax.jvp(reference, (x,), (t,))
+  return kernel(x), dy
+
+
+def _newton_schulz_kernels(x, *, impl, interpret, config, table, scale, eps, ns_dtype, restarts):
+  xb, restore = _as_batched(x)
+  batch, m, n = xb.shape
   y = _normalise(xb.astype(jnp.float32), scale, eps, ns_dtype)
   path = _pick_path(impl, m, n, batch, config, restarts is not None)
   interp = _backend.interpret_arg(impl, interpret)

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from fuseopt.kernels import _backend
 from fuseopt.kernels.ns.gram import precision
 
 F32 = jnp.float32
@@ -186,8 +187,8 @@ def _matmul_mosaic(b, x, coef, *, has_a, out_dtype, config: MosaicConfig, interp
       in_specs=in_specs,
       out_specs=pl.BlockSpec((None, bm, bn), lambda bb, i, j, k: (bb, i, j)),
       scratch_shapes=[pltpu.VMEM((bm, bn), F32)],
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+      compiler_params=_backend.mosaic_compiler_params(
+          interpret, ("parallel", "parallel", "parallel", "arbitrary")),
       interpret=interpret,
       name="fuseopt_ns_update",
   )(*args)

@@ -1,0 +1,228 @@
+"""Bad input and edge cases of the transforms, the config and the builder.
+
+Infinite clip norms, patterns that match nothing, NaN/Inf hyperparameters,
+the run-length rule of schedules, Muon's 2-D promise, the skip limit's one
+name, state dtypes kept across steps (lax.scan carries), ``step`` on a state
+of the wrong structure, array-valued hyperparameters.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fuseopt.optim as fo
+from fuseopt.optim import safeguards
+from fuseopt.optim import schedules as S
+from fuseopt.optim.builder import build_optimizer
+from fuseopt.optim.config import OptimConfig
+from fuseopt.optim.fused_muon import MuonDimensionNumbers as MDN
+from fuseopt.optim.fused_muon import scale_by_muon
+from fuseopt.optim.groups import ParamGroup, mup_param_groups
+
+INF, NAN = float("inf"), float("nan")
+
+
+def _params():
+  return {"layer_0": {"kernel": jnp.ones((4, 4)), "lora_a": jnp.ones((4, 2))},
+          "layer_1": {"kernel": jnp.ones((4, 4)), "lora_a": jnp.ones((4, 2))}}
+
+
+def _grads(scale=1.0):
+  return jax.tree.map(lambda p: scale * jnp.arange(p.size, dtype=p.dtype).reshape(p.shape) / 7,
+                      _params())
+
+
+# -------------------------------------------------------- clip_norm = inf ----
+def test_infinite_clip_norm_means_no_clip():
+  g = _grads(100.0)
+  u, state = safeguards.clip_by_global_norm(INF).update(g, None)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), u, g)
+  assert float(state.global_norm) > 100
+  cfg = OptimConfig.from_yaml("optimizer: adamw\nlearning_rate: 1.0e-2\nclip_norm: .inf\n")
+  assert cfg.clip_norm == INF
+  tx = build_optimizer(cfg, 10)
+  u, _ = tx.update(g, tx.init(_params()), _params())
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(u))
+  assert any(np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(u))
+
+
+def test_nan_clip_norm_raises():
+  with pytest.raises(ValueError, match="max_norm"):
+    safeguards.clip_by_global_norm(NAN)
+  with pytest.raises(ValueError, match="clip_norm"):
+    OptimConfig(learning_rate=1e-3, clip_norm=NAN)
+
+
+# ------------------------------------------------- patterns matching nothing --
+@pytest.mark.parametrize("kw,name", [
+    (dict(trainable=("lora_*",)), "trainable"),       # nested: the path is 'layer_0/lora_a'
+    (dict(frozen=("embed/*",)), "frozen"),
+    (dict(trainable=("*lora_*", "*adapter*")), "trainable"),
+])
+def test_pattern_matching_nothing_raises_naming_it(kw, name):
+  tx = build_optimizer(OptimConfig(optimizer="adamw", learning_rate=1e-2, **kw), 10)
+  with pytest.raises(ValueError, match=f"{name} pattern '.*' matches no parameter.*layer_0/lora_a"):
+    tx.init(_params())
+
+
+def test_nested_patterns_that_match_work():
+  tx = build_optimizer(OptimConfig(optimizer="adamw", learning_rate=1e-2,
+                                   trainable=("*/lora_*",)), 10)
+  u, _ = tx.update(_grads(), tx.init(_params()), _params())
+  assert float(jnp.abs(u["layer_0"]["kernel"]).max()) == 0.0
+  assert float(jnp.abs(u["layer_0"]["lora_a"]).max()) > 0.0
+
+
+# ------------------------------------------------------ NaN / Inf in configs --
+@pytest.mark.parametrize("field,value", [
+    ("learning_rate", NAN), ("learning_rate", INF), ("weight_decay", NAN), ("weight_decay", INF),
+    ("eps", NAN), ("eps", INF), ("clip_norm", NAN), ("qk_clip_tau", NAN), ("qk_clip_tau", 0.0),
+    ("b1", NAN), ("b2", INF),
+])
+def test_config_rejects_non_finite_numbers(field, value):
+  with pytest.raises(ValueError, match=f"OptimConfig.{field}"):
+    OptimConfig(**{"optimizer": "lion", "learning_rate": 1e-3, field: value})
+
+
+def test_yaml_nan_is_rejected():
+  with pytest.raises(ValueError, match="OptimConfig.learning_rate"):
+    OptimConfig.from_yaml("optimizer: lamb\nlearning_rate: .nan\n")
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: ParamGroup("g", ("*",), learning_rate_multiplier=INF), "learning_rate_multiplier"),
+    (lambda: ParamGroup("g", ("*",), weight_decay=NAN), "weight_decay"),
+    (lambda: mup_param_groups(INF), "width_multiplier"),
+    (lambda: fo.scale_by_adam(eps=NAN), "eps"),
+    (lambda: fo.scale_by_adam(eps=INF), "eps"),
+    (lambda: fo.muon(0.02, eps=NAN), "eps"),
+    (lambda: scale_by_muon(beta=1.0), "scale_by_muon: beta"),
+    (lambda: scale_by_muon(eps=-1.0), "scale_by_muon: eps"),
+    (lambda: scale_by_muon(ns_steps=2.5), "scale_by_muon: ns_steps"),
+    (lambda: fo.muon(0.02, ns_steps=0), "ns_steps"),
+])
+def test_non_finite_hyperparameters_raise(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()
+
+
+# ----------------------------------------------- array-valued hyperparameters --
+@pytest.mark.parametrize("make,match", [
+    (lambda: fo.adamw(jnp.array(NAN)), "adamw: learning_rate"),
+    (lambda: fo.adamw(1e-3, weight_decay=np.float32(-1.0)), "adamw: weight_decay"),
+    (lambda: fo.adam(1e-3, b1=jnp.array(1.0)), "b1"),
+    (lambda: fo.scale_by_adam(b2=np.array(1.5)), "b2"),
+    (lambda: fo.muon(jnp.float32(-0.1)), "muon: learning_rate"),
+    (lambda: fo.muon(0.02, beta=jnp.array(1.0)), "muon: beta"),
+])
+def test_concrete_array_hyperparameters_are_checked(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()
+
+
+def test_inject_hyperparams_with_traced_values_still_works():
+  tx = optax.inject_hyperparams(fo.adamw)(learning_rate=1e-2, weight_decay=0.1)
+  params = _params()
+  state = tx.init(params)
+  u, state = jax.jit(tx.update)(_grads(), state, params)
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(u))
+
+
+# ------------------------------------------------------- the schedules' rule --
+RECORDS = [S.Constant(peak=1.0, warmup_steps=5), S.Cosine(peak=1.0, warmup_steps=5, decay_steps=50),
+           S.Linear(peak=1.0, warmup_steps=5, decay_steps=50), S.Power(peak=1.0, warmup_steps=5, a=1.0),
+           S.WSD(peak=1.0, warmup_steps=5, decay_steps=0 + 1)]
+
+
+@pytest.mark.parametrize("record", RECORDS, ids=lambda r: r.kind)
+def test_every_schedule_refuses_a_zero_length_run(record):
+  with pytest.raises(ValueError, match="steps .*must be an integer >= 1"):
+    record.schedule(0)
+
+
+@pytest.mark.parametrize("record", RECORDS[:4], ids=lambda r: r.kind)
+def test_every_schedule_refuses_a_warmup_longer_than_the_run(record):
+  with pytest.raises(ValueError, match=r"warmup_steps \(5\) is longer than the run \(3 steps\)"):
+    record.schedule(3)
+  record.schedule(5)  # a warmup ending with the run is fine
+
+
+def test_build_optimizer_refuses_zero_steps():
+  for cfg in (OptimConfig(schedule=S.Cosine(peak=1e-3)), OptimConfig(learning_rate=1e-3)):
+    with pytest.raises(ValueError, match="build_optimizer: steps"):
+      build_optimizer(cfg, 0)
+
+
+# ------------------------------------------------- Muon's None = every leaf 2-D --
+def test_scale_by_muon_none_refuses_a_3d_leaf():
+  tx = scale_by_muon()
+  params = {"w": jnp.ones((4, 4)), "stack": jnp.ones((2, 4, 4))}
+  state = tx.init(params)
+  with pytest.raises(ValueError, match=r"leaf \['stack'\] has shape \(2, 4, 4\).*weight_dimension_numbers"):
+    tx.update(params, state)
+  ok = scale_by_muon(weight_dimension_numbers={"w": MDN(), "stack": MDN(1, 2)})
+  ok.update(params, ok.init(params))
+
+
+# ---------------------------------------------------- on_max_skips everywhere --
+def test_skip_limit_has_one_name():
+  import inspect
+  assert "on_max_skips" in inspect.signature(safeguards.skip_nonfinite).parameters
+  assert "on_max_skips" in OptimConfig.__dataclass_fields__
+  with pytest.raises(ValueError, match="on_max_skips"):
+    safeguards.skip_nonfinite(optax.sgd(0.1), 2, on_max_skips="ignore")
+  tx = safeguards.skip_nonfinite(optax.sgd(0.1), 1, "raise")
+  params = {"w": jnp.ones((2,))}
+  state = tx.init(params)
+  bad = {"w": jnp.array([jnp.nan, 1.0])}
+  with pytest.raises(Exception, match="on_max_skips='apply'"):
+    for _ in range(3):
+      _, state = tx.update(bad, state, params)
+      jax.block_until_ready(state)
+
+
+# ------------------------------------------ state dtypes kept (scan carries) --
+@pytest.mark.parametrize("make", [
+    lambda: scale_by_muon(weight_dimension_numbers={"w": MDN(), "b": None}),
+    lambda: fo.muon(0.02),
+    lambda: fo.adamw(1e-3),
+    lambda: fo.scale_by_adam(moment_dtype=None),
+    lambda: build_optimizer(OptimConfig(optimizer="lion", learning_rate=1e-3), 10),
+    lambda: build_optimizer(OptimConfig(optimizer="lamb", learning_rate=1e-3), 10),
+    lambda: build_optimizer(OptimConfig(optimizer="adafactor", learning_rate=1e-3), 10),
+])
+def test_state_dtypes_survive_lax_scan_with_other_grad_dtypes(make):
+  tx = make()
+  params = {"w": jnp.ones((4, 8), jnp.bfloat16), "b": jnp.ones((8,), jnp.float32)}
+  grads = {"w": jnp.full((4, 8), 0.5, jnp.float32), "b": jnp.full((8,), 0.5, jnp.bfloat16)}
+  state = tx.init(params)
+
+  def body(state, _):
+    _, state = tx.update(grads, state, params)
+    return state, None
+
+  final, _ = jax.lax.scan(body, state, None, length=2)
+  jax.tree.map(lambda a, b: np.testing.assert_equal(a.dtype, b.dtype), final, state)
+
+
+# ------------------------------------------------- step with a foreign state --
+def test_step_names_what_differs_in_the_state():
+  tx = fo.adamw(1e-3)
+  params = {"w": jnp.ones((4, 4)), "b": jnp.ones((4,))}
+  grads = jax.tree.map(jnp.ones_like, params)
+  other = fo.adamw(1e-3).init({"w": jnp.ones((4, 4))})
+  with pytest.raises(ValueError, match=r"step: state does not have the structure.*missing.*'b'"):
+    fo.step(tx, grads, other, params)
+  wrong_shape = tx.init({"w": jnp.ones((4, 5)), "b": jnp.ones((4,))})
+  with pytest.raises(ValueError, match=r"step: state leaf .*\['w'\].*\[4, 5\].*\[4, 4\]"):
+    fo.step(tx, grads, wrong_shape, params)
+  fp32 = fo.adamw(1e-3, moment_dtype=jnp.float32).init(params)
+  with pytest.raises(ValueError, match=r"step: state leaf .*float32.*bfloat16"):
+    fo.step(tx, grads, fp32, params)
+  sgd = optax.sgd(0.1)
+  with pytest.raises(ValueError, match="step: state does not have the structure"):
+    fo.step(sgd, grads, tx.init(params), params)
+  new_params, _ = fo.step(tx, grads, tx.init(params), params)
+  assert jax.tree.structure(new_params) == jax.tree.structure(params)
