@@ -146,7 +146,7 @@ def _path_key(path) -> tuple[str, ...]:
   """A key path as a tuple of strings, without the trailing ``.value`` of an
   nnx Variable, so that a Variable-holding state and its pure arrays (the
   two forms ``nnx.Optimizer`` hands to ``init`` and ``update``) agree."""
-  keys = [_key_str(k) for k in path]
+  keys = [groups_lib.key_name(k) for k in path]
   if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and keys[-1] == "value":
     keys.pop()
   return tuple(keys)
