@@ -111,39 +111,44 @@ def _block(x):
   return jax.block_until_ready(x)
 
 
-def _rel(outs, refs) -> float:
-  """Relative Frobenius error over all arrays of two lists."""
-  import jax.numpy as jnp
-  num = den = 0.0
-  for a, b in zip(outs, refs):
-    a = jnp.asarray(a, jnp.float32)
-    b = jnp.asarray(b, jnp.float32)
-    num += float(jnp.sum(jnp.square(a - b)))
-    den += float(jnp.sum(jnp.square(b)))
-  return math.sqrt(num) / max(math.sqrt(den), 1e-30)
-
-
-def _bits(a):
+def _stats(outs, refs):
+  """Per array pair: sum of squared differences, sum of squared reference
+  values (fp32), elements whose bits differ. One jitted program: eager ops
+  would compile once per leaf shape."""
   import jax
   import jax.numpy as jnp
-  return jax.lax.bitcast_convert_type(a, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32,
-                                          8: jnp.uint64}[a.dtype.itemsize])
+
+  def bits(a):
+    return jax.lax.bitcast_convert_type(a, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32,
+                                            8: jnp.uint64}[a.dtype.itemsize])
+
+  def one(a, b):
+    a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
+    return (jnp.sum(jnp.square(a32 - b32)), jnp.sum(jnp.square(b32)),
+            jnp.sum(bits(a) != bits(b), dtype=jnp.int32))
+  return [one(a, b) for a, b in zip(outs, refs)]
 
 
-def _differing(outs, refs) -> list[int]:
-  """[elements whose bits differ, elements] over all arrays."""
-  import jax.numpy as jnp
-  diff = 0
-  for a, b in zip(outs, refs):
-    if a.shape != b.shape or a.dtype != b.dtype:
-      diff += int(b.size)
-    else:
-      diff += int(jnp.sum(_bits(a) != _bits(b)))
-  return [diff, sum(int(b.size) for b in refs)]
+_STATS = None
 
 
-def _bitwise(outs, refs) -> bool:
-  return _differing(outs, refs)[0] == 0
+def compare_arrays(outs, refs) -> dict:
+  """``rel_err`` (relative Frobenius error over all arrays), ``differing``
+  ([elements whose bits differ, elements]) and ``bitwise``."""
+  import jax
+  global _STATS
+  if _STATS is None:
+    _STATS = jax.jit(_stats)
+  outs, refs = list(outs), list(refs)
+  n = sum(int(b.size) for b in refs)
+  if len(outs) != len(refs) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(outs, refs)):
+    return {"rel_err": float("inf"), "differing": [n, n], "bitwise": False}
+  stats = jax.device_get(_STATS(outs, refs))
+  num = sum(float(s[0]) for s in stats)
+  den = sum(float(s[1]) for s in stats)
+  diff = sum(int(s[2]) for s in stats)
+  return {"rel_err": math.sqrt(num) / max(math.sqrt(den), 1e-30), "differing": [diff, n],
+          "bitwise": diff == 0}
 
 
 # Leaves added to the Llama tree's: every Llama leaf is a multiple of 2048
@@ -208,8 +213,8 @@ def families(st: Settings) -> list[Family]:
     return _call(lambda: f(state["args"]), f, (state["args"],))
 
   def sr_compare(state, outs):
-    bitwise = _bitwise(outs, state["ref"])
-    return {"rel_err": _rel(outs, state["ref"]), "bitwise_ref": bitwise, "ok": bitwise}
+    c = compare_arrays(outs, state["ref"])
+    return {"rel_err": c["rel_err"], "bitwise_ref": c["bitwise"], "ok": c["bitwise"]}
 
   n_ew = sum(math.prod(s) for s in ew_shapes(st))
   out.append(Family("stochastic_round", "fuseopt.kernels.stochastic_round.stochastic_round_bf16",
@@ -245,8 +250,8 @@ def families(st: Settings) -> list[Family]:
     return run
 
   def adam_compare(state, outs):
-    rel = _rel(outs, state["ref"])
-    return {"rel_err": rel, "bitwise_ref": _bitwise(outs, state["ref"]), "ok": rel < ADAM_TOL}
+    c = compare_arrays(outs, state["ref"])
+    return {"rel_err": c["rel_err"], "bitwise_ref": c["bitwise"], "ok": c["rel_err"] < ADAM_TOL}
 
   adam_work = {"bytes": 20 * n_ew}  # fp32 params r/w, fp32 grads, bf16 mu and nu r/w
   out.append(Family("adam", "fuseopt.kernels.adam.adam_update_tree(group=False)",
@@ -279,7 +284,7 @@ def families(st: Settings) -> list[Family]:
 
     def compare(state, outs):
       ref = state["refs"][ref_key] if ref_key else state["ref"]
-      rel = _rel(outs, [ref])
+      rel = compare_arrays(outs, [ref])["rel_err"]
       return {"rel_err": rel, "ok": rel < NS_TOL}
     return run, compare
 
@@ -377,9 +382,9 @@ def run_job(fam: Family, cfg, state: dict, iters: int, heuristic_outs: dict) -> 
       # Determinism: every block config gives the heuristic's bits (the
       # rounding exactly; Adam's fp32 outputs up to an FMA contraction,
       # tests/kernels/test_adam_group.py).
-      ref = heuristic_outs[fam.name]
-      rec["bitwise_vs_heuristic"] = _bitwise(outs, ref)
-      rec["differing_vs_heuristic"] = _differing(outs, ref)
+      c = compare_arrays(outs, heuristic_outs[fam.name])
+      rec["bitwise_vs_heuristic"] = c["bitwise"]
+      rec["differing_vs_heuristic"] = c["differing"]
       if fam.name == "stochastic_round":
         rec["ok"] = rec["ok"] and rec["bitwise_vs_heuristic"]
   del outs

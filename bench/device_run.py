@@ -203,6 +203,7 @@ class Run:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(self.data(), indent=1, default=repr) + "\n")
     os.replace(tmp, path)  # a reader (or a run cut short) never sees half a file
+    self.save_log()
 
   def save_log(self):
     if self.out_dir is not None and self.log:
@@ -298,24 +299,30 @@ def run_configs(run: Run) -> None:
   run.parts["configs"] = {"status": "running"}
   run.save()
   families = list(dict.fromkeys(j["family"] for j in run.jobs))
-  done_by_budget = False
+  done_by_budget = cannot_start = False
   for k, fam in enumerate(families):
     fam_start = run.elapsed()
     share = max(0.0, budget - (fam_start - start)) / (len(families) - k)
-    todo = [j for j in run.jobs if j["family"] == fam and j["id"] not in run.records]
+    fam_jobs = [j for j in run.jobs if j["family"] == fam]
+    todo = [j for j in fam_jobs if j["id"] not in run.records]
+    if todo and fam_jobs[0] not in todo:
+      # Resumed: the heuristic runs again, the same-run reference for the
+      # new configs' times and bits.
+      todo.insert(0, fam_jobs[0])
     for n, job in enumerate(todo):
       used = run.elapsed() - start
       if used > budget or (n > 0 and run.elapsed() - fam_start > share):
         run.records[job["id"]] = {**job, "status": "skipped", "ok": False, "skipped": "time budget"}
         done_by_budget = True
         continue
-      if worker is None:
+      if worker is None and not cannot_start:
         # A fresh process after a crash: its start-up counts against the budget.
         worker = run.start_worker(min(HELLO_TIMEOUT_S, max(20.0, budget + a.config_timeout_s - used)))
-        if worker is None:
-          run.records[job["id"]] = {**job, "status": "skipped", "ok": False,
-                                    "skipped": "the config process did not start"}
-          continue
+        cannot_start = worker is None  # then the device is gone: no more tries
+      if worker is None:
+        run.records[job["id"]] = {**job, "status": "skipped", "ok": False,
+                                  "skipped": "no config process could start after a crash"}
+        continue
       # A config may run over its family's share, never past the budget's
       # end by more than one config timeout.
       timeout = min(a.config_timeout_s, max(5.0, budget + a.config_timeout_s - used))
@@ -481,7 +488,8 @@ def main(argv=None) -> int:
     w = run.start_worker()  # the environment record and the device's directory
     if w is not None:
       w.close()
-    run.jobs = []
+    # Config records only where --resume brought them from the earlier run.
+    run.jobs = [j for j in run.jobs if j["id"] in run.records]
     run.save_log()
   if run.hello is None:
     print("device_run: no device information (the config process never started); see above", flush=True)
