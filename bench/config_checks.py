@@ -432,6 +432,7 @@ def worker(argv=None) -> int:
     space = fams[j["family"]].space
     configs[j["id"]] = None if j["space_index"] is None else space[j["space_index"]]
   _emit({"hello": {"platform": platform, "device_kind": core.device_kind(),
+                   "xla_flags": os.environ.get("XLA_FLAGS"),
                    "device_slug": core.device_slug(), "env": environment.collect(),
                    "settings": dataclasses.asdict(st), "jobs": jobs}})
   faults = _faults()

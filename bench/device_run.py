@@ -29,6 +29,15 @@ hypothesis (plots are skipped without matplotlib). Under
    the README's performance table from it.
 3. ``device_run.log``: the stderr of the config-check processes.
 
+The config processes run with ``--xla_gpu_graph_min_graph_size=1``
+(``--graph-min-size``): every kernel inside a CUDA graph, as in a training
+step, where a block config once failed only at run time.
+
+A second try: ``--resume`` keeps the finished config records (and the
+suite's part) of the directory's ``device_run.json`` and runs only what is
+missing (``--retry-failed``: the failed configs too); ``--parts``,
+``--families``, ``--ops``, ``--rows`` narrow it.
+
 Time: ``--budget-s`` (default 540 s) bounds the whole run. The config
 checks get ``--configs-budget-s`` (150 s), shared fairly among the kernel
 families (a family's first config always runs while that budget lasts;
@@ -176,7 +185,8 @@ class Run:
     kept = 0
     for r in old.get("configs", []):
       j = jobs.get(r.get("id"))
-      if j and r.get("config") == j["config"] and r.get("status") not in ("skipped", "pending"):
+      redo = ("skipped", "pending") + (("error", "crashed", "timeout") if self.args.retry_failed else ())
+      if j and r.get("config") == j["config"] and r.get("status") not in redo:
         self.records[r["id"]] = {**r, "resumed": True}
         kept += 1
     if "suite" in old.get("parts", {}):
@@ -190,7 +200,7 @@ class Run:
             "platform": h.get("platform"), "dry_run": self.args.dry_run,
             "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "env": h.get("env"),
-            "config_settings": h.get("settings")}
+            "config_settings": h.get("settings"), "config_xla_flags": h.get("xla_flags")}
     records = [self.records.get(j["id"], {**j, "status": "pending"}) for j in self.jobs]
     return {"schema": SCHEMA, "meta": meta, "budget": self.budget, "parts": self.parts,
             "wall_s": round(self.elapsed(), 1), "summary": summarize(records), "configs": records}
@@ -223,7 +233,7 @@ class Run:
   def start_worker(self, timeout: float = HELLO_TIMEOUT_S) -> Worker | None:
     self.workers += 1
     self.log.append(f"--- config process {self.workers} at {self.elapsed():.1f} s")
-    w = Worker(self.worker_cmd(), child_env(self.args), self.workers, self.log)
+    w = Worker(self.worker_cmd(), child_env(self.args, configs=True), self.workers, self.log)
     try:
       msg = w.get(timeout)
     except queue.Empty:
@@ -248,12 +258,18 @@ class Run:
     return w
 
 
-def child_env(args) -> dict:
+def child_env(args, *, configs: bool = False) -> dict:
   env = dict(os.environ)
   root = str(HERE.parent)
   env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
   if args.dry_run:
     env["JAX_PLATFORMS"] = "cpu"
+  if configs and args.graph_min_size:
+    # XLA puts a run of at least this many kernels into a CUDA graph (its
+    # default: 5). A config check jits one kernel, or a few launches, where
+    # a training step has hundreds: 1 puts them into a graph as in training,
+    # where the known run-time failure happened (docs/pallas_notes.md).
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_gpu_graph_min_graph_size={args.graph_min_size}").strip()
   return env
 
 
@@ -458,6 +474,11 @@ def main(argv=None) -> int:
                   help="layers of the Llama tree for the elementwise configs (1: 13 leaves; 16: 147)")
   ap.add_argument("--ns-shape", type=int, nargs=3, default=(1, 2048, 8192), metavar=("B", "M", "N"))
   ap.add_argument("--per-family", type=int, default=None, help="only the first N configs of each family")
+  ap.add_argument("--retry-failed", action="store_true",
+                  help="with --resume: also run again the configs that failed (error, crashed, timeout)")
+  ap.add_argument("--graph-min-size", type=int, default=1,
+                  help="XLA's --xla_gpu_graph_min_graph_size for the config checks (default 1: every "
+                       "kernel inside a CUDA graph, as in a training step; 0: XLA's default)")
   ap.add_argument("--families", nargs="+", default=None,
                   help="only these config families (stochastic_round adam adam_group ns_poly ns_gram "
                        "ns_update ns_fused)")

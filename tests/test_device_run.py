@@ -65,6 +65,8 @@ def test_dry_run_survives_a_crash_and_an_error(tmp_path):
   assert data["schema"] == "fuseopt-device-run/1" and data["meta"]["dry_run"]
   env = data["meta"]["env"]
   assert env["jax"] == jax.__version__ and env["jaxlib"] and env["python"] and env["device_kind"] == "cpu"
+  # The config processes started with it, so this XLA knows the flag (an unknown one is fatal).
+  assert "--xla_gpu_graph_min_graph_size=1" in data["meta"]["config_xla_flags"]
   recs = {r["id"]: r for r in data["configs"]}
   families = {r["family"] for r in recs.values()}
   assert families == {"stochastic_round", "adam", "adam_group", "ns_poly", "ns_gram", "ns_update",
