@@ -39,11 +39,11 @@ warm-up), ``min_ms``, ``compile_s`` (first call), GB/s or TFLOP/s, or the
 Protocol (stdout lines that start with ``PREFIX``, JSON after it): first
 ``{"hello": {env, platform, device_kind, device_slug, jobs}}``; then, for
 each job id read from stdin, ``{"start": id}`` and ``{"result": record}``.
-A failed config is followed by a health check (a tiny jitted op); when the
+A failed config is followed by a health check (a tiny jitted op): when the
 device still answers ``{"health": true}``, else ``{"health": false}`` and
-exit code 3, so that the parent starts a fresh process. ``FUSEOPT_CONFIG_FAULT="abort:ID,hang:ID,raise:ID"``
-makes the listed jobs abort the process, hang or raise: tests of the
-parent's isolation.
+exit code 3, so that the parent starts a fresh process.
+``FUSEOPT_CONFIG_FAULT="abort:ID,hang:ID,raise:ID"`` makes the listed jobs
+abort the process, hang or raise: tests of the parent's isolation.
 """
 
 from __future__ import annotations
@@ -89,9 +89,9 @@ class Family:
 
 
 def settings_for(platform: str, args) -> Settings:
-  if args.dry_run:
-    return Settings("triton", True, dict(d=32, ff=64, layers=0, vocab=64), RAGGED_LEAVES_DRY, (1, 64, 128),
-                    (2, 32, 64), 1, args.per_family or 2)
+  if args.dry_run:  # the embedding, final norm and head of a tiny Llama, 2 ragged leaves
+    return Settings("triton", True, dict(d=32, ff=64, layers=0, vocab=64), RAGGED_LEAVES_DRY,
+                    (1, 64, 128), (2, 32, 64), 1, args.per_family or 2)
   impl = {"gpu": "triton", "cuda": "triton", "tpu": "mosaic_tpu"}.get(platform)
   if impl is None:
     raise SystemExit(f"config_checks: no GPU or TPU (platform {platform!r}); use --dry-run")
@@ -101,8 +101,7 @@ def settings_for(platform: str, args) -> Settings:
   while not fused.fits(impl, fm, fm):
     fm //= 2
   return Settings(impl, False, {**workloads.LLAMA_1B, "layers": args.ew_layers}, RAGGED_LEAVES,
-                  tuple(args.ns_shape),
-                  (32, fm, fm), args.iters, args.per_family)
+                  tuple(args.ns_shape), (32, fm, fm), args.iters, args.per_family)
 
 
 # ------------------------------------------------------------------ helpers --
