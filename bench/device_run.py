@@ -160,7 +160,7 @@ class Run:
   def __init__(self, args):
     self.args = args
     self.t0 = _now()
-    self.log: list[str] = []
+    self.log: collections.deque = collections.deque(maxlen=20000)  # (XLA can be verbose)
     self.hello = None
     self.out_dir: Path | None = None
     self.jobs: list[dict] = []
@@ -174,8 +174,9 @@ class Run:
 
   def resume(self):
     """Keeps the finished records (and the suite's part) of an earlier run
-    in the same directory: only configs skipped, pending or new run again."""
-    path = self.out_dir / "device_run.json"
+    (``--resume PATH``, or this directory's ``device_run.json``): only
+    configs skipped, pending or new run again."""
+    path = Path(self.args.resume) if self.args.resume else self.out_dir / "device_run.json"
     try:
       old = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -249,7 +250,7 @@ class Run:
       fams = self.args.families
       self.jobs = [j for j in self.hello["jobs"] if not fams or j["family"] in fams]
       self.out_dir = self.args.out_root / self.hello["device_slug"]
-      if self.args.resume:
+      if self.args.resume is not None:
         self.resume()
       env = self.hello.get("env") or {}
       print(f"device_run: {self.hello['device_kind']} ({self.hello['platform']}), jax {env.get('jax')}, "
@@ -482,9 +483,10 @@ def main(argv=None) -> int:
   ap.add_argument("--families", nargs="+", default=None,
                   help="only these config families (stochastic_round adam adam_group ns_poly ns_gram "
                        "ns_update ns_fused)")
-  ap.add_argument("--resume", action="store_true",
-                  help="keep the finished config records of OUT_ROOT/<device>/device_run.json (and its "
-                       "suite part) and run only what is missing")
+  ap.add_argument("--resume", nargs="?", const="", default=None, metavar="DEVICE_RUN_JSON",
+                  help="keep the finished config records (and the suite part) of an earlier run's "
+                       "device_run.json (default: OUT_ROOT/<device>/device_run.json) and run only "
+                       "what is missing")
   ap.add_argument("--iters", type=int, default=None, help="timed calls per config and per suite variant")
   ap.add_argument("--ops", nargs="+", default=None, help="suite: only these ops")
   ap.add_argument("--rows", nargs="+", default=None, help="suite: only cases whose id contains one of these")

@@ -26,7 +26,7 @@ def _blocker(tmp_path) -> Path:
   has its directory on PYTHONPATH (children inherit it), and notes each
   process it ran in."""
   d = tmp_path / "site"
-  d.mkdir()
+  d.mkdir(exist_ok=True)
   (d / "sitecustomize.py").write_text(textwrap.dedent(f"""
       import os, sys
       MISSING = {MISSING!r}
@@ -177,3 +177,22 @@ def test_a_hanging_config_is_killed_and_recorded():
   assert worker is None and w.proc.poll() is not None  # killed
   assert rec["status"] == "timeout" and "running" in rec["error"] and rec["ok"] is False
   assert rec["id"] == "ns_poly/3" and rec["process"] == 1
+
+
+def test_resume_runs_only_what_is_missing(tmp_path):
+  """A second try reads the first run's records from another directory and
+  runs only the configs not finished there (and the heuristic again)."""
+  run = lambda out, *extra: subprocess.run(
+      [sys.executable, "bench/device_run.py", str(out), "--dry-run", "--parts", "configs",
+       "--families", "ns_fused", *extra], cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True,
+      timeout=120)
+  first = run(tmp_path / "a", "--per-family", "2")
+  assert first.returncode == 0, first.stdout + first.stderr[-3000:]
+  earlier = tmp_path / "a" / "cpu" / "device_run.json"
+  second = run(tmp_path / "b", "--per-family", "3", "--resume", str(earlier))
+  assert second.returncode == 0, second.stdout + second.stderr[-3000:]
+  recs = {r["id"]: r for r in json.loads((tmp_path / "b" / "cpu" / "device_run.json").read_text())["configs"]}
+  assert set(recs) == {"ns_fused/heuristic", "ns_fused/1", "ns_fused/0"}
+  assert recs["ns_fused/1"]["resumed"] and "resumed" not in recs["ns_fused/0"]
+  assert "resumed" not in recs["ns_fused/heuristic"]  # the same-run reference, again
+  assert all(r["status"] == "ok" for r in recs.values())
