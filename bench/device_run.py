@@ -1,7 +1,7 @@
 """Everything fuseopt checks and measures on one accelerator, in one command.
 
   PYTHONPATH=$PWD python bench/device_run.py [OUT_ROOT] [--budget-s 540] [--configs-budget-s 150]
-                                             [--parts configs suite] [--dry-run]
+                                             [--parts configs suite] [--resume [JSON]] [--dry-run]
 
 Made for a machine where nothing can be installed and time is short: it
 needs only jax (with its CUDA plugin or libtpu), optax and numpy; torch
@@ -19,9 +19,11 @@ hypothesis (plots are skipped without matplotlib). Under
    error against its reference, median ms — rewritten after each record,
    and at the end the suite's status and a summary per kernel family.
    Configs run in a child process, one at a time with a timeout; a config
-   that kills the process (segfault, abort, a CUDA error that leaves the
-   device unusable) is recorded as ``crashed`` and a fresh process takes
-   the next one, so one bad config cannot lose the others.
+   that kills the process (segfault, abort) is recorded as ``crashed``, one
+   after whose error the device no longer answers as ``error`` with
+   ``device_poisoned``, one past its timeout as ``timeout``; a fresh
+   process then takes the next config, so one bad config cannot lose the
+   others.
 2. ``suite.json`` (+ ``bench.png``, ``scaling.png`` with matplotlib):
    ``bench/gpu_suite.py`` in a child process with the rest of the budget —
    the ceilings, every bench case with its baselines (PyTorch's in their own
@@ -33,10 +35,11 @@ The config processes run with ``--xla_gpu_graph_min_graph_size=1``
 (``--graph-min-size``): every kernel inside a CUDA graph, as in a training
 step, where a block config once failed only at run time.
 
-A second try: ``--resume`` keeps the finished config records (and the
-suite's part) of the directory's ``device_run.json`` and runs only what is
-missing (``--retry-failed``: the failed configs too); ``--parts``,
-``--families``, ``--ops``, ``--rows`` narrow it.
+A second try: ``--resume [DEVICE_RUN_JSON]`` keeps the finished config
+records (and the suite's part) of an earlier run (default: the output
+directory's ``device_run.json``) and runs only what is missing
+(``--retry-failed``: the failed configs too); ``--parts``, ``--families``,
+``--ops``, ``--rows`` narrow it.
 
 Time: ``--budget-s`` (default 540 s) bounds the whole run. The config
 checks get ``--configs-budget-s`` (150 s), shared fairly among the kernel
