@@ -196,3 +196,32 @@ def test_resume_runs_only_what_is_missing(tmp_path):
   assert recs["ns_fused/1"]["resumed"] and "resumed" not in recs["ns_fused/0"]
   assert "resumed" not in recs["ns_fused/heuristic"]  # the same-run reference, again
   assert all(r["status"] == "ok" for r in recs.values())
+
+
+@pytest.mark.parametrize("healthy", [True, False])
+def test_an_error_then_a_health_check(healthy):
+  """After a config's error the process reports whether the device still
+  answers; when it does not, the parent records it and drops the process."""
+  dr = _bench_module("device_run")
+  prefix = dr.config_checks.PREFIX
+  script = textwrap.dedent(f"""
+      import json, sys
+      say = lambda m: print({prefix!r} + json.dumps(m), flush=True)
+      for line in sys.stdin:
+        if line.strip() == "exit":
+          break
+        say({{"start": line.strip()}})
+        say({{"result": {{"id": line.strip(), "ok": False, "status": "error", "error": "XlaRuntimeError: x"}}}})
+        say({{"health": {healthy!r}}})
+        if not {healthy!r}:
+          sys.exit(3)
+  """)
+  w = dr.Worker([sys.executable, "-c", script], dict(os.environ), 1, [])
+  job = {"id": "adam/7", "family": "adam", "config": "TritonConfig(block=4096, num_warps=8)", "space_index": 7}
+  rec, worker = dr._run_one(None, w, job, timeout=30)
+  assert rec["status"] == "error" and "XlaRuntimeError" in rec["error"]
+  if healthy:
+    assert worker is w and "device_poisoned" not in rec
+    w.close()
+  else:
+    assert worker is None and rec["device_poisoned"] and w.proc.poll() is not None
