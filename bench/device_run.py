@@ -475,7 +475,8 @@ def main(argv=None) -> int:
   ap.add_argument("--dry-run", action="store_true",
                   help="the same path on the CPU: tiny shapes, interpret mode, a short suite")
   ap.add_argument("--ew-layers", type=int, default=1,
-                  help="layers of the Llama tree for the elementwise configs (1: 13 leaves; 16: 147)")
+                  help="layers of the Llama tree for the elementwise configs (1: 13 leaves; 16: 147, "
+                       "then give --config-timeout-s and --configs-budget-s more time)")
   ap.add_argument("--ns-shape", type=int, nargs=3, default=(1, 2048, 8192), metavar=("B", "M", "N"))
   ap.add_argument("--per-family", type=int, default=None, help="only the first N configs of each family")
   ap.add_argument("--retry-failed", action="store_true",

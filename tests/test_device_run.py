@@ -102,7 +102,9 @@ def test_imports_without_the_optional_modules(tmp_path):
   code = textwrap.dedent("""
       import sys
       sys.path.insert(0, "bench")
-      import device_run, config_checks, gpu_suite, ns_configs, torch_baselines
+      import device_run
+      assert "jax" not in sys.modules  # the parent leaves the device's memory to its children
+      import config_checks, gpu_suite, ns_configs, torch_baselines
       import fuseopt.optim, fuseopt.kernels
       from fuseopt.benchmarks import core, environment, regression, report, workloads
       from fuseopt.benchmarks.cases import all_cases
