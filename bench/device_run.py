@@ -269,8 +269,8 @@ def child_env(args, *, configs: bool = False) -> dict:
   if args.dry_run:
     env["JAX_PLATFORMS"] = "cpu"
   if configs and args.graph_min_size:
-    # XLA puts a run of at least this many kernels into a CUDA graph (its
-    # default: 5). A config check jits one kernel, or a few launches, where
+    # XLA puts a run of at least this many kernels into a CUDA graph. A
+    # config check jits one kernel, or a few launches, where
     # a training step has hundreds: 1 puts them into a graph as in training,
     # where the known run-time failure happened (docs/pallas_notes.md).
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_gpu_graph_min_graph_size={args.graph_min_size}").strip()
