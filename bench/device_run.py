@@ -221,6 +221,7 @@ class Run:
 
   def save_log(self):
     if self.out_dir is not None and self.log:
+      self.out_dir.mkdir(parents=True, exist_ok=True)
       (self.out_dir / "device_run.log").write_text("\n".join(self.log) + "\n")
 
   # ------------------------------------------------------------- workers --
@@ -517,7 +518,7 @@ def main(argv=None) -> int:
       w.close()
     # Config records only where --resume brought them from the earlier run.
     run.jobs = [j for j in run.jobs if j["id"] in run.records]
-    run.save_log()
+    run.save()
   if run.hello is None:
     print("device_run: no device information (the config process never started); see above", flush=True)
     return 3

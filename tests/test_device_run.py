@@ -183,7 +183,8 @@ def test_a_hanging_config_is_killed_and_recorded():
 
 def test_resume_runs_only_what_is_missing(tmp_path):
   """A second try reads the first run's records from another directory and
-  runs only the configs not finished there (and the heuristic again)."""
+  runs only the configs not finished there (and the heuristic again); a
+  third runs the suite alone."""
   run = lambda out, *extra: subprocess.run(
       [sys.executable, "bench/device_run.py", str(out), "--dry-run", "--parts", "configs",
        "--families", "ns_fused", *extra], cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True,
@@ -198,6 +199,12 @@ def test_resume_runs_only_what_is_missing(tmp_path):
   assert recs["ns_fused/1"]["resumed"] and "resumed" not in recs["ns_fused/0"]
   assert "resumed" not in recs["ns_fused/heuristic"]  # the same-run reference, again
   assert all(r["status"] == "ok" for r in recs.values())
+  # The suite alone, after the environment record.
+  third = subprocess.run([sys.executable, "bench/device_run.py", str(tmp_path / "c"), "--dry-run", "--parts",
+                          "suite"], cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+  assert third.returncode == 0, third.stdout + third.stderr[-3000:]
+  data = json.loads((tmp_path / "c" / "cpu" / "device_run.json").read_text())
+  assert data["configs"] == [] and data["meta"]["env"]["jaxlib"] and data["parts"]["suite"]["rc"] == 0
 
 
 @pytest.mark.parametrize("healthy", [True, False])
