@@ -43,7 +43,8 @@ A failed config is followed by a health check (a tiny jitted op): when the
 device still answers ``{"health": true}``, else ``{"health": false}`` and
 exit code 3, so that the parent starts a fresh process.
 ``FUSEOPT_CONFIG_FAULT="abort:ID,hang:ID,raise:ID"`` makes the listed jobs
-abort the process, hang or raise: tests of the parent's isolation.
+abort the process, hang or raise (``abort:start``: the process dies before
+its hello): tests of the parent's isolation.
 """
 
 from __future__ import annotations
@@ -422,6 +423,8 @@ def worker(argv=None) -> int:
   import jax
   from fuseopt.benchmarks import core, environment
 
+  if _faults().get("start") == "abort":  # (a process that dies before its hello)
+    os.abort()
   platform = jax.default_backend()
   st = settings_for(platform, args)
   fams = {f.name: f for f in families(st)}

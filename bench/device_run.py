@@ -163,6 +163,7 @@ class Run:
   def __init__(self, args):
     self.args = args
     self.t0 = _now()
+    self.wall_start = time.time()
     self.log: collections.deque = collections.deque(maxlen=20000)  # (XLA can be verbose)
     self.hello = None
     self.out_dir: Path | None = None
@@ -170,6 +171,7 @@ class Run:
     self.records: dict[str, dict] = {}
     self.parts: dict[str, dict] = {}
     self.budget: dict[str, float] = {}
+    self.start_error: dict | None = None
     self.workers = 0
 
   def elapsed(self) -> float:
@@ -246,8 +248,10 @@ class Run:
     if not msg or "hello" not in msg:
       why = w.death() if msg is None else "no hello in time"
       w.kill()
-      print(f"device_run: the config process did not start: {why}; "
-            f"stderr: {' | '.join(list(w.stderr)[-5:])}", flush=True)
+      self.start_error = {"error": f"the config process did not start: {why}",
+                          "stderr_tail": list(w.stderr)[-20:]}
+      print(f"device_run: {self.start_error['error']}; stderr: {' | '.join(list(w.stderr)[-5:])}",
+            flush=True)
       return None
     if self.hello is None:
       self.hello = msg["hello"]
@@ -315,7 +319,7 @@ def run_configs(run: Run) -> None:
   worker = run.start_worker()
   if worker is None:
     run.parts["configs"] = {"status": "failed: the config process did not start",
-                            "wall_s": round(run.elapsed() - start, 1)}
+                            "wall_s": round(run.elapsed() - start, 1), **(run.start_error or {})}
     return
   run.parts["configs"] = {"status": "running"}
   run.save()
@@ -446,6 +450,12 @@ def run_suite(run: Run) -> None:
     rc, status = None, f"stopped after {timeout:.0f} s (its JSON keeps the cases finished)"
   part = {**run.parts["suite"], "status": status, "rc": rc, "wall_s": round(run.elapsed() - start, 1)}
   slug = (run.hello or {}).get("device_slug")
+  if slug is None:
+    # No config process told us the device: the suite's own directory.
+    fresh = [p for p in a.out_root.glob("*/suite.json") if p.stat().st_mtime >= run.wall_start]
+    if fresh:
+      slug = max(fresh, key=lambda p: p.stat().st_mtime).parent.name
+      run.out_dir = a.out_root / slug
   suite_json = a.out_root / slug / "suite.json" if slug else None
   if suite_json and suite_json.exists():
     try:
@@ -520,8 +530,9 @@ def main(argv=None) -> int:
     run.jobs = [j for j in run.jobs if j["id"] in run.records]
     run.save()
   if run.hello is None:
-    print("device_run: no device information (the config process never started); see above", flush=True)
-    return 3
+    print("device_run: no config process started (see above); the suite still runs", flush=True)
+    run.parts.setdefault("configs", {"status": "failed: the config process did not start",
+                                     **(run.start_error or {})})
   if "suite" in args.parts:
     run_suite(run)
   run.save()
@@ -532,6 +543,8 @@ def main(argv=None) -> int:
         + f"; suite: {run.parts.get('suite', {}).get('status', 'not run')} -> {run.out_dir}", flush=True)
   for b in bad:
     print(f"  failed config: {b}", flush=True)
+  if run.hello is None:
+    return 3
   suite_rc = run.parts.get("suite", {}).get("rc", 0)
   return 0 if suite_rc == 0 else 1
 

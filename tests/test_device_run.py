@@ -234,3 +234,14 @@ def test_an_error_then_a_health_check(healthy):
     w.close()
   else:
     assert worker is None and rec["device_poisoned"] and w.proc.poll() is not None
+
+
+def test_the_suite_runs_when_no_config_process_starts(tmp_path):
+  proc = subprocess.run([sys.executable, "bench/device_run.py", str(tmp_path), "--dry-run"], cwd=ROOT,
+                        env=_env(tmp_path, FUSEOPT_CONFIG_FAULT="abort:start"), capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 3, proc.stdout + proc.stderr[-3000:]
+  data = json.loads((tmp_path / "cpu" / "device_run.json").read_text())
+  assert "SIGABRT" in data["parts"]["configs"]["error"]
+  assert data["parts"]["suite"]["rc"] == 0 and data["parts"]["suite"]["timed"] > 0
+  report.validate(json.loads((tmp_path / "cpu" / "suite.json").read_text()))
