@@ -19,6 +19,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from fuseopt.benchmarks import environment
+
 Builder = Callable[[], tuple[Callable[..., Any], tuple]]
 
 
@@ -347,6 +349,7 @@ def run_meta(size: str) -> dict[str, Any]:
       "num_devices": jax.device_count(), "size": size, "jax": jax.__version__,
       "python": _pf.python_version(), "machine": _pf.machine(),
       "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+      "env": environment.collect(),  # versions (jaxlib, CUDA plugin, driver, triton, torch, ...)
   }
 
 

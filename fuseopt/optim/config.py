@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import re
 from typing import Any, Mapping, Sequence
-
-import yaml
 
 from fuseopt.optim import groups as groups_lib
 from fuseopt.optim import schedules as schedules_lib
@@ -29,22 +28,37 @@ STATE_DTYPES = ("float32", "bfloat16")
 _NO_DECAY_OPTIMIZERS = ("adam",)
 
 
-class _Loader(yaml.SafeLoader):
-  """SafeLoader that also reads ``1e-3`` (no dot) as a float, as Python and JSON do."""
+def _yaml():
+  # pyyaml is needed only by the YAML methods: importing fuseopt.optim must
+  # work where it is missing (e.g. a bare accelerator machine running bench/).
+  try:
+    import yaml
+  except ImportError as e:
+    raise ImportError("OptimConfig's YAML methods (to_yaml, from_yaml, override) need pyyaml: "
+                      "pip install pyyaml") from e
+  return yaml
 
 
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-                   |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-                   |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-                   |[-+]?\.(?:inf|Inf|INF)
-                   |\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."))
+@functools.cache
+def _loader():
+  yaml = _yaml()
+
+  class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads ``1e-3`` (no dot) as a float, as Python and JSON do."""
+
+  _Loader.add_implicit_resolver(
+      "tag:yaml.org,2002:float",
+      re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                     |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                     |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                     |[-+]?\.(?:inf|Inf|INF)
+                     |\.(?:nan|NaN|NAN))$""", re.X),
+      list("-+0123456789."))
+  return _Loader
 
 
 def _load_yaml(text: str):
-  return yaml.load(text, Loader=_Loader)
+  return _yaml().load(text, Loader=_loader())
 
 
 def _suggest(name: str, options: Sequence[str]) -> str:
@@ -291,7 +305,7 @@ class OptimConfig:
     return cls(**dict(d))
 
   def to_yaml(self) -> str:
-    return yaml.safe_dump(self.to_dict(), sort_keys=False)
+    return _yaml().safe_dump(self.to_dict(), sort_keys=False)
 
   @classmethod
   def from_yaml(cls, text: str) -> "OptimConfig":

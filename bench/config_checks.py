@@ -1,0 +1,489 @@
+"""Every block config of every Pallas kernel, run once on the device: correct? how fast?
+
+A worker process for ``bench/device_run.py``, which starts it, feeds it one
+config at a time and restarts it when a config kills it:
+
+  python bench/config_checks.py [--dry-run] [--ew-layers 1] [--ns-shape 1 2048 8192] [--iters 10]
+
+Lowering a kernel from the CPU and running it in interpret mode cannot
+catch what only ptxas, the driver or XLA's CUDA-graph runtime reject
+(docs/pallas_notes.md, "CUDA graphs": one per-leaf block size failed only
+at run time on a GPU). So each config runs here on the device, inside
+``jax.jit`` as a training step would run it, against its plain-jnp
+reference.
+
+Families (``implementation`` of the default device: ``triton`` on a GPU,
+``mosaic_tpu`` on a TPU); each starts with ``<family>/heuristic`` (what
+``config=None`` picks), then every config of the search space, the last
+one first (the largest blocks, the likeliest to fail), ids
+``<family>/<index in the search space>``:
+
+- ``stochastic_round``: ``stochastic_round_bf16`` on every leaf of the
+  Llama-shaped tree (``--ew-layers`` layers; 1 layer: 13 leaves, every leaf
+  shape of the 1.2 B tree), one jit; must equal the reference bitwise.
+- ``adam`` (one kernel per leaf) and, on a GPU, ``adam_group`` (grouped
+  launches): ``adam_update_tree`` on that tree, fp32 params and grads, bf16
+  moments, params and moments donated and fed back call after call as in
+  training. Correct within ``ADAM_TOL`` of the XLA reference; bitwise
+  equality with the reference and with the family's heuristic config (the
+  determinism contract: same bits on any block size) recorded.
+- ``ns_poly``, ``ns_gram`` (``gram.sym``), ``ns_update`` (``update.matmul``)
+  at ``--ns-shape`` (2048×8192, an issue target), ``ns_fused`` at the
+  largest shape its kernel takes; relative Frobenius error below
+  ``NS_TOL`` (bf16 iterates).
+
+Each record: ``ok``, ``rel_err``, ``ms`` (median of ``--iters`` calls after
+warm-up), ``min_ms``, ``compile_s`` (first call), GB/s or TFLOP/s, or the
+``error``. ``--dry-run`` runs tiny shapes in interpret mode on the CPU.
+
+Protocol (stdout lines that start with ``PREFIX``, JSON after it): first
+``{"hello": {env, platform, device_kind, device_slug, jobs}}``; then, for
+each job id read from stdin, ``{"start": id}`` and ``{"result": record}``.
+A failed config is followed by a health check (a tiny jitted op): when the
+device still answers ``{"health": true}``, else ``{"health": false}`` and
+exit code 3, so that the parent starts a fresh process.
+``FUSEOPT_CONFIG_FAULT="abort:ID,hang:ID,raise:ID"`` makes the listed jobs
+abort the process, hang or raise (``abort:start``: the process dies before
+its hello): tests of the parent's isolation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+PREFIX = "@@fuseopt-config "
+ADAM_TOL = 5e-3   # bf16 moments: a 1-ulp fp32 difference can move a stochastic rounding
+NS_TOL = 2e-2     # bf16 iterates, fp32 accumulation (as bench/ns_configs.py)
+FAULT_ENV = "FUSEOPT_CONFIG_FAULT"
+EXIT_POISONED = 3
+
+
+@dataclasses.dataclass
+class Settings:
+  implementation: str
+  interpret: bool
+  ew_dims: dict            # llama_tree dims of the elementwise families' tree
+  ragged: tuple            # leaf shapes added to it
+  ns_shape: tuple          # (batch, m, n), m <= n
+  fused_shape: tuple       # (batch, m, n) the single-kernel NS takes
+  iters: int
+  per_family: int | None   # keep the first N jobs of each family (dry run)
+
+
+@dataclasses.dataclass
+class Family:
+  name: str
+  kernel: str                       # module.function the configs belong to
+  space: tuple                      # the search space
+  setup: Callable[[], dict]         # inputs, reference outputs (once per process)
+  run: Callable[[dict, Any], Callable[[], Any]]  # (state, config) -> call (one step, returns outputs; _call)
+  compare: Callable[[dict, Any], dict]  # (state, outputs) -> rel_err, bitwise, ok
+  work: dict                        # {"bytes": B} or {"flops": F} per call
+
+
+def settings_for(platform: str, args) -> Settings:
+  if args.dry_run:  # the embedding, final norm and head of a tiny Llama, 2 ragged leaves
+    return Settings("triton", True, dict(d=32, ff=64, layers=0, vocab=64), RAGGED_LEAVES_DRY,
+                    (1, 64, 128), (2, 32, 64), 1, args.per_family or 2)
+  impl = {"gpu": "triton", "cuda": "triton", "tpu": "mosaic_tpu"}.get(platform)
+  if impl is None:
+    raise SystemExit(f"config_checks: no GPU or TPU (platform {platform!r}); use --dry-run")
+  from fuseopt.benchmarks import workloads
+  from fuseopt.kernels.ns import fused
+  fm = 128 if impl == "triton" else 512
+  while not fused.fits(impl, fm, fm):
+    fm //= 2
+  return Settings(impl, False, {**workloads.LLAMA_1B, "layers": args.ew_layers}, RAGGED_LEAVES,
+                  tuple(args.ns_shape), (32, fm, fm), args.iters, args.per_family)
+
+
+# ------------------------------------------------------------------ helpers --
+def _block(x):
+  import jax
+  return jax.block_until_ready(x)
+
+
+def _stats(outs, refs):
+  """Per array pair: sum of squared differences, sum of squared reference
+  values (fp32), elements whose bits differ. One jitted program: eager ops
+  would compile once per leaf shape."""
+  import jax
+  import jax.numpy as jnp
+
+  def bits(a):
+    return jax.lax.bitcast_convert_type(a, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32,
+                                            8: jnp.uint64}[a.dtype.itemsize])
+
+  def one(a, b):
+    a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
+    return (jnp.sum(jnp.square(a32 - b32)), jnp.sum(jnp.square(b32)),
+            jnp.sum(bits(a) != bits(b), dtype=jnp.int32))
+  return [one(a, b) for a, b in zip(outs, refs)]
+
+
+_STATS = None
+
+
+def compare_arrays(outs, refs) -> dict:
+  """``rel_err`` (relative Frobenius error over all arrays), ``differing``
+  ([elements whose bits differ, elements]) and ``bitwise``."""
+  import jax
+  global _STATS
+  if _STATS is None:
+    _STATS = jax.jit(_stats)
+  outs, refs = list(outs), list(refs)
+  n = sum(int(b.size) for b in refs)
+  if len(outs) != len(refs) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(outs, refs)):
+    return {"rel_err": float("inf"), "differing": [n, n], "bitwise": False}
+  stats = jax.device_get(_STATS(outs, refs))
+  num = sum(float(s[0]) for s in stats)
+  den = sum(float(s[1]) for s in stats)
+  diff = sum(int(s[2]) for s in stats)
+  return {"rel_err": math.sqrt(num) / max(math.sqrt(den), 1e-30), "differing": [diff, n],
+          "bitwise": diff == 0}
+
+
+# Leaves added to the Llama tree's: every Llama leaf is a multiple of 2048
+# elements, so without these no block would be ragged (masked) on hardware.
+RAGGED_LEAVES = ((1001, 999), (7,))
+RAGGED_LEAVES_DRY = ((13, 7), (7,))
+
+
+def ew_shapes(st: Settings) -> list[tuple[int, ...]]:
+  """Leaf shapes of the elementwise families' tree: the Llama-shaped
+  tree's, then the ragged ones."""
+  import jax
+  from fuseopt.benchmarks import workloads
+  llama = jax.tree.leaves(workloads.llama_tree(abstract=True, **st.ew_dims))
+  return [s.shape for s in llama] + list(st.ragged)
+
+
+def _normal_tree(st: Settings, seed, dtype=None, scale=0.02):
+  """The elementwise tree's leaves as device arrays: drawn on the device
+  (host-side numpy would take seconds per 100 M values), or with numpy for a
+  tiny tree (compiling a generator per shape costs more there)."""
+  import jax
+  import jax.numpy as jnp
+  from fuseopt.benchmarks import workloads
+  structs = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ew_shapes(st)]
+  if sum(math.prod(s.shape) for s in structs) < (1 << 20):
+    tree = workloads.materialize(structs, seed=seed, scale=scale)
+    return [x.astype(dtype or jnp.float32) for x in tree]
+  keys = jax.random.split(jax.random.key(seed), len(structs))
+  gen = {}
+  out = []
+  for k, s in zip(keys, structs):
+    if s.shape not in gen:
+      gen[s.shape] = jax.jit(lambda k, shape=s.shape: jax.random.normal(k, shape, jnp.float32) * scale)
+    out.append(gen[s.shape](k).astype(dtype or jnp.float32))
+  return out
+
+
+# ---------------------------------------------------------------- families --
+def families(st: Settings) -> list[Family]:
+  import jax
+  import jax.numpy as jnp
+  from fuseopt.kernels import _backend, adam, stochastic_round
+  from fuseopt.kernels.ns import fused, gram, update
+  from fuseopt.kernels.ns import newton_schulz as ns
+
+  impl = st.implementation
+  mosaic = impl == "mosaic_tpu"
+  interp_pallas = _backend.interpret_arg(impl, st.interpret)
+  out: list[Family] = []
+
+  # -- elementwise: one jit over every leaf of the tree ---------------------
+  def sr_setup():
+    xs = _normal_tree(st, 0)
+    ref = jax.jit(lambda xs: [stochastic_round.stochastic_round_reference(x, i + 17)
+                              for i, x in enumerate(xs)])(xs)
+    return {"args": xs, "ref": _block(ref)}
+
+  def sr_run(state, cfg):
+    f = jax.jit(lambda xs: [stochastic_round.stochastic_round_bf16(
+        x, i + 17, implementation=impl, interpret=st.interpret, config=cfg) for i, x in enumerate(xs)])
+    return _call(lambda: f(state["args"]), f, (state["args"],))
+
+  def sr_compare(state, outs):
+    c = compare_arrays(outs, state["ref"])
+    return {"rel_err": c["rel_err"], "bitwise_ref": c["bitwise"], "ok": c["bitwise"]}
+
+  n_ew = sum(math.prod(s) for s in ew_shapes(st))
+  out.append(Family("stochastic_round", "fuseopt.kernels.stochastic_round.stochastic_round_bf16",
+                    stochastic_round.MOSAIC_SEARCH_SPACE if mosaic else stochastic_round.TRITON_SEARCH_SPACE,
+                    sr_setup, sr_run, sr_compare, {"bytes": 6 * n_ew}))
+
+  hyper = dict(count=3, learning_rate=1e-3, weight_decay=0.1, seed=5)
+
+  def adam_setup():
+    p, g = _normal_tree(st, 1), _normal_tree(st, 2)
+    mu = [x.astype(jnp.bfloat16) for x in _normal_tree(st, 3, scale=1e-3)]
+    nu = [jnp.square(x).astype(jnp.bfloat16) for x in _normal_tree(st, 4, scale=1e-3)]
+    ref = jax.jit(lambda p, g, mu, nu: adam.adam_update_tree(
+        p, g, mu, nu, implementation="xla", **hyper))(p, g, mu, nu)
+    return {"args": (p, g, mu, nu), "ref": _flat(_block(ref))}
+
+  def adam_runner(group):
+    def run(state, cfg):
+      f = jax.jit(lambda p, g, mu, nu: adam.adam_update_tree(
+          p, g, mu, nu, implementation=impl, interpret=st.interpret, config=cfg, group=group, **hyper),
+                  donate_argnums=(0, 2, 3))
+      p, g, mu, nu = state["args"]
+      copy = lambda xs: [x.copy() for x in xs]
+      live = {"p": copy(p), "mu": copy(mu), "nu": copy(nu)}
+
+      def call():
+        # Training's pattern: the step's outputs are the next step's
+        # (donated) inputs. The first call sees the pristine inputs.
+        np_, nmu, nnu = f(live["p"], g, live["mu"], live["nu"])
+        live.update(p=np_, mu=nmu, nu=nnu)
+        return np_ + nmu + nnu
+      return _call(call, f, (p, g, mu, nu))
+    return run
+
+  def adam_compare(state, outs):
+    c = compare_arrays(outs, state["ref"])
+    return {"rel_err": c["rel_err"], "bitwise_ref": c["bitwise"], "ok": c["rel_err"] < ADAM_TOL}
+
+  adam_work = {"bytes": 20 * n_ew}  # fp32 params r/w, fp32 grads, bf16 mu and nu r/w
+  out.append(Family("adam", "fuseopt.kernels.adam.adam_update_tree(group=False)",
+                    adam.MOSAIC_SEARCH_SPACE if mosaic else adam.TRITON_SEARCH_SPACE,
+                    adam_setup, adam_runner(False), adam_compare, adam_work))
+  if not mosaic:  # Mosaic TPU stays per leaf (docs/pallas_notes.md)
+    out.append(Family("adam_group", "fuseopt.kernels.adam.adam_update_tree(group=True)",
+                      adam.TRITON_GROUP_SEARCH_SPACE, adam_setup, adam_runner(True), adam_compare,
+                      adam_work))
+
+  # -- Newton–Schulz kernels ------------------------------------------------
+  b, m, n = st.ns_shape
+  space = lambda mod: mod.MOSAIC_SEARCH_SPACE if mosaic else mod.TRITON_SEARCH_SPACE
+  poly = dict(alpha=2.0315, beta=-4.775)
+
+  def ns_setup():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    x = (jax.random.normal(k1, (b, m, n), jnp.float32) / (m * n) ** 0.5).astype(jnp.bfloat16)
+    a = gram.sym_reference(x)
+    bmat = (jax.random.normal(k2, (b, m, m), jnp.float32) / m ** 0.5).astype(jnp.bfloat16)
+    refs = {"poly": gram.sym_reference(a, **poly), "gram": gram.sym_reference(x),
+            "update": update.matmul_reference(bmat, x, a=3.4445)}
+    return {"x": x, "a": a, "b": bmat, "refs": _block(refs)}
+
+  def ns_family(fn, args_of, ref_key):
+    def run(state, cfg):
+      f = jax.jit(lambda *a: fn(*a, cfg))
+      args = args_of(state)
+      return _call(lambda: [f(*args)], f, args)
+
+    def compare(state, outs):
+      ref = state["refs"][ref_key] if ref_key else state["ref"]
+      rel = compare_arrays(outs, [ref])["rel_err"]
+      return {"rel_err": rel, "ok": rel < NS_TOL}
+    return run, compare
+
+  kw = dict(implementation=impl, interpret=interp_pallas)
+  for name, fn, args_of, flops in (
+      ("poly", lambda a, cfg: gram.sym(a, **poly, config=cfg, **kw), lambda s: (s["a"],), 2 * b * m ** 3),
+      ("gram", lambda x, cfg: gram.sym(x, config=cfg, **kw), lambda s: (s["x"],), 2 * b * m * m * n),
+      ("update", lambda bm_, x, cfg: update.matmul(bm_, x, a=3.4445, config=cfg, **kw),
+       lambda s: (s["b"], s["x"]), 2 * b * m * m * n)):
+    mod = update if name == "update" else gram
+    run, compare = ns_family(fn, args_of, name)
+    out.append(Family(f"ns_{name}", f"{mod.__name__}.{'matmul' if name == 'update' else 'sym'}"
+                      + ("(alpha, beta: the polynomial)" if name == "poly" else ""),
+                      space(mod), ns_setup, run, compare, {"flops": flops}))
+
+  fb, fm, fn_ = st.fused_shape
+  table = ns.coefficient_table("polar_express")[0]
+
+  def fused_setup():
+    x = (jax.random.normal(jax.random.key(1), (fb, fm, fn_), jnp.float32)
+         / (fm * fn_) ** 0.5).astype(jnp.bfloat16)
+    return {"x": x, "ref": _block(fused.ns_fused_reference(x, table))}
+
+  run, compare = ns_family(lambda x, cfg: fused.newton_schulz_fused(x, table, config=cfg, **kw),
+                           lambda s: (s["x"],), None)
+  out.append(Family("ns_fused", "fuseopt.kernels.ns.fused.newton_schulz_fused", space(fused),
+                    fused_setup, run, compare,
+                    {"flops": fb * len(table) * (4 * fm * fm * fn_ + 2 * fm ** 3)}))
+  return out
+
+
+def _call(call, jitted, args):
+  """``call`` (one step) carrying its jitted function and arguments, so that
+  a test can lower the very same step for a device from the CPU."""
+  call.jitted = jitted
+  call.args = args
+  return call
+
+
+def _flat(tree_outs):
+  """adam_update_tree's three lists as one list (params, mu, nu)."""
+  p, mu, nu = tree_outs
+  return list(p) + list(mu) + list(nu)
+
+
+def jobs_of(fams: list[Family], per_family: int | None = None) -> list[dict]:
+  """The job list: per family the heuristic, then the space's configs last first."""
+  out = []
+  for fam in fams:
+    entries = [("heuristic", None)] + [(str(i), fam.space[i]) for i in reversed(range(len(fam.space)))]
+    if per_family:
+      entries = entries[:per_family]
+    for key, cfg in entries:
+      out.append({"id": f"{fam.name}/{key}", "family": fam.name, "kernel": fam.kernel,
+                  "config": "heuristic (config=None)" if cfg is None else repr(cfg),
+                  "space_index": None if cfg is None else int(key)})
+  return out
+
+
+# ------------------------------------------------------------------ worker --
+def _emit(msg: dict) -> None:
+  sys.stdout.write(PREFIX + json.dumps(msg, default=repr) + "\n")
+  sys.stdout.flush()
+
+
+def _faults() -> dict[str, str]:
+  out = {}
+  for item in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
+    kind, _, job = item.partition(":")
+    out[job.strip()] = kind.strip()
+  return out
+
+
+def _healthy() -> bool:
+  import jax
+  import jax.numpy as jnp
+  try:
+    return float(jax.jit(lambda v: (v * 2).sum())(jnp.ones((8,), jnp.float32))) == 16.0
+  except Exception:  # noqa: BLE001 - any error here means the device is gone
+    return False
+
+
+def run_job(fam: Family, cfg, state: dict, iters: int, heuristic_outs: dict) -> dict:
+  rec: dict[str, Any] = {}
+  t0 = time.perf_counter()
+  call = fam.run(state, cfg)
+  outs = _block(call())
+  rec["compile_s"] = round(time.perf_counter() - t0, 3)
+  rec.update(fam.compare(state, outs))
+  if fam.name in ("stochastic_round", "adam", "adam_group"):
+    if cfg is None:
+      # A copy: the Adam families donate their outputs to the next call.
+      heuristic_outs[fam.name] = [x.copy() for x in outs]
+    elif fam.name in heuristic_outs:
+      # Determinism: every block config gives the heuristic's bits (the
+      # rounding exactly; Adam's fp32 outputs up to an FMA contraction,
+      # tests/kernels/test_adam_group.py).
+      c = compare_arrays(outs, heuristic_outs[fam.name])
+      rec["bitwise_vs_heuristic"] = c["bitwise"]
+      rec["differing_vs_heuristic"] = c["differing"]
+      if fam.name == "stochastic_round":
+        rec["ok"] = rec["ok"] and rec["bitwise_vs_heuristic"]
+  del outs
+  for _ in range(2):
+    _block(call())
+  times = []
+  for _ in range(iters):
+    t = time.perf_counter()
+    _block(call())
+    times.append((time.perf_counter() - t) * 1e3)
+  times.sort()
+  rec["ms"] = times[len(times) // 2]
+  rec["min_ms"] = times[0]
+  rec["runs"] = len(times)
+  if fam.work.get("bytes"):
+    rec["gbps"] = fam.work["bytes"] / (rec["ms"] * 1e-3) / 1e9
+  if fam.work.get("flops"):
+    rec["tflops"] = fam.work["flops"] / (rec["ms"] * 1e-3) / 1e12
+  return rec
+
+
+def worker(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--dry-run", action="store_true", help="tiny shapes, interpret mode, on the CPU")
+  ap.add_argument("--ew-layers", type=int, default=1,
+                  help="layers of the Llama tree the elementwise configs run on (1: 13 leaves; "
+                       "16: the whole 1.2 B tree, 147 leaves)")
+  ap.add_argument("--ns-shape", type=int, nargs=3, default=(1, 2048, 8192), metavar=("B", "M", "N"))
+  ap.add_argument("--iters", type=int, default=10)
+  ap.add_argument("--per-family", type=int, default=None, help="only the first N jobs of each family")
+  args = ap.parse_args(argv)
+
+  import warnings
+  warnings.filterwarnings("ignore", message=".*[Dd]onat.*")
+  warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+  import jax
+  from fuseopt.benchmarks import core, environment
+
+  if _faults().get("start") == "abort":  # (a process that dies before its hello)
+    os.abort()
+  platform = jax.default_backend()
+  st = settings_for(platform, args)
+  fams = {f.name: f for f in families(st)}
+  jobs = jobs_of(list(fams.values()), st.per_family)
+  configs = {}
+  for j in jobs:
+    space = fams[j["family"]].space
+    configs[j["id"]] = None if j["space_index"] is None else space[j["space_index"]]
+  _emit({"hello": {"platform": platform, "device_kind": core.device_kind(),
+                   "xla_flags": os.environ.get("XLA_FLAGS"),
+                   "device_slug": core.device_slug(), "env": environment.collect(),
+                   "settings": dataclasses.asdict(st), "jobs": jobs}})
+  faults = _faults()
+  states: dict[str, Any] = {}
+  heuristic_outs: dict[str, Any] = {}
+  by_id = {j["id"]: j for j in jobs}
+  for line in sys.stdin:
+    job_id = line.strip()
+    if not job_id:
+      continue
+    if job_id == "exit":
+      break
+    job = by_id.get(job_id)
+    if job is None:
+      _emit({"result": {"id": job_id, "ok": False, "status": "error", "error": "unknown job id"}})
+      continue
+    fam = fams[job["family"]]
+    _emit({"start": job_id})
+    rec: dict[str, Any] = {"id": job_id}
+    try:
+      fault = faults.get(job_id)
+      if fault == "abort":
+        os.abort()
+      if fault == "hang":
+        time.sleep(3600)
+      if fault == "raise":
+        raise RuntimeError("injected fault")
+      if fam.setup not in states:
+        # One set of inputs at a time (adam and adam_group share theirs):
+        # free the previous ones first.
+        states.clear()
+        heuristic_outs.clear()
+        t = time.perf_counter()
+        states[fam.setup] = fam.setup()
+        rec["setup_s"] = round(time.perf_counter() - t, 3)
+      rec.update(run_job(fam, configs[job_id], states[fam.setup], st.iters, heuristic_outs))
+      rec["status"] = "ok" if rec["ok"] else "wrong"
+    except Exception as e:  # noqa: BLE001 - a failing config is a result
+      rec.update(ok=False, status="error", error=f"{type(e).__name__}: {str(e)[:1500]}",
+                 traceback=traceback.format_exc()[-1500:])
+    _emit({"result": rec})
+    if rec["status"] == "error":
+      healthy = _healthy()
+      _emit({"health": healthy})
+      if not healthy:
+        return EXIT_POISONED
+  return 0
+
+
+if __name__ == "__main__":
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  sys.exit(worker())

@@ -1,0 +1,247 @@
+"""bench/device_run.py, the one command for an accelerator machine: its CPU
+dry run end to end (config checks in child processes that may crash or hang,
+then the suite), without the optional modules a bare machine lacks; and the
+config checks' device steps lowered for an H200 from the CPU."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import pytest
+
+from fuseopt.benchmarks import report
+
+ROOT = Path(__file__).resolve().parents[1]
+# What the accelerator machine may lack; nothing on the device path may need them.
+MISSING = ("yaml", "matplotlib", "tqdm", "flax", "orbax", "hypothesis")
+
+
+def _blocker(tmp_path) -> Path:
+  """A sitecustomize that makes MISSING unimportable in every process that
+  has its directory on PYTHONPATH (children inherit it), and notes each
+  process it ran in."""
+  d = tmp_path / "site"
+  d.mkdir(exist_ok=True)
+  (d / "sitecustomize.py").write_text(textwrap.dedent(f"""
+      import os, sys
+      MISSING = {MISSING!r}
+
+      class _Block:
+        def find_spec(self, name, path=None, target=None):
+          if name.split(".")[0] in MISSING:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (blocked)", name=name)
+          return None
+
+      sys.meta_path.insert(0, _Block())
+      with open(os.environ["BLOCKER_LOG"], "a") as f:
+        f.write(f"{{os.getpid()}}\\n")
+  """))
+  return d
+
+
+def _env(tmp_path, **extra):
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join([str(_blocker(tmp_path)), str(ROOT)])
+  env["BLOCKER_LOG"] = str(tmp_path / "blocked_pids")
+  env["XLA_FLAGS"] = ""  # one CPU device, as a plain machine has
+  env.pop("JAX_PLATFORMS", None)
+  env.update(extra)
+  return env
+
+
+def test_dry_run_survives_a_crash_and_an_error(tmp_path):
+  faults = "abort:adam/heuristic,raise:ns_gram/heuristic"
+  proc = subprocess.run(
+      [sys.executable, "bench/device_run.py", str(tmp_path / "out"), "--dry-run"],
+      cwd=ROOT, env=_env(tmp_path, FUSEOPT_CONFIG_FAULT=faults), capture_output=True, text=True, timeout=240)
+  out = proc.stdout + proc.stderr
+  assert proc.returncode == 0, out[-4000:]
+  data = json.loads((tmp_path / "out" / "cpu" / "device_run.json").read_text())
+  assert data["schema"] == "fuseopt-device-run/1" and data["meta"]["dry_run"]
+  env = data["meta"]["env"]
+  assert env["jax"] == jax.__version__ and env["jaxlib"] and env["python"] and env["device_kind"] == "cpu"
+  # The config processes started with it, so this XLA knows the flag (an unknown one is fatal).
+  assert "--xla_gpu_graph_min_graph_size=1" in data["meta"]["config_xla_flags"]
+  recs = {r["id"]: r for r in data["configs"]}
+  families = {r["family"] for r in recs.values()}
+  assert families == {"stochastic_round", "adam", "adam_group", "ns_poly", "ns_gram", "ns_update",
+                      "ns_fused"}
+  # Every family: the heuristic and one search-space config (--dry-run keeps 2).
+  assert len(recs) == 2 * len(families)
+  crashed, raised = recs["adam/heuristic"], recs["ns_gram/heuristic"]
+  assert crashed["status"] == "crashed" and "SIGABRT" in crashed["error"]
+  assert raised["status"] == "error" and "injected fault" in raised["error"]
+  assert "device_poisoned" not in raised  # the process went on: the device still answered
+  for k, r in recs.items():
+    if k not in ("adam/heuristic", "ns_gram/heuristic"):
+      assert r["status"] == "ok", r
+      assert r["ms"] > 0 and r["rel_err"] < 2e-2 and r["compile_s"] >= 0
+  # The config after the crash ran in a fresh process, the one after the error in the same.
+  assert recs["adam/7"]["process"] == crashed["process"] + 1 == 2
+  assert recs["ns_gram/23"]["process"] == raised["process"] == 2
+  assert data["parts"]["configs"]["processes"] == 2
+  assert recs["stochastic_round/7"]["bitwise_vs_heuristic"] is True
+  summary = data["summary"]["adam"]
+  assert summary["status"] == {"crashed": 1, "ok": 1} and summary["best"]["id"] == "adam/7"
+  # Then the suite, with its environment record.
+  assert data["parts"]["suite"]["rc"] == 0 and data["parts"]["suite"]["timed"] > 0
+  suite = json.loads((tmp_path / "out" / "cpu" / "suite.json").read_text())
+  report.validate(suite)
+  assert suite["meta"]["env"]["jaxlib"] and suite["rows"]
+  # The blocker ran in this run's processes: the run, 2 config processes, the suite.
+  assert len((tmp_path / "blocked_pids").read_text().split()) >= 4
+  assert "failed config: adam/heuristic" in proc.stdout
+
+
+def test_imports_without_the_optional_modules(tmp_path):
+  code = textwrap.dedent("""
+      import sys
+      sys.path.insert(0, "bench")
+      import device_run
+      assert "jax" not in sys.modules  # the parent leaves the device's memory to its children
+      import config_checks, gpu_suite, ns_configs, torch_baselines
+      import fuseopt.optim, fuseopt.kernels
+      from fuseopt.benchmarks import core, environment, regression, report, workloads
+      from fuseopt.benchmarks.cases import all_cases
+      errors = {}
+      assert all_cases("quick", "cpu", errors=errors) and not errors, errors
+      assert all_cases("full", "gpu", errors=errors) and not errors, errors
+      cfg = fuseopt.optim.OptimConfig(learning_rate=1e-3)
+      try:
+        cfg.to_yaml()
+      except ImportError as e:
+        assert "pyyaml" in str(e), e
+      else:
+        raise AssertionError("to_yaml worked without yaml")
+      print("imports ok")
+  """)
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(tmp_path), capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 0 and "imports ok" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
+def _bench_module(name):
+  if name in sys.modules:
+    return sys.modules[name]
+  spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+  mod = importlib.util.module_from_spec(spec)
+  sys.modules[name] = mod  # (its dataclasses look their module up)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+@pytest.mark.parametrize("platform", ["gpu"])
+def test_config_check_steps_lower_for_the_device(platform):
+  """The steps the config checks jit on a GPU (interpret off), for the
+  heuristic and the largest config of each search space, lower for
+  an H200 with a Pallas kernel in them."""
+  from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+  cc = _bench_module("config_checks")
+  st = cc.Settings("triton", False, dict(d=32, ff=64, layers=0, vocab=64), ((13, 7),), (1, 64, 128),
+                   (2, 32, 64), 1, None)
+  mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
+                                                             platform="gpu"))
+  jobs = cc.jobs_of(cc.families(st))
+  assert len({j["id"] for j in jobs}) == len(jobs)
+  states = {}
+  for fam in cc.families(st):
+    space = list(fam.space)
+    for cfg in (None, space[-1]):
+      if fam.setup not in states:
+        states[fam.setup] = fam.setup()  # references: XLA on the CPU
+      call = fam.run(states[fam.setup], cfg)
+      structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), call.args)
+      with use_abstract_mesh(mesh):
+        text = call.jitted.trace(*structs).lower(lowering_platforms=("cuda",)).as_text()
+      assert "__gpu$xla.gpu.triton" in text, (fam.name, cfg)
+
+
+def test_a_hanging_config_is_killed_and_recorded():
+  """The parent's side of a hang, with a stand-in process that speaks the
+  protocol: starts the config, then never answers."""
+  dr = _bench_module("device_run")
+  prefix = dr.config_checks.PREFIX
+  script = textwrap.dedent(f"""
+      import json, sys, time
+      for line in sys.stdin:
+        print({prefix!r} + json.dumps({{"start": line.strip()}}), flush=True)
+        time.sleep(600)
+  """)
+  log = []
+  w = dr.Worker([sys.executable, "-c", script], dict(os.environ), 1, log)
+  job = {"id": "ns_poly/3", "family": "ns_poly", "config": "TritonConfig(...)", "space_index": 3}
+  rec, worker = dr._run_one(None, w, job, timeout=1.5)
+  assert worker is None and w.proc.poll() is not None  # killed
+  assert rec["status"] == "timeout" and "running" in rec["error"] and rec["ok"] is False
+  assert rec["id"] == "ns_poly/3" and rec["process"] == 1
+
+
+def test_resume_runs_only_what_is_missing(tmp_path):
+  """A second try reads the first run's records from another directory and
+  runs only the configs not finished there (and the heuristic again); a
+  third runs the suite alone."""
+  run = lambda out, *extra: subprocess.run(
+      [sys.executable, "bench/device_run.py", str(out), "--dry-run", "--parts", "configs",
+       "--families", "ns_fused", *extra], cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True,
+      timeout=120)
+  first = run(tmp_path / "a", "--per-family", "2")
+  assert first.returncode == 0, first.stdout + first.stderr[-3000:]
+  earlier = tmp_path / "a" / "cpu" / "device_run.json"
+  second = run(tmp_path / "b", "--per-family", "3", "--resume", str(earlier))
+  assert second.returncode == 0, second.stdout + second.stderr[-3000:]
+  recs = {r["id"]: r for r in json.loads((tmp_path / "b" / "cpu" / "device_run.json").read_text())["configs"]}
+  assert set(recs) == {"ns_fused/heuristic", "ns_fused/1", "ns_fused/0"}
+  assert recs["ns_fused/1"]["resumed"] and "resumed" not in recs["ns_fused/0"]
+  assert "resumed" not in recs["ns_fused/heuristic"]  # the same-run reference, again
+  assert all(r["status"] == "ok" for r in recs.values())
+  # The suite alone, after the environment record.
+  third = subprocess.run([sys.executable, "bench/device_run.py", str(tmp_path / "c"), "--dry-run", "--parts",
+                          "suite"], cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+  assert third.returncode == 0, third.stdout + third.stderr[-3000:]
+  data = json.loads((tmp_path / "c" / "cpu" / "device_run.json").read_text())
+  assert data["configs"] == [] and data["meta"]["env"]["jaxlib"] and data["parts"]["suite"]["rc"] == 0
+
+
+@pytest.mark.parametrize("healthy", [True, False])
+def test_an_error_then_a_health_check(healthy):
+  """After a config's error the process reports whether the device still
+  answers; when it does not, the parent records it and drops the process."""
+  dr = _bench_module("device_run")
+  prefix = dr.config_checks.PREFIX
+  script = textwrap.dedent(f"""
+      import json, sys
+      say = lambda m: print({prefix!r} + json.dumps(m), flush=True)
+      for line in sys.stdin:
+        if line.strip() == "exit":
+          break
+        say({{"start": line.strip()}})
+        say({{"result": {{"id": line.strip(), "ok": False, "status": "error", "error": "XlaRuntimeError: x"}}}})
+        say({{"health": {healthy!r}}})
+        if not {healthy!r}:
+          sys.exit(3)
+  """)
+  w = dr.Worker([sys.executable, "-c", script], dict(os.environ), 1, [])
+  job = {"id": "adam/7", "family": "adam", "config": "TritonConfig(block=4096, num_warps=8)", "space_index": 7}
+  rec, worker = dr._run_one(None, w, job, timeout=30)
+  assert rec["status"] == "error" and "XlaRuntimeError" in rec["error"]
+  if healthy:
+    assert worker is w and "device_poisoned" not in rec
+    w.close()
+  else:
+    assert worker is None and rec["device_poisoned"] and w.proc.poll() is not None
+
+
+def test_the_suite_runs_when_no_config_process_starts(tmp_path):
+  proc = subprocess.run([sys.executable, "bench/device_run.py", str(tmp_path), "--dry-run"], cwd=ROOT,
+                        env=_env(tmp_path, FUSEOPT_CONFIG_FAULT="abort:start"), capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 3, proc.stdout + proc.stderr[-3000:]
+  data = json.loads((tmp_path / "cpu" / "device_run.json").read_text())
+  assert "SIGABRT" in data["parts"]["configs"]["error"]
+  assert data["parts"]["suite"]["rc"] == 0 and data["parts"]["suite"]["timed"] > 0
+  report.validate(json.loads((tmp_path / "cpu" / "suite.json").read_text()))
