@@ -139,15 +139,20 @@ def _missing_bench_extra(*, plot: bool, progress: bool) -> list[str]:
   return missing
 
 
-def cmd_bench(args, out=print) -> int:
+def _emulate_cpu_mesh():
+  """8 emulated CPU devices, for the sharded cases (the same as the tests'
+  set-up); harmless on accelerators: only the CPU client reads it."""
   import jax
-
   try:
-    # The sharded cases need a mesh: 8 emulated devices where the host CPU is
-    # the backend (harmless on accelerators: only the CPU client reads it).
     jax.config.update("jax_num_cpu_devices", 8)
   except RuntimeError:  # a backend already started (e.g. tests calling this)
     pass
+
+
+def cmd_bench(args, out=print) -> int:
+  import jax
+
+  _emulate_cpu_mesh()
   from fuseopt.benchmarks import core, report
   from fuseopt.benchmarks.cases import all_cases
 
@@ -202,6 +207,7 @@ def cmd_bench(args, out=print) -> int:
 
 
 def cmd_regression(args, out=print) -> int:
+  _emulate_cpu_mesh()   # as in the tests, which compare with the same baseline
   from fuseopt.benchmarks import regression
   return regression.main(args.update, baseline_path=args.baseline, ops=args.ops, rows=args.rows,
                          timing=args.timing, progress=not args.no_progress, out=out)
