@@ -612,7 +612,6 @@ def adam_update(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0
   grads = jnp.asarray(grads)
   if params is not None:
     params = jnp.asarray(params)
-  out_dtype = (params if params is not None else grads).dtype
   scalars = adam_scalars(count=count, learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
                          eps_root=eps_root,
                          weight_decay=weight_decay if params is not None else 0.0,

@@ -258,8 +258,7 @@ def placement_of(x, sharding=None, *, what: str = "array"):
   return Placement(mesh, _normalize_spec(spec, jnp.ndim(x), mesh, what))
 
 
-def resolve_placements(arrays: Sequence[Any], shardings, *, op: str, argument: str,
-                       names: Sequence[str] | None = None) -> list:
+def resolve_placements(arrays: Sequence[Any], shardings, *, op: str, argument: str) -> list:
   """:func:`placement_of` for a list of leaves; ``shardings`` None or one per leaf.
 
   Warns once per op (naming ``argument``) when any leaf is :data:`UNKNOWN`.
@@ -269,9 +268,8 @@ def resolve_placements(arrays: Sequence[Any], shardings, *, op: str, argument: s
     shardings = [None] * n
   elif len(shardings) != n:
     raise ValueError(f"{op}: {argument} has {len(shardings)} entries, expected one per leaf ({n})")
-  names = names or [f"leaf {i}" for i in range(n)]
-  out = [placement_of(a, s, what=f"{op}: {argument} of {nm}")
-         for a, s, nm in zip(arrays, shardings, names)]
+  out = [placement_of(a, s, what=f"{op}: {argument} of leaf {i}")
+         for i, (a, s) in enumerate(zip(arrays, shardings))]
   if any(p is UNKNOWN for p in out):
     warn_unknown(op, argument)
   return out

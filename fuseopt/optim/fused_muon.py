@@ -294,10 +294,11 @@ def _replicated_ns(ns):
     where = kernel_sharding.placement_of(x)
     if not isinstance(where, kernel_sharding.Placement):
       return ns(x)
-    spec = jax.sharding.PartitionSpec()
-    if kernel_sharding._type_spec(x) is not None:
-      x = jax.sharding.reshard(x, spec)
-    return kernel_sharding.shard_local(ns, where.mesh, spec, spec)(x)
+    replicated = kernel_sharding.Placement(where.mesh,
+                                           jax.sharding.PartitionSpec(*[None] * x.ndim))
+    spec = replicated.spec
+    return kernel_sharding.shard_local(ns, where.mesh, spec, spec)(
+        kernel_sharding.to_spec(x, replicated))
   return run
 
 
