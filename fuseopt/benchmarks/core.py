@@ -11,6 +11,7 @@ function, which is deterministic (also on the CPU) and so usable in CI.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import statistics
 import time
@@ -39,6 +40,31 @@ class Case:
   @property
   def id(self) -> str:
     return f"{self.op}/{self.name}"
+
+
+def tree_rel_err(a, b) -> float:
+  """Relative Frobenius error ``||a - b|| / ||b||`` over whole trees, in fp32."""
+  f32 = lambda x: x.astype(jnp.float32)
+  num = sum(float(jnp.sum((f32(x) - f32(y)) ** 2))
+            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  den = sum(float(jnp.sum(f32(y) ** 2)) for y in jax.tree.leaves(b))
+  return (num / max(den, 1e-30)) ** 0.5
+
+
+def checks_against(deltas: dict[str, Any], baseline: str, tol: float) -> dict[str, Any]:
+  """The usual check figures of a step case: per variant, whether its
+  parameter change is finite and its relative error to ``baseline``'s change
+  (``ok`` when finite and below ``tol``)."""
+  ref = deltas.get(baseline)
+  figures: dict[str, Any] = {}
+  for label, d in deltas.items():
+    finite = all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(d))
+    figures[f"finite[{label}]"] = finite
+    if ref is not None and label != baseline:
+      e = tree_rel_err(d, ref)
+      figures[f"rel_err_vs_optax[{label}]"] = e
+      figures[f"ok[{label}]"] = bool(finite and math.isfinite(e) and e < tol)
+  return figures
 
 
 def block(x):

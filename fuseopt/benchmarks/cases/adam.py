@@ -42,7 +42,7 @@ import numpy as np
 import optax
 
 import fuseopt.optim as fo
-from fuseopt.benchmarks import workloads
+from fuseopt.benchmarks import core, workloads
 from fuseopt.benchmarks.core import Case
 
 LR = 1e-3
@@ -85,13 +85,6 @@ def step_fn(tx, fused):
       updates, state = tx.update(grads, state, params)
       return optax.apply_updates(params, updates), state
   return jax.jit(step, donate_argnums=(0, 1))
-
-
-def _rel(a, b):
-  num = sum(float(jnp.sum((x.astype(F32) - y.astype(F32)) ** 2))
-            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-  den = sum(float(jnp.sum(y.astype(F32) ** 2)) for y in jax.tree.leaves(b))
-  return (num / max(den, 1e-30)) ** 0.5
 
 
 def _moment_mismatch(a, b):
@@ -148,7 +141,7 @@ def cases(size: str, platform: str):
         finite = all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(delta))
         figures[f"finite[{label}]"] = finite
         if ref_delta is not None and label != baseline:
-          e = _rel(delta, ref_delta)
+          e = core.tree_rel_err(delta, ref_delta)
           figures[f"rel_err_vs_optax[{label}]"] = e
           # bf16 params: the stochastic rounding of p is the error (lr 1e-3
           # against a bf16 ulp of ~1e-4 at |p| ~ 0.02).
@@ -160,8 +153,8 @@ def cases(size: str, platform: str):
         figures["kernel_vs_xla_moment_bits_differ_fraction"] = frac
         figures["kernel_vs_xla_moment_max_ulp"] = worst
         figures["ok[kernel_vs_xla_moments]"] = bool(frac < 1e-3 and worst <= 1)
-        figures["kernel_vs_xla_param_rel_err"] = _rel(outs["fuseopt_step"][0],
-                                                      outs["fuseopt_step[xla]"][0])
+        figures["kernel_vs_xla_param_rel_err"] = core.tree_rel_err(
+            outs["fuseopt_step"][0], outs["fuseopt_step[xla]"][0])
       return figures
     return check
 

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fuseopt.benchmarks import workloads
+from fuseopt.benchmarks import core, workloads
 from fuseopt.benchmarks.core import Case
 from fuseopt.optim import fused_muon as fmuon
 
@@ -78,13 +78,6 @@ def step_fn(tx):
   return jax.jit(step, donate_argnums=(0, 2))
 
 
-def _rel(a, b):
-  num = sum(float(jnp.sum((x.astype(jnp.float32) - y.astype(jnp.float32)) ** 2))
-            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-  den = sum(float(jnp.sum(y.astype(jnp.float32) ** 2)) for y in jax.tree.leaves(b))
-  return (num / max(den, 1e-30)) ** 0.5
-
-
 def cases(size: str, platform: str):
   struct = workloads.tree_for(platform, size, jnp.float32, abstract=True)
   n = workloads.tree_params(struct)
@@ -113,17 +106,8 @@ def cases(size: str, platform: str):
   def check(outs):
     params, _ = data()
     delta = {k: jax.tree.map(lambda a, b: a - b, v[0], params) for k, v in outs.items()}
-    ref = delta.get("optax_muon")
-    figures = {}
-    for label, d in delta.items():
-      finite = all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(d))
-      figures[f"finite[{label}]"] = finite
-      if ref is not None and label != "optax_muon":
-        e = _rel(d, ref)
-        figures[f"rel_err_vs_optax[{label}]"] = e
-        # bf16 NS against fp32 NS: a few percent (Jordan's band is wide).
-        figures[f"ok[{label}]"] = bool(finite and np.isfinite(e) and e < 0.1)
-    return figures
+    # bf16 NS against fp32 NS: a few percent (Jordan's band is wide).
+    return core.checks_against(delta, "optax_muon", tol=0.1)
 
   name = "llama1.2b" if platform in ("gpu", "tpu") else f"llama_cpu_{n}"
   state_bytes = {}

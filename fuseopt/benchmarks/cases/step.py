@@ -33,7 +33,8 @@ import numpy as np
 import optax
 
 import fuseopt.optim as fo
-from fuseopt.benchmarks import workloads
+from fuseopt.benchmarks import core, workloads
+from fuseopt.benchmarks.cases import adam as adam_cases
 from fuseopt.benchmarks.cases import muon as muon_cases
 from fuseopt.benchmarks.core import Case
 from fuseopt.optim import fusion, safeguards
@@ -87,22 +88,8 @@ def recipes() -> dict:
   }
 
 
-def step_fn(tx, fused):
-  if fused:
-    def step(params, state, grads):
-      return fo.step(tx, grads, state, params)
-  else:
-    def step(params, state, grads):
-      updates, state = tx.update(grads, state, params)
-      return optax.apply_updates(params, updates), state
-  return jax.jit(step, donate_argnums=(0, 1))
-
-
-def _rel(a, b):
-  num = sum(float(jnp.sum((x.astype(F32) - y.astype(F32)) ** 2))
-            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-  den = sum(float(jnp.sum(y.astype(F32) ** 2)) for y in jax.tree.leaves(b))
-  return (num / max(den, 1e-30)) ** 0.5
+# (params, state, grads) -> (params', state'), donated: update + apply, or step.
+step_fn = adam_cases.step_fn
 
 
 def cases(size: str, platform: str):
@@ -129,19 +116,12 @@ def cases(size: str, platform: str):
   def check(outs):
     params, _ = data()
     delta = {k: jax.tree.map(lambda a, b: a.astype(F32) - b, v[0], params) for k, v in outs.items()}
-    ref = delta.get("optax_chain")
-    figures = {}
-    for label, d in delta.items():
-      finite = all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(d))
-      figures[f"finite[{label}]"] = finite
-      if ref is not None and label != "optax_chain":
-        e = _rel(d, ref)
-        figures[f"rel_err_vs_optax[{label}]"] = e
-        # The first step has zero moments: AdamW agrees to rounding; bf16
-        # Newton-Schulz is a few percent off optax's fp32 one.
-        figures[f"ok[{label}]"] = bool(finite and np.isfinite(e) and e < 0.1)
+    # The first step has zero moments: AdamW agrees to rounding; bf16
+    # Newton-Schulz is a few percent off optax's fp32 one.
+    figures = core.checks_against(delta, "optax_chain", tol=0.1)
     if "fuseopt_fallback" in delta and "fuseopt_step" in delta:
-      figures["fused_vs_fallback_rel_err"] = _rel(delta["fuseopt_step"], delta["fuseopt_fallback"])
+      figures["fused_vs_fallback_rel_err"] = core.tree_rel_err(delta["fuseopt_step"],
+                                                                delta["fuseopt_fallback"])
     return figures
 
   def state_bytes(tx):
@@ -170,7 +150,7 @@ def compiled_figures(recipe: str, label: str, struct, *, grads_dtype=None) -> di
   an input (in place)."""
   import re
 
-  from fuseopt.benchmarks import core, regression
+  from fuseopt.benchmarks import regression
   tx, fused = recipes()[recipe][label]
   grads = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, grads_dtype or s.dtype), struct)
   state = jax.eval_shape(tx.init, struct)
