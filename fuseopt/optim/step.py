@@ -30,27 +30,27 @@ def step(tx: Any, grads: Any, state: Any, params: Any, *, group: bool = True,
   On TPU it is one kernel per leaf either way.
 
   The same holds for what :func:`fuseopt.optim.build_optimizer` returns and
-for every composition of pieces that declare an in-place rule
-(:mod:`fuseopt.optim.fusion`): fuseopt's global-norm clip (its factor is a
-scalar of the Adam kernel, scaling g in registers, and comes from the same
-single reduction pass over the gradients as ``skip_nonfinite``'s finiteness
-flag), ``fusion.partition`` groups (each with its learning rate, schedule
-and weight decay), ``skip_nonfinite`` (a skipped step keeps params and
-state by a select inside the same passes), ``freeze``, ``fusion.multi_steps``
-and :func:`fuseopt.optim.muon` (one elementwise pass for the momentum and
-the Newton-Schulz input, one for ``p - lr (scale O + wd p)``; its AdamW
-leaves as above). ``extra_args`` are the ``update`` extra arguments (e.g.
-MuonClip's ``qk_stats``).
+  for every composition of pieces that declare an in-place rule
+  (:mod:`fuseopt.optim.fusion`): fuseopt's global-norm clip (its factor is a
+  scalar of the Adam kernel, scaling g in registers, and comes from the same
+  single reduction pass over the gradients as ``skip_nonfinite``'s finiteness
+  flag), ``fusion.partition`` groups (each with its learning rate, schedule
+  and weight decay), ``skip_nonfinite`` (a skipped step keeps params and
+  state by a select inside the same passes), ``freeze``, ``fusion.multi_steps``
+  and :func:`fuseopt.optim.muon` (one elementwise pass for the momentum and
+  the Newton-Schulz input, one for ``p - lr (scale O + wd p)``; its AdamW
+  leaves as above). ``extra_args`` are the ``update`` extra arguments (e.g.
+  MuonClip's ``qk_stats``).
 
-Any other transformation, or a composition with a piece that has no rule
-(``optax.chain(optax.clip_by_global_norm(1.0), fo.adamw(...))``: optax's
-clip has none), falls back to ``tx.update(grads, state, params)`` +
-:func:`optax.apply_updates`, so ``step`` is safe to call on anything; the
-piece that forced the fallback is logged at debug level on the ``"fuseopt"``
-logger.
+  Any other transformation, or a composition with a piece that has no rule
+  (``optax.chain(optax.clip_by_global_norm(1.0), fo.adamw(...))``: optax's
+  clip has none), falls back to ``tx.update(grads, state, params)`` +
+  :func:`optax.apply_updates`, so ``step`` is safe to call on anything; the
+  piece that forced the fallback is logged at debug level on the ``"fuseopt"``
+  logger.
 
-A ``state`` whose tree structure, leaf shapes or dtypes differ from
-``tx.init(params)``'s raises a ``ValueError`` naming the first difference.
+  A ``state`` whose tree structure, leaf shapes or dtypes differ from
+  ``tx.init(params)``'s raises a ``ValueError`` naming the first difference.
 
   Example::
 
