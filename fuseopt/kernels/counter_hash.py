@@ -114,7 +114,11 @@ def round_fp32_bits_to_bf16(bits: jax.Array, rand: jax.Array) -> jax.Array:
   mag = bits & jnp.uint32(0x7FFFFFFF)
   nonfinite = mag >= jnp.uint32(0x7F800000)
   rounded = (mag + (rand & jnp.uint32(0xFFFF))) >> 16
-  rounded = jnp.minimum(rounded, jnp.uint32(0x7F7F))  # clamp: never Inf
+  # A finite magnitude rounds to at most 0x7F80 (Inf's pattern): step that one
+  # value back to the largest finite bf16, 0x7F7F. An equality and a
+  # subtraction, not a min: Mosaic TPU cannot legalize an unsigned min
+  # ('arith.minui'), and MLIR folds a compare-and-select into one.
+  rounded = rounded - (rounded == jnp.uint32(0x7F80)).astype(jnp.uint32)
   passthrough = (mag >> 16) | jnp.where(mag > jnp.uint32(0x7F800000),
                                         jnp.uint32(0x0040), jnp.uint32(0))
   return (sign >> 16) | jnp.where(nonfinite, passthrough, rounded)

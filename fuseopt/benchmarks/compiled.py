@@ -1,0 +1,656 @@
+"""The compile tier: fuseopt compiled by the real compilers, without hardware.
+
+Lowering is not compiling: a kernel that lowers for a TPU can still be
+rejected by libtpu's Mosaic compiler, and a Triton kernel by ptxas. Each
+case here is compiled (``.compile()``) for a target of
+:mod:`fuseopt.targets` by the compiler that target's device would run, on a
+CPU-only machine, and its compiled figures are recorded:
+
+================  ==========================================================
+figure            what it is
+================  ==========================================================
+temp_bytes        XLA's temporary buffers (``memory_analysis()``)
+argument_bytes    inputs, per device
+output_bytes      outputs, per device
+alias_bytes       outputs that reuse a donated input's buffer
+kernels           Pallas kernel launches in the compiled program
+collectives       per kind (all-gather, all-to-all, ...): count and bytes
+spills            ptxas's register-spill warnings (GPU targets)
+lower_s,          seconds to trace + lower, and to compile (reported only)
+compile_s
+================  ==========================================================
+
+Cases (:func:`cases`):
+
+- ``kernel/...``: every kernel the ops' heuristics pick for the shapes their
+  benchmarks use, each dtype signature and option of the Adam kernel, the
+  Newton–Schulz paths (fused, tiled, Gram, batched, ragged); with
+  ``full=True`` also every config of every search space;
+- ``step/...``: the AdamW, hybrid Muon + AdamW and builder recipes on the
+  1.20 B Llama tree (abstract shapes: nothing is allocated), fused
+  (:func:`fuseopt.optim.step`) and through ``tx.update`` +
+  ``optax.apply_updates``, beside optax's own recipe;
+- ``sharded/...``: the AdamW and hybrid steps on 8 devices, FSDP
+  placements, on Explicit and Auto meshes, beside optax's.
+
+The figures of every case and target are committed under
+``bench/results/compiled/<target>.json``; :func:`compare` is the gate
+(bytes, launches, collectives and spills are deterministic for pinned
+compiler versions: any increase fails; times are reported only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+
+from fuseopt import targets as targets_lib
+
+SCHEMA = "fuseopt-compiled/1"
+RESULTS_DIR = Path("bench/results/compiled")
+F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
+
+# --------------------------------------------------------------- figures --
+_KERNEL_TARGET = re.compile(
+    r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton|mosaic_gpu[^"]*)"')
+_COLLECTIVE = re.compile(
+    r"^\s*(?:ROOT )?\S+ = (\([^)]*\)|\S+) (all-to-all|all-gather|all-reduce|reduce-scatter|"
+    r"collective-permute|collective-broadcast|ragged-all-to-all)(-start)?\(", re.M)
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|c64|c128)\[([\d,]*)\]")
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
+             "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+_SPILL = re.compile(r"ptxas[^\n]*spill[^\n]*|[^\n]*bytes spill stores[^\n]*", re.I)
+
+
+def kernel_launches(hlo: str) -> int:
+  """Pallas kernel calls (Mosaic TPU, Triton, Mosaic GPU) in compiled HLO."""
+  return len(_KERNEL_TARGET.findall(hlo))
+
+
+def collectives(hlo: str) -> dict[str, dict[str, int]]:
+  """``{kind: {"count", "bytes"}}`` of compiled per-device HLO. Bytes are
+  those of the collective's result on one device (for an async pair, the
+  ``-start``'s array results: the received buffers)."""
+  out: dict[str, dict[str, int]] = {}
+  for shape, kind, _ in _COLLECTIVE.findall(hlo):
+    nbytes = 0
+    arrays = _ARRAY.findall(shape)
+    # An async start returns (operands, results[, contexts]): count the results.
+    if shape.startswith("(") and len(arrays) >= 2:
+      arrays = arrays[len(arrays) // 2:] if len(arrays) % 2 == 0 else arrays[1:]
+    for dtype, dims in arrays:
+      n = math.prod(int(d) for d in dims.split(",") if d)
+      nbytes += n * _ITEMSIZE.get(dtype, 4)
+    rec = out.setdefault(kind, {"count": 0, "bytes": 0})
+    rec["count"] += 1
+    rec["bytes"] += nbytes
+  return dict(sorted(out.items()))
+
+
+@contextlib.contextmanager
+def _captured_stderr() -> Iterator[list[str]]:
+  """Collects what native code writes to file descriptor 2 (ptxas's warnings
+  reach the process's stderr from XLA, below Python's ``sys.stderr``)."""
+  lines: list[str] = []
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile(mode="w+b") as tmp:
+    os.dup2(tmp.fileno(), 2)
+    try:
+      yield lines
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
+      tmp.seek(0)
+      text = tmp.read().decode("utf-8", "replace")
+      lines.extend(text.splitlines())
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One thing to compile.
+
+  ``build(target)`` returns ``(fn, args, donate_argnums)``: ``fn`` a plain
+  function, ``args`` abstract arrays (``jax.ShapeDtypeStruct``; placed on the
+  target's devices by :func:`compile_case` unless they carry a sharding).
+  """
+  id: str
+  build: Callable[[targets_lib.Target], tuple[Callable, tuple, tuple]]
+  kind: str = "kernel"               # "kernel", "step" or "sharded"
+  devices: int = 1
+  implementations: tuple[str, ...] = ("triton", "mosaic_tpu")
+  full_only: bool = False            # only in the full sweep (``full=True``)
+  expect_kernels: bool = True        # False for optax's baselines and XLA paths
+  mesh: Callable[[targets_lib.Target], Any] | None = None   # sharded cases
+
+
+class CompileFailure(AssertionError):
+  pass
+
+
+def compile_case(target, case: Case) -> dict[str, Any]:
+  """Compiles ``case`` for ``target``; returns its figures.
+
+  Raises :class:`CompileFailure` naming the target, the case and the
+  compiler's message when lowering or compiling fails.
+  """
+  t = targets_lib.get(target)
+  mesh = case.mesh(t) if case.mesh is not None else None
+  try:
+    t0 = time.perf_counter()
+    with targets_lib.lowering_for(t, mesh):
+      fn, args, donate = case.build(t)
+      args = _placed(t, args)
+      lowered = jax.jit(fn, donate_argnums=donate).trace(*args).lower(
+          lowering_platforms=(t.lowering_platform,))
+    t1 = time.perf_counter()
+    with _captured_stderr() as log:
+      compiled = lowered.compile()
+    t2 = time.perf_counter()
+  except Exception as e:  # noqa: BLE001 - every compiler error becomes one clear failure
+    msg = f"{type(e).__name__}: {e}"
+    raise CompileFailure(f"{case.id} does not compile for {t.name} ({t.device_kind}): "
+                         f"{_short(msg)}") from e
+  hlo = compiled.as_text()
+  mem = compiled.memory_analysis()
+  spills = sorted({line.strip() for line in log if _SPILL.search(line)})
+  for line in log:   # what the compiler said stays visible
+    if line.strip() and line.strip() not in spills:
+      print(line, file=sys.stderr)
+  figures = {
+      "temp_bytes": int(mem.temp_size_in_bytes),
+      "argument_bytes": int(mem.argument_size_in_bytes),
+      "output_bytes": int(mem.output_size_in_bytes),
+      "alias_bytes": int(mem.alias_size_in_bytes),
+      "kernels": kernel_launches(hlo),
+      "collectives": collectives(hlo),
+      "spills": spills,
+      "lower_s": round(t1 - t0, 2),
+      "compile_s": round(t2 - t1, 2),
+  }
+  if case.expect_kernels and figures["kernels"] == 0:
+    raise CompileFailure(f"{case.id} compiled for {t.name} without any {t.implementation} "
+                         "kernel: the dispatch fell back to XLA")
+  return figures
+
+
+def _short(msg: str, limit: int = 4000) -> str:
+  # libtpu's messages carry the whole MLIR location stack: keep the head.
+  return msg if len(msg) <= limit else msg[:limit] + " [...]"
+
+
+def _placed(t, args):
+  leaves, treedef = jax.tree.flatten(args)
+  default = None
+  out = []
+  for x in leaves:
+    if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
+      if default is None:
+        default = jax.sharding.NamedSharding(targets_lib.mesh(t), jax.sharding.PartitionSpec())
+      x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=default)
+    out.append(x)
+  return jax.tree.unflatten(treedef, out)
+
+
+# ------------------------------------------------------------------ cases --
+def _S(shape, dtype=F32):
+  return jax.ShapeDtypeStruct(tuple(shape), dtype)
+
+
+def _cfg_name(cfg) -> str:
+  if cfg is None:
+    return "heuristic"
+  fields = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else {"cfg": cfg}
+  parts = []
+  for k, v in fields.items():
+    if isinstance(v, dict):
+      v = "-".join(f"{a}{b}" for a, b in v.items()) if v else "none"
+    parts.append(f"{k}={v}")
+  return f"{type(cfg).__name__}({','.join(parts)})"
+
+
+def _dt(d) -> str:
+  return {F32: "f32", BF16: "bf16"}[jnp.dtype(d)]
+
+
+def _sr_cases(impl: str) -> list[Case]:
+  from fuseopt.benchmarks import workloads
+  from fuseopt.kernels import _elementwise, stochastic_round as sr
+  heur = _elementwise.triton_heuristic if impl == "triton" else sr.mosaic_heuristic
+  space = sr.TRITON_SEARCH_SPACE if impl == "triton" else sr.MOSAIC_SEARCH_SPACE
+  out, seen = [], set()
+
+  def case(n, cfg, full_only=False):
+    def build(t, n=n, cfg=cfg):
+      fn = lambda x: sr.stochastic_round_bf16(x, 7, implementation=impl, config=cfg)
+      return fn, (_S((n,)),), ()
+    return Case(f"kernel/stochastic_round/{impl}/n={n}/{_cfg_name(cfg)}", build,
+                implementations=(impl,), full_only=full_only)
+  # The benchmark sizes and a ragged one (the last block masked / padded).
+  for n in (*workloads.SR_SIZES["quick"], *workloads.SR_SIZES["full"], 1_000_003):
+    cfg = heur(n)
+    if cfg not in seen:
+      seen.add(cfg)
+      out.append(case(n, cfg))
+  out += [case(1 << 24, cfg, full_only=True) for cfg in space if cfg not in seen]
+  return out
+
+
+_ADAM_SHAPE = (2048, 8192)   # the 1.2 B tree's MLP matrix
+_ADAM_RAGGED = (1000, 3001)
+
+
+def _adam_cases(impl: str) -> list[Case]:
+  from fuseopt.kernels import adam
+  space = adam.TRITON_SEARCH_SPACE if impl == "triton" else adam.MOSAIC_SEARCH_SPACE
+  out = []
+
+  def case(tag, shape, pd, gd, md, *, cfg=None, full_only=False, **opts):
+    def build(t):
+      def fn(p, g, mu, nu):
+        return adam.adam_update(p, g, mu, nu, count=3, learning_rate=1e-3, weight_decay=0.1,
+                                implementation=impl, config=cfg, **opts)
+      p = None if pd is None else _S(shape, pd)
+      donate = (0, 2, 3) if p is not None else (2, 3)
+      return fn, (p, _S(shape, gd), _S(shape, md), _S(shape, md)), donate
+    return Case(f"kernel/adam_update/{impl}/{tag}/{_cfg_name(cfg)}", build,
+                implementations=(impl,), full_only=full_only)
+  # Every dtype signature: params x grads x moments.
+  for pd in (F32, BF16):
+    for gd in (F32, BF16):
+      for md in (BF16, F32):
+        out.append(case(f"p{_dt(pd)}-g{_dt(gd)}-m{_dt(md)}", _ADAM_SHAPE, pd, gd, md))
+  # Options: nesterov, a traced clip scale and skip flag, direction only, ragged.
+  def traced_options(p, g, mu, nu):
+    scale = jnp.minimum(1.0, 1.0 / (1e-6 + jnp.sqrt(jnp.sum(jnp.square(g.astype(F32))))))
+    return dict(grad_scale=scale, apply=jnp.all(jnp.isfinite(g)))
+
+  def options_case(tag, **static):
+    def build(t):
+      def fn(p, g, mu, nu):
+        return adam.adam_update(p, g, mu, nu, count=3, learning_rate=1e-3, weight_decay=0.1,
+                                implementation=impl, **static, **traced_options(p, g, mu, nu))
+      return fn, (_S(_ADAM_SHAPE), _S(_ADAM_SHAPE), _S(_ADAM_SHAPE, BF16),
+                  _S(_ADAM_SHAPE, BF16)), (0, 2, 3)
+    return Case(f"kernel/adam_update/{impl}/{tag}/heuristic", build, implementations=(impl,))
+  out.append(options_case("pf32-gf32-mbf16-nesterov-clip-skip", nesterov=True))
+  out.append(case("direction-only-gf32-mbf16", _ADAM_SHAPE, None, F32, BF16))
+  out.append(case("ragged-pf32-gf32-mbf16", _ADAM_RAGGED, F32, F32, BF16))
+  out += [case("pf32-gf32-mbf16", _ADAM_SHAPE, F32, F32, BF16, cfg=c, full_only=True)
+          for c in space]
+  if impl == "triton":
+    out += _adam_group_cases()
+  return out
+
+
+def _llama_leaves(dtype=F32):
+  from fuseopt.benchmarks import workloads
+  return jax.tree.leaves(workloads.llama_tree(dtype, layers=1))
+
+
+def _adam_group_cases() -> list[Case]:
+  from fuseopt.kernels import adam
+
+  def case(cfg, full_only):
+    def build(t):
+      leaves = _llama_leaves()
+      mom = [_S(x.shape, BF16) for x in leaves]
+
+      def fn(ps, gs, mus, nus):
+        return adam.adam_update_tree(ps, gs, mus, nus, count=3, learning_rate=1e-3,
+                                     weight_decay=0.1, implementation="triton", config=cfg,
+                                     group=True)
+      return fn, (leaves, leaves, mom, mom), (0, 2, 3)
+    return Case(f"kernel/adam_update_tree/triton/llama-1-layer/{_cfg_name(cfg)}", build,
+                implementations=("triton",), full_only=full_only)
+  return [case(None, False)] + [case(c, True) for c in adam.TRITON_GROUP_SEARCH_SPACE]
+
+
+def _ns_cases(impl: str) -> list[Case]:
+  from fuseopt.benchmarks import workloads
+  from fuseopt.kernels.ns import fused, gram, newton_schulz as ns, update
+  out = []
+
+  def case(tag, shape, *, cfg=None, gram_=False, full_only=False, dtype=BF16):
+    def build(t):
+      fn = lambda x: ns.newton_schulz(x, implementation=impl, config=cfg, gram=gram_)
+      return fn, (_S(shape, dtype),), ()
+    return Case(f"kernel/newton_schulz/{impl}/{tag}/{_cfg_name(cfg)}", build,
+                implementations=(impl,), full_only=full_only)
+  # The benchmark shapes (what config=None picks: fused or tiled, and the
+  # tiled kernels' heuristic configs), Gram NS, a ragged shape and a small
+  # batch the single-kernel path takes.
+  small = 128 if impl == "triton" else 256
+  quick = set(workloads.NS_SHAPES_QUICK)
+  for shape in workloads.NS_SHAPES:
+    out.append(case(workloads.shape_name(shape), shape, full_only=shape not in quick))
+  out.append(case("gram-2048x8192", (2048, 8192), gram_=True))
+  out.append(case("ragged-1000x2900", (1000, 2900)))
+  out.append(case(f"fused-8x{small}x{2 * small}", (8, small, 2 * small)))
+  out.append(case("f32-1024x1024", (1024, 1024), dtype=F32, full_only=True))
+  # The full sweep: every config of each kernel's search space at 2048x8192.
+  sym_space = gram.TRITON_SEARCH_SPACE if impl == "triton" else gram.MOSAIC_SEARCH_SPACE
+  mm_space = update.TRITON_SEARCH_SPACE if impl == "triton" else update.MOSAIC_SEARCH_SPACE
+  fused_space = fused.TRITON_SEARCH_SPACE if impl == "triton" else fused.MOSAIC_SEARCH_SPACE
+  out += [case("2048x8192", (2048, 8192), cfg=ns.TiledConfig(sym=c), full_only=True)
+          for c in sym_space]
+  out += [case("2048x8192", (2048, 8192), cfg=ns.TiledConfig(matmul=c), full_only=True)
+          for c in mm_space]
+  out += [case(f"8x{small}x{2 * small}", (8, small, 2 * small), cfg=c, full_only=True)
+          for c in fused_space]
+  return out
+
+
+def kernel_cases() -> list[Case]:
+  out = []
+  for impl in ("triton", "mosaic_tpu"):
+    out += _sr_cases(impl) + _adam_cases(impl) + _ns_cases(impl)
+  return out
+
+
+# Recipes on the 1.2 B tree.
+def _recipes() -> dict[str, dict[str, tuple[Any, Any]]]:
+  """recipe -> {variant: (transformation, fused)}."""
+  from fuseopt.benchmarks.cases import step as step_cases
+  out = step_cases.recipes()
+  out["builder_recipe"] = _builder_recipe()
+  return out
+
+
+def _builder_recipe():
+  import optax
+
+  import fuseopt.optim as fo
+  config = fo.OptimConfig.from_dict({
+      "optimizer": "muon",
+      "schedule": {"kind": "wsd", "peak": 0.02, "warmup_steps": 100, "decay_fraction": 0.2},
+      "adam_schedule": {"kind": "wsd", "peak": 3e-4, "warmup_steps": 100,
+                        "decay_fraction": 0.2},
+      "muon_patterns": ["layers/*/attn/*", "layers/*/mlp/*"],
+      "weight_decay": 0.1,
+      "state_dtype": "bfloat16",
+      "param_groups": [{"name": "no_decay", "patterns": ["*_norm", "final_norm"],
+                        "weight_decay": 0.0},
+                       {"name": "rest", "patterns": ["*"]}],
+      "clip_norm": 1.0,
+  })
+  tx = fo.build_optimizer(config, steps=1000)
+  sched = optax.warmup_cosine_decay_schedule(0.0, 0.02, 100, 1000)
+  from fuseopt.benchmarks.cases import muon as muon_cases
+  optax_tx = optax.chain(optax.clip_by_global_norm(1.0), optax.contrib.muon(
+      sched, weight_decay=0.1, adam_weight_decay=0.1, ns_coeffs=muon_cases.COEFFS,
+      muon_weight_dimension_numbers=muon_cases.muon_dims))
+  return {"optax_chain": (optax_tx, False), "fuseopt_fallback": (tx, False),
+          "fuseopt_step": (tx, True)}
+
+
+def _step_fn(tx, fused):
+  import optax
+
+  import fuseopt.optim as fo
+  if fused:
+    def step(params, state, grads):
+      return fo.step(tx, grads, state, params)
+  else:
+    def step(params, state, grads):
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+  return step
+
+
+def step_cases() -> list[Case]:
+  from fuseopt.benchmarks import workloads
+  out = []
+  for recipe in ("adamw_recipe", "hybrid_recipe", "builder_recipe"):
+    for variant in ("fuseopt_step", "fuseopt_fallback", "optax_chain"):
+      if recipe == "builder_recipe" and variant == "optax_chain":
+        continue   # the same as the hybrid recipe's optax chain
+
+      def build(t, recipe=recipe, variant=variant):
+        tx, fused = _recipes()[recipe][variant]
+        tree = workloads.llama_tree(F32)
+        state = jax.eval_shape(tx.init, tree)
+        return _step_fn(tx, fused), (tree, state, tree), (0, 1)
+      out.append(Case(f"step/{recipe}/{variant}/llama1.2b", build, kind="step",
+                      expect_kernels=variant == "fuseopt_step"))
+  return out
+
+
+FSDP_AXIS = "fsdp"
+
+
+def _fsdp_spec(x):
+  P = jax.sharding.PartitionSpec
+  if len(x.shape) >= 2 and x.shape[0] % 8 == 0:
+    return P(FSDP_AXIS, *([None] * (len(x.shape) - 1)))
+  return P()
+
+
+def sharded_cases() -> list[Case]:
+  from jax.sharding import AxisType, NamedSharding
+
+  from fuseopt.benchmarks import workloads
+  import fuseopt.optim as fo
+  from fuseopt.benchmarks.cases import muon as muon_cases
+  import optax
+  out = []
+  for axis_type in (AxisType.Explicit, AxisType.Auto):
+    for recipe in ("adamw", "hybrid"):
+      for variant in ("fuseopt_step", "optax"):
+        def mesh_of(t, axis_type=axis_type):
+          return targets_lib.mesh(t, (8,), (FSDP_AXIS,), axis_types=(axis_type,))
+
+        def build(t, axis_type=axis_type, recipe=recipe, variant=variant):
+          mesh = mesh_of(t)
+          tree = workloads.llama_tree(F32)
+          specs = jax.tree.map(_fsdp_spec, tree)
+          shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+          placed = targets_lib.avals(t, tree, shardings)
+          auto = axis_type == AxisType.Auto
+          if variant == "optax":
+            tx = (optax.adamw(1e-3, weight_decay=0.1) if recipe == "adamw" else
+                  optax.contrib.muon(0.02, ns_coeffs=muon_cases.COEFFS, weight_decay=0.1,
+                                     adam_weight_decay=0.1,
+                                     muon_weight_dimension_numbers=muon_cases.muon_dims))
+            fused = False
+          elif recipe == "adamw":
+            tx = fo.adamw(1e-3, weight_decay=0.1, shardings=shardings if auto else None)
+            fused = True
+          else:
+            tx = fo.muon(0.02, coeffs="jordan", weight_decay=0.1, adam_weight_decay=0.1,
+                         adam_moment_dtype=BF16, muon_weight_dimension_numbers=muon_cases.muon_dims,
+                         shardings=shardings if auto else None)
+            fused = True
+          state = jax.eval_shape(tx.init, placed)
+          state = _with_state_shardings(t, state, mesh)
+          return _step_fn(tx, fused), (placed, state, placed), (0, 1)
+        kind = "explicit" if axis_type == AxisType.Explicit else "auto"
+        out.append(Case(f"sharded/{recipe}/{variant}/llama1.2b-fsdp8-{kind}", build,
+                        kind="sharded", devices=8, expect_kernels=variant == "fuseopt_step",
+                        mesh=mesh_of))
+  return out
+
+
+def _with_state_shardings(t, state, mesh):
+  """eval_shape's structs keep their shardings; leaves without one (counts)
+  are replicated on ``mesh``."""
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+  def one(x):
+    if isinstance(x, jax.ShapeDtypeStruct):
+      s = x.sharding if isinstance(x.sharding, jax.sharding.NamedSharding) else rep
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+    return x
+  return jax.tree.map(one, state)
+
+
+def cases(target, *, full: bool = False, kinds: tuple[str, ...] = ("kernel", "step", "sharded")
+          ) -> list[Case]:
+  """The cases that apply to ``target``: its backend's kernels, the steps
+  and (where it has an 8-device topology) the sharded steps. ``full`` adds
+  every config of every search space."""
+  t = targets_lib.get(target)
+  every = []
+  if "kernel" in kinds:
+    every += kernel_cases()
+  if "step" in kinds:
+    every += step_cases()
+  if "sharded" in kinds and 8 in t.topologies:
+    every += sharded_cases()
+  return [c for c in every if t.implementation in c.implementations and (full or not c.full_only)
+          and c.devices in t.topologies]
+
+
+# ------------------------------------------------------------ baseline --
+def results_path(target, root: Path | str = RESULTS_DIR) -> Path:
+  return Path(root) / f"{targets_lib.get(target).name}.json"
+
+
+def environment() -> dict[str, str]:
+  from importlib import metadata
+  env = {"jax": jax.__version__}
+  for dist in ("jaxlib", "libtpu", "jax-cuda12-plugin", "jax-cuda12-pjrt", "nvidia-cuda-nvcc-cu12"):
+    try:
+      env[dist] = metadata.version(dist)
+    except metadata.PackageNotFoundError:
+      pass
+  return env
+
+
+def load(target, root: Path | str = RESULTS_DIR) -> dict[str, Any] | None:
+  path = results_path(target, root)
+  if not path.exists():
+    return None
+  return json.loads(path.read_text())
+
+
+def write(target, figures: dict[str, dict], root: Path | str = RESULTS_DIR, *,
+          merge: bool = True) -> Path:
+  """Writes ``{case id: figures}`` for ``target`` (merged into what is there)."""
+  t = targets_lib.get(target)
+  path = results_path(t, root)
+  old = load(t, root) if merge else None
+  cases_ = dict(old["cases"]) if old else {}
+  cases_.update(figures)
+  doc = {"schema": SCHEMA, "target": t.name, "device_kind": t.device_kind,
+         "platform": t.platform, "implementation": t.implementation,
+         "environment": environment(),
+         "written": datetime.date.today().isoformat(),
+         "cases": dict(sorted(cases_.items()))}
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
+  return path
+
+
+# Figures that fail when they grow; alias_bytes fails when it shrinks (less
+# in place).
+_GROWTH = ("temp_bytes", "argument_bytes", "output_bytes", "kernels")
+
+
+def compare(fresh: dict[str, Any], base: dict[str, Any] | None) -> tuple[list[str], list[str]]:
+  """(failures, notes) of one case's fresh figures against its baseline."""
+  if base is None:
+    return [], ["not in the baseline (new case)"]
+  fails, notes = [], []
+  for k in _GROWTH:
+    a, b = fresh.get(k), base.get(k)
+    if a is None or b is None:
+      continue
+    if a > b:
+      fails.append(f"{k} grew: {b} -> {a}")
+    elif a < b:
+      notes.append(f"{k} shrank: {b} -> {a}")
+  a, b = fresh.get("alias_bytes"), base.get("alias_bytes")
+  if a is not None and b is not None:
+    if a < b:
+      fails.append(f"alias_bytes shrank (less in place): {b} -> {a}")
+    elif a > b:
+      notes.append(f"alias_bytes grew: {b} -> {a}")
+  fc, bc = fresh.get("collectives", {}), base.get("collectives", {})
+  for kind in sorted(set(fc) | set(bc)):
+    for k in ("count", "bytes"):
+      a, b = fc.get(kind, {}).get(k, 0), bc.get(kind, {}).get(k, 0)
+      if a > b:
+        fails.append(f"{kind} {k} grew: {b} -> {a}")
+      elif a < b:
+        notes.append(f"{kind} {k} shrank: {b} -> {a}")
+  new_spills = sorted(set(fresh.get("spills", [])) - set(base.get("spills", [])))
+  if new_spills:
+    fails.append(f"new ptxas spills: {new_spills}")
+  for k in ("lower_s", "compile_s"):
+    if fresh.get(k) is not None and base.get(k):
+      notes.append(f"{k} {fresh[k]:.1f} (baseline {base[k]:.1f})")
+  return fails, notes
+
+
+def versions_match(doc: dict[str, Any] | None) -> bool:
+  """Figures depend on the compilers' versions: a baseline written with other
+  versions is reported against, never enforced."""
+  if not doc:
+    return False
+  here = environment()
+  return all(here.get(k) == v for k, v in doc.get("environment", {}).items())
+
+
+# ------------------------------------------------------------------ runner --
+def run(target, *, full: bool = False, kinds=("kernel", "step", "sharded"), match: str | None = None,
+        jobs: int = 1, log=print) -> dict[str, dict]:
+  """Compiles every case of ``target`` (in ``jobs`` worker processes when
+  ``jobs > 1``); returns ``{case id: figures or {"error": message}}``."""
+  selected = [c for c in cases(target, full=full, kinds=kinds) if not match or re.search(match, c.id)]
+  ids = [c.id for c in selected]
+  if jobs <= 1:
+    return {c.id: _run_one(target, c, log) for c in selected}
+  import concurrent.futures as cf
+  import multiprocessing as mp
+  out = {}
+  ctx = mp.get_context("spawn")
+  with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+    futures = {pool.submit(_worker, targets_lib.get(target).name, full, tuple(kinds), i): i
+               for i in ids}
+    for fut in cf.as_completed(futures):
+      cid = futures[fut]
+      out[cid] = fut.result()
+      log(_line(cid, out[cid]))
+  return {i: out[i] for i in ids}
+
+
+def _run_one(target, case: Case, log) -> dict:
+  try:
+    fig = compile_case(target, case)
+  except CompileFailure as e:
+    fig = {"error": str(e)}
+  except Exception:  # noqa: BLE001 - a broken case is a recorded error, not a crash
+    fig = {"error": f"{case.id}: {traceback.format_exc(limit=4)}"}
+  log(_line(case.id, fig))
+  return fig
+
+
+def _worker(target: str, full: bool, kinds: tuple, case_id: str) -> dict:
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  by_id = {c.id: c for c in cases(target, full=full, kinds=kinds)}
+  return _run_one(target, by_id[case_id], log=lambda *_: None)
+
+
+def _line(case_id: str, fig: dict) -> str:
+  if "error" in fig:
+    return f"FAIL {case_id}: {fig['error'][:300]}"
+  coll = ", ".join(f"{k} {v['count']}" for k, v in fig["collectives"].items())
+  return (f"ok   {case_id}: temp {fig['temp_bytes']:,} B, {fig['kernels']} kernels"
+          f"{', ' + coll if coll else ''}{', SPILLS' if fig['spills'] else ''}; lower "
+          f"{fig['lower_s']:.1f} s, compile {fig['compile_s']:.1f} s")
