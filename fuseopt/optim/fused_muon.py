@@ -199,10 +199,18 @@ def _chunked(mats, max_elements, ns):
   (batch, rows, cols) array), as few calls as ``max_elements`` per call
   allows; yields ``(index into mats, [result parts in batch order])``."""
   rows, cols = mats[0].shape[1:]
-  per_call = len(mats) and sum(m.shape[0] for m in mats)
+  total = sum(m.shape[0] for m in mats)
+  per_call = total
   if max_elements is not None:
     per_call = max(1, int(max_elements) // (rows * cols))
-  calls, current, room = [], [], per_call
+  sizes = [per_call] * (total // per_call) + ([total % per_call] if total % per_call else [])
+  if len(sizes) > 1 and sizes[-1] == 1:
+    # No lone matrix in a batched family: the sharded step runs every
+    # family batched (distributed_ns.orthogonalize_sharded), and a batch of
+    # one may round differently. With two per call, the last call takes three.
+    sizes[-2:] = [sizes[-2] - 1, 2] if sizes[-2] > 2 else [sizes[-2] + 1]
+  calls, current = [], []
+  room = sizes[0] if sizes else 0
   for k, m in enumerate(mats):
     start = 0
     while start < m.shape[0]:
@@ -212,7 +220,8 @@ def _chunked(mats, max_elements, ns):
       room -= take
       if room == 0:
         calls.append(current)
-        current, room = [], per_call
+        current = []
+        room = sizes[len(calls)] if len(calls) < len(sizes) else 0
   if current:
     calls.append(current)
   parts: dict[int, list] = {}
@@ -492,7 +501,7 @@ def scale_by_muon(
       where = list(distributed.items())
       ys = distributed_ns.orthogonalize_sharded(
           [mu_hat[i] for i, _ in where], [p for _, (p, _) in where],
-          [ax for _, (_, ax) in where], ns)
+          [ax for _, (_, ax) in where], ns, max_elements=ns_max_elements)
       for (i, _), y in zip(where, ys):
         results[(i, 0)] = y
     for members in groups.values():

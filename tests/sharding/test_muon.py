@@ -134,3 +134,47 @@ def test_lowering_for_8_devices_gives_kernels_local_operands(target, kind):
   # The largest operand is a local shard: the 4096x512 embedding / 8 (the
   # whole leaf would be 2,097,152 elements), or two whole 512x1024 matrices.
   assert elements <= 2 * 512 * 1024, sigs
+
+
+# Two same-shaped matrices (a family of two), a singleton of another shape,
+# one with a row per device, and an AdamW leaf.
+FAMILY_SHAPES = {"fc2a": (512, 128), "fc2b": (512, 128), "wq": (128, 128), "emb": (64, 128),
+                 "bias": (128,)}
+_FAMILY_STEPS = 5
+
+
+def _replay(tx, params, grads):
+  """``jit(fo.step)`` over the same gradients; every step's (params, state)."""
+  run = jax.jit(lambda g, s, p: fo.step(tx, g, s, p))
+  state, out = tx.init(params), []
+  for g in grads:
+    params, state = run(g, state, params)
+    out.append(jax.device_get((params, state)))
+  return out
+
+
+@pytest.fixture(scope="module")
+def family_run():
+  params = _tree(0, FAMILY_SHAPES)
+  grads = [_tree(10 + t, FAMILY_SHAPES) for t in range(_FAMILY_STEPS)]
+  return params, grads, _replay(fo.muon(1e-2), params, grads)
+
+
+@pytest.mark.parametrize("axis", [0, 1], ids=["rows", "cols"])
+@pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+def test_sharded_muon_step_is_bitwise_the_unsharded_step(family_run, kind, axis):
+  """bf16 Newton-Schulz, FSDP on either matrix axis: every step's params and
+  state equal the one-device step's bit for bit (the 512x128 pair used to
+  differ from the fourth step on: a device ran one of them alone, the
+  unsharded step runs both in one batch)."""
+  params, grads, want = family_run
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(kind,))
+  matrix = P("fsdp", None) if axis == 0 else P(None, "fsdp")
+  sh = {n: NamedSharding(mesh, matrix if len(s) == 2 else P()) for n, s in FAMILY_SHAPES.items()}
+  put = lambda t: jax.tree.map(jax.device_put, t, sh)
+  tx = fo.muon(1e-2, shardings=None if kind == AxisType.Explicit else sh)
+  got = _replay(tx, put(params), [put(g) for g in grads])
+  for t, (w, g) in enumerate(zip(want, got)):
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(w)[0], jax.tree.leaves(g)):
+      np.testing.assert_array_equal(np.asarray(b), np.asarray(a),
+                                    err_msg=f"step {t} {jax.tree_util.keystr(path)}")

@@ -14,7 +14,8 @@ shards). Instead, for every family of same-shaped matrices:
    over) each take a slice of it;
 3. one ``all_to_all`` per sharded matrix side (split the batch, concatenate
    the rows, then the columns) leaves every device ``ceil(B / N)`` *whole*
-   matrices, no matrix on two devices;
+   matrices, no matrix on two devices (at least two slots for a family of
+   two or more, so that the result is bitwise the unsharded step's);
 4. the NS kernel runs locally; the same collectives in reverse (and an
    ``all_gather`` over the replica axes) put the result back in the
    parameters' sharding.
@@ -62,7 +63,8 @@ def _size(mesh, names) -> int:
 def orthogonalize_sharded(leaves: Sequence[jax.Array],
                           placements: Sequence[sharding_lib.Placement],
                           axes: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
-                          ns: Callable[[jax.Array], jax.Array]) -> list[jax.Array]:
+                          ns: Callable[[jax.Array], jax.Array],
+                          max_elements: int | None = None) -> list[jax.Array]:
   """Runs ``ns`` on every matrix of sharded ``leaves``, each matrix on one device.
 
   Args:
@@ -73,6 +75,11 @@ def orthogonalize_sharded(leaves: Sequence[jax.Array],
     axes: per leaf, the reduction and output axes (non-negative ints).
     ns: ``(b, R, O) -> (b, R, O)`` on whole matrices, run inside
       ``shard_map`` (a Pallas kernel is fine: its operands are local).
+    max_elements: the unsharded step's most matrix elements per NS call
+      (``None``: no limit). A family of two or more matrices runs at least
+      two to a device's ``ns`` call (padding slots fill it) unless the
+      unsharded step would run them one at a time (``max_elements`` below
+      two matrices).
 
   Returns:
     ``ns``'s result for each leaf, in the leaf's layout and sharding.
@@ -115,7 +122,14 @@ def orthogonalize_sharded(leaves: Sequence[jax.Array],
       x = mats[0] if len(mats) == 1 else jnp.concatenate(mats, axis=0)
       B = x.shape[0]
       share = n_red * n_out * n_free
-      padded = -(-B // share) * share
+      # Slots per device: a family of two or more matrices runs batched on
+      # every device, never as a lone matrix, because the unsharded step runs
+      # it batched and a compiler may lower a batch of one differently (XLA's
+      # CPU backend drops the unit batch axis and picks another dot, whose
+      # rounding differs). The result then stays bitwise the unsharded one.
+      min_batch = 2 if max_elements is None or max_elements // (R * O) >= 2 else 1
+      k = max(-(-B // share), min(B, min_batch))
+      padded = k * share
       shift = placed % padded
       placed += B
       if padded != B:
@@ -130,14 +144,16 @@ def orthogonalize_sharded(leaves: Sequence[jax.Array],
         x = jax.lax.all_to_all(x, _axis(red_names), 0, 1, tiled=True)
       if out_names:
         x = jax.lax.all_to_all(x, _axis(out_names), 0, 2, tiled=True)
-      if padded != B and x.shape[0] == 1:
-        # This device's one slot may be padding: skip its NS then.
-        real = [(pos - shift) % padded < B for pos in range(padded)]
+      # Device (f, r, o) holds slots [k·d, k·(d+1)), d = (f·n_red + r)·n_out + o.
+      real = [(pos - shift) % padded < B for pos in range(padded)]
+      busy = [any(real[d * k:(d + 1) * k]) for d in range(share)]
+      if not all(busy):
+        # Skip the NS where all of this device's slots are padding.
         r_idx = jax.lax.axis_index(_axis(red_names)) if red_names else 0
         o_idx = jax.lax.axis_index(_axis(out_names)) if out_names else 0
-        pos = f_idx * per_free + r_idx * (per_free // n_red) + o_idx
+        d = (f_idx * n_red + r_idx) * n_out + o_idx
         shaped = jax.eval_shape(ns, x)
-        y = jax.lax.cond(jnp.asarray(real)[pos], ns,
+        y = jax.lax.cond(jnp.asarray(busy)[d], ns,
                          lambda v: jnp.zeros(shaped.shape, shaped.dtype), x)
       else:
         y = ns(x)
