@@ -59,6 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--readme", type=Path, default=Path("README.md"))
   p.add_argument("--include-cpu", action="store_true", help="also render CPU results")
   p.add_argument("--print", action="store_true", help="print the markdown instead of editing the README")
+  c = sub.add_parser("compile-check",
+                     help="compile every case with the real compilers for a target (no hardware) "
+                          "and compare with bench/results/compiled/<target>.json")
+  c.add_argument("--target", required=True,
+                 help="a target of fuseopt.targets (v5e, v6e, h200, l4, rtx4090) or 'all'")
+  c.add_argument("--all", action="store_true", dest="full",
+                 help="also every config of every search space (the full sweep)")
+  c.add_argument("--update", action="store_true", help="write the fresh figures into the JSON")
+  c.add_argument("--match", default=None, help="only cases whose id matches this regex")
+  c.add_argument("--jobs", type=int, default=1, help="worker processes (one compile each)")
+  c.add_argument("--results", type=Path, default=Path("bench/results/compiled"))
   d = sub.add_parser("demo", help="train a small MLP with optax's and fuseopt's optimizers side by side")
   d.add_argument("--steps", type=int, default=300)
   return ap
@@ -218,16 +229,30 @@ def cmd_report(args, out=print) -> int:
   if args.print:
     out(report.markdown(report.find_results(args.results, include_cpu=args.include_cpu)))
     return 0
+  from fuseopt.benchmarks import compiled
   changed = report.render_readme(args.readme, args.results, include_cpu=args.include_cpu)
   out(f"{args.readme}: performance table {'updated' if changed else 'unchanged'}")
+  changed = compiled.render_readme(args.readme, args.results / "compiled")
+  if changed is not None:
+    out(f"{args.readme}: compiled-figures table {'updated' if changed else 'unchanged'}")
   return 0
+
+
+def cmd_compile_check(args, out=print) -> int:
+  import os
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")   # compile for devices, run nothing on them
+  from fuseopt import targets
+  targets.report_ptxas()
+  from fuseopt.benchmarks import compiled
+  return compiled.main(args.target, full=args.full, update=args.update, match=args.match,
+                       jobs=args.jobs, root=args.results, out=out)
 
 
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
   try:
     return {"bench": cmd_bench, "regression": cmd_regression, "report": cmd_report,
-            "demo": cmd_demo}[args.command](args)
+            "demo": cmd_demo, "compile-check": cmd_compile_check}[args.command](args)
   except ValueError as e:
     print(f"fuseopt {args.command}: {e}", file=sys.stderr)
     return 2

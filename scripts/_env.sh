@@ -1,4 +1,5 @@
-# Creates or reuses .venv (Python 3.12) and installs fuseopt with its extras.
+# Creates or reuses .venv (Python 3.12) and installs fuseopt with its extras
+# (test, bench and compile: CI runs the compile tier).
 # Sourced by scripts/fuseopt and scripts/test.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -19,7 +20,8 @@ STAMP="$VENV/.fuseopt-installed"
 WANT="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
-  "$VENV/bin/python" -m pip install --quiet -e "$ROOT[test,bench]"
+  # compile: the real TPU and GPU compilers for the compile tier (about 1.3 GB).
+  "$VENV/bin/python" -m pip install --quiet -e "$ROOT[test,bench,compile]"
   echo "$WANT" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

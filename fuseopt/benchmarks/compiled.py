@@ -68,12 +68,30 @@ F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
 _KERNEL_TARGET = re.compile(
     r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton|mosaic_gpu[^"]*)"')
 _COLLECTIVE = re.compile(
-    r"^\s*(?:ROOT )?\S+ = (\([^)]*\)|\S+) (all-to-all|all-gather|all-reduce|reduce-scatter|"
+    r"^\s*(?:ROOT )?\S+ = (.+?) (all-to-all|all-gather|all-reduce|reduce-scatter|"
     r"collective-permute|collective-broadcast|ragged-all-to-all)(-start)?\(", re.M)
 _ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|c64|c128)\[([\d,]*)\]")
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
              "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
-_SPILL = re.compile(r"ptxas[^\n]*spill[^\n]*|[^\n]*bytes spill stores[^\n]*", re.I)
+_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_SPILL_COUNTS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def spills(log_lines) -> list[str]:
+  """ptxas's register spills, ``"<kernel>: S B spill stores, L B spill loads"``,
+  from its verbose report (see :func:`fuseopt.targets.report_ptxas`)."""
+  out, entry = [], "?"
+  for line in log_lines:
+    m = _ENTRY.search(line)
+    if m:
+      entry = m.group(1)
+      continue
+    m = _SPILL_COUNTS.search(line)
+    if m and (int(m.group(1)) or int(m.group(2))):
+      out.append((entry, f"{entry}: {m.group(1)} B spill stores, {m.group(2)} B spill loads"))
+  # XLA also logs ptxas's whole output as one line, before the kernel's name.
+  named = {text for entry, text in out if entry != "?"}
+  return sorted(named or {text for _, text in out})
 
 
 def kernel_launches(hlo: str) -> int:
@@ -88,10 +106,11 @@ def collectives(hlo: str) -> dict[str, dict[str, int]]:
   out: dict[str, dict[str, int]] = {}
   for shape, kind, _ in _COLLECTIVE.findall(hlo):
     nbytes = 0
-    arrays = _ARRAY.findall(shape)
-    # An async start returns (operands, results[, contexts]): count the results.
+    # Scalars are an async start's context words, not data.
+    arrays = [a for a in _ARRAY.findall(shape) if a[1]]
+    # An async start returns (operands, results): count the results.
     if shape.startswith("(") and len(arrays) >= 2:
-      arrays = arrays[len(arrays) // 2:] if len(arrays) % 2 == 0 else arrays[1:]
+      arrays = arrays[len(arrays) // 2:]
     for dtype, dims in arrays:
       n = math.prod(int(d) for d in dims.split(",") if d)
       nbytes += n * _ITEMSIZE.get(dtype, 4)
@@ -168,9 +187,9 @@ def compile_case(target, case: Case) -> dict[str, Any]:
                          f"{_short(msg)}") from e
   hlo = compiled.as_text()
   mem = compiled.memory_analysis()
-  spills = sorted({line.strip() for line in log if _SPILL.search(line)})
-  for line in log:   # what the compiler said stays visible
-    if line.strip() and line.strip() not in spills:
+  spilled = spills(log)
+  for line in log:   # the compilers' warnings and errors stay visible
+    if re.match(r"\s*[WE]\d{4}|.*\b(warning|error)\b", line, re.I) and "ptxas info" not in line:
       print(line, file=sys.stderr)
   figures = {
       "temp_bytes": int(mem.temp_size_in_bytes),
@@ -179,7 +198,7 @@ def compile_case(target, case: Case) -> dict[str, Any]:
       "alias_bytes": int(mem.alias_size_in_bytes),
       "kernels": kernel_launches(hlo),
       "collectives": collectives(hlo),
-      "spills": spills,
+      "spills": spilled,
       "lower_s": round(t1 - t0, 2),
       "compile_s": round(t2 - t1, 2),
   }
@@ -455,7 +474,7 @@ def sharded_cases() -> list[Case]:
         def mesh_of(t, axis_type=axis_type):
           return targets_lib.mesh(t, (8,), (FSDP_AXIS,), axis_types=(axis_type,))
 
-        def build(t, axis_type=axis_type, recipe=recipe, variant=variant):
+        def build(t, axis_type=axis_type, recipe=recipe, variant=variant, mesh_of=mesh_of):
           mesh = mesh_of(t)
           tree = workloads.llama_tree(F32)
           specs = jax.tree.map(_fsdp_spec, tree)
@@ -654,3 +673,136 @@ def _line(case_id: str, fig: dict) -> str:
   return (f"ok   {case_id}: temp {fig['temp_bytes']:,} B, {fig['kernels']} kernels"
           f"{', ' + coll if coll else ''}{', SPILLS' if fig['spills'] else ''}; lower "
           f"{fig['lower_s']:.1f} s, compile {fig['compile_s']:.1f} s")
+
+
+# ------------------------------------------------------------------ report --
+COMPILED_START = "<!-- compiled-table:start -->"
+COMPILED_END = "<!-- compiled-table:end -->"
+
+# (row label, fuseopt case suffix, optax case suffix) for the README table.
+_TABLE_ROWS = (
+    ("AdamW recipe, fused `step`", "step/adamw_recipe/fuseopt_step/llama1.2b",
+     "step/adamw_recipe/optax_chain/llama1.2b"),
+    ("AdamW recipe, `update` + `apply_updates`", "step/adamw_recipe/fuseopt_fallback/llama1.2b",
+     "step/adamw_recipe/optax_chain/llama1.2b"),
+    ("hybrid Muon + AdamW, fused `step`", "step/hybrid_recipe/fuseopt_step/llama1.2b",
+     "step/hybrid_recipe/optax_chain/llama1.2b"),
+    ("hybrid, `update` + `apply_updates`", "step/hybrid_recipe/fuseopt_fallback/llama1.2b",
+     "step/hybrid_recipe/optax_chain/llama1.2b"),
+    ("builder recipe, fused `step`", "step/builder_recipe/fuseopt_step/llama1.2b",
+     "step/hybrid_recipe/optax_chain/llama1.2b"),
+    ("AdamW, 8 devices FSDP (Explicit), per device", "sharded/adamw/fuseopt_step/llama1.2b-fsdp8-explicit",
+     "sharded/adamw/optax/llama1.2b-fsdp8-explicit"),
+    ("AdamW, 8 devices FSDP (Auto), per device", "sharded/adamw/fuseopt_step/llama1.2b-fsdp8-auto",
+     "sharded/adamw/optax/llama1.2b-fsdp8-auto"),
+    ("hybrid, 8 devices FSDP (Explicit), per device", "sharded/hybrid/fuseopt_step/llama1.2b-fsdp8-explicit",
+     "sharded/hybrid/optax/llama1.2b-fsdp8-explicit"),
+    ("hybrid, 8 devices FSDP (Auto), per device", "sharded/hybrid/fuseopt_step/llama1.2b-fsdp8-auto",
+     "sharded/hybrid/optax/llama1.2b-fsdp8-auto"),
+)
+
+
+def _gb(v) -> str:
+  if v is None:
+    return "-"
+  if v < 1 << 20:
+    return f"{v / 1024:.0f} KiB" if v else "0"
+  if v < 1 << 30:
+    return f"{v / (1 << 20):.0f} MiB"
+  return f"{v / (1 << 30):.2f} GiB"
+
+
+def _coll(fig) -> str:
+  c = fig.get("collectives") or {}
+  return ", ".join(f"{v['count']} {k}" for k, v in c.items()) or "none"
+
+
+def markdown(root: Path | str = RESULTS_DIR) -> str:
+  """The README's compiled-figures table: fuseopt beside optax per target."""
+  docs = [(t, load(t, root)) for t in targets_lib.TARGETS]
+  docs = [(t, d) for t, d in docs if d]
+  if not docs:
+    return "_No compiled figures yet: run `fuseopt compile-check --target NAME --update`._\n"
+  out = []
+  for name, doc in docs:
+    cs = doc["cases"]
+    kernels = [k for k in cs if k.startswith("kernel/")]
+    env = doc.get("environment", {})
+    compiler = (f"libtpu {env['libtpu']}" if "libtpu" in env and doc["platform"] == "tpu"
+                else f"XLA + ptxas (nvcc {env.get('nvidia-cuda-nvcc-cu12', '?')})")
+    out.append(f"**{doc['device_kind']}** (`{name}`; jax {env.get('jax', '?')}, {compiler}): "
+               f"{len(kernels)} kernel configs compile, "
+               f"{sum(1 for k in kernels if cs[k].get('spills'))} spill")
+    out.append("")
+    out.append("| step (1.20 B Llama tree, fp32 params, donated) | fuseopt temp | optax temp "
+               "| fuseopt kernels | fuseopt collectives | optax collectives "
+               "| lower + compile s (fuseopt / optax) |")
+    out.append("| --- | ---: | ---: | ---: | --- | --- | ---: |")
+    for label, ours, theirs in _TABLE_ROWS:
+      a, b = cs.get(ours), cs.get(theirs)
+      if not a:
+        continue
+      b = b or {}
+      secs = lambda f: (f"{f['lower_s'] + f['compile_s']:.0f}" if "lower_s" in f else "-")
+      out.append(f"| {label} | {_gb(a.get('temp_bytes'))} | {_gb(b.get('temp_bytes'))} | "
+                 f"{a.get('kernels', '-')} | {_coll(a) if ours.startswith('sharded') else '-'} | "
+                 f"{_coll(b) if ours.startswith('sharded') else '-'} | {secs(a)} / {secs(b)} |")
+    out.append("")
+  return "\n".join(out).rstrip() + "\n"
+
+
+def render_readme(readme: Path | str = "README.md", root: Path | str = RESULTS_DIR) -> bool | None:
+  """Replaces what lies between the compiled-table markers of ``readme``;
+  ``None`` when it has neither marker."""
+  readme = Path(readme)
+  text = readme.read_text()
+  start = re.search(rf"^{re.escape(COMPILED_START)}[ \t]*\n", text, re.M)
+  end = re.search(rf"^{re.escape(COMPILED_END)}[ \t]*$", text, re.M)
+  if not start and not end:
+    return None
+  if not start or not end or end.start() < start.end():
+    raise ValueError(f"{readme}: needs the markers {COMPILED_START} and {COMPILED_END}, "
+                     "each on a line of its own, in that order")
+  new = text[:start.end()] + markdown(root) + text[end.start():]
+  if new != text:
+    readme.write_text(new)
+  return new != text
+
+
+def main(target: str, *, full: bool = False, update: bool = False, match: str | None = None,
+         jobs: int = 1, root: Path | str = RESULTS_DIR, out=print) -> int:
+  """``fuseopt compile-check``: compile, compare with (or ``update``) the
+  committed figures; 1 if anything fails to compile or regresses."""
+  names = list(targets_lib.TARGETS) if target == "all" else [targets_lib.get(target).name]
+  bad = 0
+  for name in names:
+    why = targets_lib.missing(name)
+    if why:
+      out(f"{name}: skipped: {why}")
+      bad += 1
+      continue
+    out(f"== {name} ({targets_lib.get(name).device_kind})")
+    fresh = run(name, full=full, match=match, jobs=jobs, log=out)
+    errors = {k: v for k, v in fresh.items() if "error" in v}
+    bad += len(errors)
+    doc = load(name, root)
+    enforced = versions_match(doc)
+    for cid, fig in fresh.items():
+      if "error" in fig:
+        continue
+      if not full and fig["spills"]:
+        out(f"FAIL {cid}: ptxas spills in a default config: {fig['spills']}")
+        bad += 1
+      fails, notes = compare(fig, (doc or {}).get("cases", {}).get(cid))
+      for n in notes:
+        if "shrank" in n or "new case" in n:
+          out(f"note {cid}: {n}")
+      if fails and not update:
+        out(f"{'FAIL' if enforced else 'moved'} {cid}: {'; '.join(fails)}")
+        bad += len(fails) if enforced else 0
+    if update:
+      good = {k: v for k, v in fresh.items() if "error" not in v}
+      path = write(name, good, root)
+      out(f"{path}: {len(good)} cases written" + (f" ({len(errors)} failed, not written)"
+                                                  if errors else ""))
+  return 1 if bad else 0

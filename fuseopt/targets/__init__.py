@@ -31,7 +31,6 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-import jax
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
@@ -146,6 +145,22 @@ def spec_text(target: str | Target) -> str:
   return (HERE / t.spec).read_text()
 
 
+def report_ptxas() -> None:
+  """Makes XLA log ptxas's per-kernel report (registers, spill stores and
+  loads), which the compile tier reads for spills.
+
+  XLA runs ``ptxas --warn-on-spills`` on every Triton kernel but keeps its
+  output to itself unless its subprocess-compilation module logs at verbosity
+  2 with INFO logs shown. Logging reads these variables once, when XLA first
+  logs: call this before jax initialises a backend (the test suite's conftest
+  and ``fuseopt compile-check`` do). Variables already set are kept.
+  """
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0")
+  vmodule = os.environ.get("TF_CPP_VMODULE", "")
+  if "subprocess_compilation" not in vmodule:
+    os.environ["TF_CPP_VMODULE"] = ",".join(filter(None, [vmodule, "subprocess_compilation=2"]))
+
+
 def _prepare_env(platform: str) -> None:
   # The CUDA plugin refuses to initialise without a matching driver unless
   # told to skip the check; libtpu asks for the accelerator type it would run
@@ -200,6 +215,7 @@ def devices(target: str | Target, count: int = 1) -> list:
 def mesh(target: str | Target, shape: tuple[int, ...] = (1,), axis_names: tuple[str, ...] = ("x",),
          axis_types=None) -> jax.sharding.Mesh:
   """A mesh of ``prod(shape)`` devices of ``target``."""
+  import jax
   n = int(np.prod(shape))
   devs = devices(target, n)
   kwargs = {} if axis_types is None else {"axis_types": axis_types}
@@ -207,6 +223,7 @@ def mesh(target: str | Target, shape: tuple[int, ...] = (1,), axis_names: tuple[
 
 
 def abstract_device(target: str | Target) -> jax.sharding.AbstractDevice:
+  import jax
   t = get(target)
   return jax.sharding.AbstractDevice(device_kind=t.device_kind, num_cores=t.num_cores,
                                      platform=t.platform)
@@ -217,6 +234,7 @@ def lowering_for(target: str | Target, mesh: jax.sharding.Mesh | None = None) ->
   """Trace as if on ``target``: an abstract mesh whose device is the target's
   (the axes of ``mesh`` if given), so that backend dispatch and Pallas's
   Triton lowering (compute capability from the device kind) see the target."""
+  import jax
   t = get(target)
   if mesh is None:
     am = jax.sharding.AbstractMesh((), (), abstract_device=abstract_device(t))
@@ -230,6 +248,7 @@ def lowering_for(target: str | Target, mesh: jax.sharding.Mesh | None = None) ->
 def avals(target: str | Target, tree: Any, sharding: Any = None) -> Any:
   """``tree``'s arrays / structs as ``ShapeDtypeStruct`` placed on one device
   of ``target`` (or with ``sharding``: one sharding, or a tree of them)."""
+  import jax
   if sharding is None:
     sharding = jax.sharding.NamedSharding(mesh(target), jax.sharding.PartitionSpec())
   leaves, treedef = jax.tree.flatten(tree)
@@ -245,6 +264,6 @@ def avals(target: str | Target, tree: Any, sharding: Any = None) -> Any:
   return jax.tree.unflatten(treedef, [one(x, s) for x, s in zip(leaves, shardings)])
 
 
-__all__ = ["Target", "TARGETS", "UnknownTarget", "CompilerMissing", "BadTargetSpec", "get",
+__all__ = ["report_ptxas", "Target", "TARGETS", "UnknownTarget", "CompilerMissing", "BadTargetSpec", "get",
            "missing", "spec_text", "topology", "devices", "mesh", "abstract_device",
            "lowering_for", "avals"]

@@ -78,8 +78,21 @@ class MosaicConfig:
 # 128-row tiles, bk 64, 4–8 warps, 3–4 stages measured best on the H200 for a
 # prototype of this kernel; 256-row tiles spilled registers, so they are not
 # searched (docs/measurements.md, "Pallas-Triton prototypes").
-TRITON_SEARCH_SPACE = tuple(TritonConfig(bm, bk, w, s) for bm in (64, 128) for bk in (32, 64, 128)
-                            for w in (4, 8) for s in (3, 4))
+# Triton's pipeline holds num_stages copies of both operand tiles in shared
+# memory; configs beyond the H200's 227 KB a block are not searched (bm 128,
+# bk 128, 4 stages asks for 256 KB: XLA refuses to compile it for an H200,
+# docs/compile_tier.md).
+H200_SHARED_MEMORY_OPTIN = 232448
+
+
+def triton_shared_memory_bytes(config: TritonConfig, itemsize: int = 2) -> int:
+  return config.num_stages * 2 * config.bm * config.bk * itemsize
+
+
+TRITON_SEARCH_SPACE = tuple(
+    c for c in (TritonConfig(bm, bk, w, s) for bm in (64, 128) for bk in (32, 64, 128)
+                for w in (4, 8) for s in (3, 4))
+    if triton_shared_memory_bytes(c) <= H200_SHARED_MEMORY_OPTIN)
 MOSAIC_SEARCH_SPACE = tuple(MosaicConfig(bm, bk) for bm in (128, 256, 512)
                             for bk in (128, 256, 512, 1024))
 

@@ -1,0 +1,103 @@
+"""Targets are data: lookups, errors, and the figures' parsers (no compiler needed)."""
+import dataclasses
+
+import pytest
+
+from fuseopt import targets
+from fuseopt.benchmarks import compiled
+
+
+def test_every_target_is_described():
+  assert set(targets.TARGETS) == {"v5e", "v6e", "h200", "l4", "rtx4090"}
+  for t in targets.TARGETS.values():
+    assert t.platform in ("gpu", "tpu")
+    assert 1 in t.topologies
+    if t.platform == "gpu":
+      text = targets.spec_text(t)
+      major, minor = t.compute_capability
+      assert f"cuda_compute_capability {{ major: {major} minor: {minor} }}" in text
+      assert f"core_count: {t.num_cores}" in text
+      assert t.device_kind in text   # device_description_str
+    else:
+      assert t.spec is None
+
+
+def test_unknown_target_lists_the_known_ones():
+  with pytest.raises(targets.UnknownTarget, match="known targets: v5e, v6e, h200, l4, rtx4090"):
+    targets.get("h100")
+
+
+def test_missing_topology_size_is_refused():
+  with pytest.raises(ValueError, match="no 8-device topology"):
+    targets.topology("l4", 8)
+
+
+def test_missing_compiler_names_the_package(monkeypatch):
+  monkeypatch.setitem(targets._NEEDS, "tpu", (("no_such_module_xyz", "libtpu (pip install x)"),))
+  why = targets.missing("v6e")
+  assert "libtpu" in why and "fuseopt[compile]" in why
+  with pytest.raises(targets.CompilerMissing, match="libtpu"):
+    targets.topology(dataclasses.replace(targets.TARGETS["v6e"], name="v6e-test"))
+
+
+@pytest.mark.skipif(targets.missing("h200") is not None, reason="the compile extra is not installed")
+def test_a_description_that_does_not_parse_names_its_file(tmp_path):
+  bad = tmp_path / "broken.txtpb"
+  bad.write_text("gpu_device_info { no_such_field: 1 }\n")
+  t = dataclasses.replace(targets.TARGETS["h200"], name="broken", spec=str(bad))
+  with pytest.raises(targets.BadTargetSpec, match="broken.txtpb"):
+    targets.topology(t)
+
+
+def test_collectives_are_counted_with_their_result_bytes():
+  hlo = "\n".join([
+      "  %ag = f32[8,1024]{1,0} all-gather(f32[1,1024]{1,0} %p), dimensions={0}",
+      "  %a2a-start = ((bf16[2,64,64]{2,1,0}), bf16[2,64,64]{2,1,0}) all-to-all-start(%x)",
+      "  %a2a-done = bf16[2,64,64]{2,1,0} all-to-all-done(%a2a-start)",
+      "  ROOT %ar = f32[16]{0} all-reduce(f32[16]{0} %y), to_apply=%add",
+  ])
+  got = compiled.collectives(hlo)
+  assert got == {"all-gather": {"count": 1, "bytes": 8 * 1024 * 4},
+                 "all-to-all": {"count": 1, "bytes": 2 * 64 * 64 * 2},
+                 "all-reduce": {"count": 1, "bytes": 64}}
+
+
+def test_kernel_launches_are_counted_per_backend():
+  hlo = ('%a = f32[8] custom-call(%x), custom_call_target="tpu_custom_call"\n'
+         '%b = f32[8] custom-call(%x), custom_call_target="__gpu$xla.gpu.triton"\n'
+         '%c = f32[8] custom-call(%x), custom_call_target="__cublas$gemm"\n')
+  assert compiled.kernel_launches(hlo) == 2
+
+
+def test_the_gate_fails_on_growth_and_reports_shrinking():
+  base = {"temp_bytes": 100, "argument_bytes": 10, "output_bytes": 10, "alias_bytes": 10,
+          "kernels": 3, "collectives": {"all-to-all": {"count": 2, "bytes": 64}}, "spills": []}
+  same = dict(base)
+  assert compiled.compare(same, base)[0] == []
+  grown = dict(base, temp_bytes=101, kernels=4,
+               collectives={"all-to-all": {"count": 2, "bytes": 65},
+                            "all-gather": {"count": 1, "bytes": 8}})
+  fails, _ = compiled.compare(grown, base)
+  assert any("temp_bytes grew" in f for f in fails)
+  assert any("kernels grew" in f for f in fails)
+  assert any("all-to-all bytes grew" in f for f in fails)
+  assert any("all-gather count grew" in f for f in fails)
+  less_in_place = dict(base, alias_bytes=5)
+  assert any("alias_bytes shrank" in f for f in compiled.compare(less_in_place, base)[0])
+  better = dict(base, temp_bytes=50)
+  fails, notes = compiled.compare(better, base)
+  assert not fails and any("temp_bytes shrank" in n for n in notes)
+  spilled = dict(base, spills=["ptxas warning : Registers are spilled"])
+  assert any("spills" in f for f in compiled.compare(spilled, base)[0])
+  assert compiled.compare(same, None) == ([], ["not in the baseline (new case)"])
+
+
+def test_every_case_id_is_unique_and_names_its_target_backend():
+  for name, t in targets.TARGETS.items():
+    ids = [c.id for c in compiled.cases(name, full=True)]
+    assert len(ids) == len(set(ids)), name
+    for cid in ids:
+      if cid.startswith("kernel/"):
+        assert f"/{t.implementation}/" in cid, (name, cid)
+    assert any(i.startswith("step/") for i in ids)
+    assert any(i.startswith("sharded/") for i in ids) == (8 in t.topologies)

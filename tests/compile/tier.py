@@ -1,0 +1,50 @@
+"""The compile tier's shared test body: one test file per target.
+
+Each case of :func:`fuseopt.benchmarks.compiled.cases` is compiled for the
+target by its real compiler (libtpu, or XLA + ptxas) and its figures are
+held against ``bench/results/compiled/<target>.json``: a compile failure,
+a figure that grows, or a ptxas spill in a default config fails. Where the
+``compile`` extra is not installed the tier skips, naming the missing
+package. ``FUSEOPT_COMPILED_UPDATE=1`` writes the fresh figures into the
+JSON instead of comparing (after an intended change).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from fuseopt import targets
+from fuseopt.benchmarks import compiled
+
+UPDATE = os.environ.get("FUSEOPT_COMPILED_UPDATE") == "1"
+
+
+def case_ids(target: str) -> list[str]:
+  return [c.id for c in compiled.cases(target)]
+
+
+def check(target: str, case_id: str) -> None:
+  why = targets.missing(target)
+  if why:
+    pytest.skip(why)
+  case = {c.id: c for c in compiled.cases(target)}[case_id]
+  figures = compiled.compile_case(target, case)   # raises CompileFailure with the message
+  # Default and heuristic configs must not spill (the full sweep may, documented).
+  assert not figures["spills"], f"{target}: {case_id}: ptxas spills registers: {figures['spills']}"
+  if UPDATE:
+    compiled.write(target, {case_id: figures})
+    return
+  doc = compiled.load(target)
+  assert doc is not None, (f"{compiled.results_path(target)} is missing: run "
+                           f"`fuseopt compile-check --target {target} --update`")
+  base = doc["cases"].get(case_id)
+  assert base is not None, (f"{target}: {case_id} has no committed figures: run "
+                            f"`fuseopt compile-check --target {target} --update`")
+  fails, notes = compiled.compare(figures, base)
+  for n in notes:
+    print(f"{target}: {case_id}: {n}")
+  if compiled.versions_match(doc):
+    assert not fails, f"{target}: {case_id}: " + "; ".join(fails) + (
+        f" (if intended: fuseopt compile-check --target {target} --update)")
