@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="also measure CPU wall-clock ratios to each case's baseline (report only)")
   r.add_argument("--baseline", type=Path, default=None, help="baseline file (default bench/baseline/cpu.json)")
   r.add_argument("--no-progress", action="store_true")
+  r.add_argument("--compiled", metavar="TARGET", default=None,
+                 help="instead: the compile tier's gate for a target (or 'all'): compile with the "
+                      "real compilers and compare with bench/results/compiled (= compile-check)")
   _add_selection(r)
 
   p = sub.add_parser("report", help="render the README performance table from bench/results/**.json")
@@ -218,6 +221,13 @@ def cmd_bench(args, out=print) -> int:
 
 
 def cmd_regression(args, out=print) -> int:
+  if args.compiled:
+    import os
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from fuseopt import targets
+    targets.report_ptxas()
+    from fuseopt.benchmarks import compiled
+    return compiled.main(args.compiled, update=args.update, out=out)
   _emulate_cpu_mesh()   # as in the tests, which compare with the same baseline
   from fuseopt.benchmarks import regression
   return regression.main(args.update, baseline_path=args.baseline, ops=args.ops, rows=args.rows,

@@ -88,7 +88,7 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
 )}
 
 
-class UnknownTarget(KeyError):
+class UnknownTarget(ValueError):
   pass
 
 

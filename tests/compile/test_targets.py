@@ -101,3 +101,28 @@ def test_every_case_id_is_unique_and_names_its_target_backend():
         assert f"/{t.implementation}/" in cid, (name, cid)
     assert any(i.startswith("step/") for i in ids)
     assert any(i.startswith("sharded/") for i in ids) == (8 in t.topologies)
+
+
+def test_cli_refuses_an_unknown_target(capsys):
+  from fuseopt import cli
+  assert cli.main(["compile-check", "--target", "h100"]) == 2
+  assert "known targets: v5e, v6e, h200" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(targets.missing("h200") is not None, reason="the compile extra is not installed")
+def test_cli_writes_then_gates_the_figures(tmp_path, capsys):
+  import json
+
+  from fuseopt import cli
+  args = ["compile-check", "--target", "h200", "--match", "kernel/stochastic_round",
+          "--results", str(tmp_path)]
+  assert cli.main(args + ["--update"]) == 0
+  doc = json.loads((tmp_path / "h200.json").read_text())
+  (cid, fig), = doc["cases"].items()
+  assert fig["kernels"] == 1 and fig["temp_bytes"] == 0 and fig["spills"] == []
+  assert cli.main(args) == 0                       # the same figures pass
+  fig["kernels"] = 0                               # a baseline with fewer launches
+  (tmp_path / "h200.json").write_text(json.dumps(doc))
+  capsys.readouterr()
+  assert cli.main(args) == 1
+  assert "kernels grew: 0 -> 1" in capsys.readouterr().out
