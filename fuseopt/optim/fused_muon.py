@@ -33,6 +33,7 @@ kernel.
 # No `from __future__ import annotations`: optax's tests (and tools) read
 # `learning_rate`'s annotation as the object optax.ScalarOrSchedule.
 import functools
+import math
 from typing import Any, Optional
 
 import jax
@@ -56,8 +57,11 @@ __all__ = ["MuonDimensionNumbers", "MatrixViews", "MuonState", "scale_by_muon", 
 
 # Keller Jordan's triple, optax.contrib.muon's default ns_coeffs.
 JORDAN_COEFFS = kernels.JORDAN
-# Most matrix elements per Newton-Schulz call (see scale_by_muon).
-DEFAULT_NS_MAX_ELEMENTS = 1 << 27
+# Most matrix elements per Newton-Schulz call (see scale_by_muon): the fused
+# step holds one call's working set, about 8 bytes per element on an H200
+# (bf16 input and iterate, fp32 products), so 2^25 keeps the 1.2 B tree's
+# hybrid step near 0.5 GiB of temporaries there; 2^27 needed 2.3 GiB a call.
+DEFAULT_NS_MAX_ELEMENTS = 1 << 25
 _DION_COEFFS = (
     (4.0848, -6.8946, 2.9270),
     (3.9505, -6.3029, 2.6377),
@@ -194,27 +198,26 @@ def _orthogonalize(x, *, coeffs, steps, ns_dtype, eps, preconditioning, gram, im
   return jax.vmap(lambda m: _optax_newton_schulz(m, table, preconditioning, eps))(x)
 
 
-def _chunked(mats, max_elements, ns):
-  """Runs ``ns`` over the matrices of ``mats`` (same (rows, cols), each a
-  (batch, rows, cols) array), as few calls as ``max_elements`` per call
-  allows; yields ``(index into mats, [result parts in batch order])``."""
-  rows, cols = mats[0].shape[1:]
-  total = sum(m.shape[0] for m in mats)
+def _call_plan(batches, matrix_elements, max_elements):
+  """How a family of same-shaped matrices (``batches[k]`` of them in member
+  ``k``) goes into NS calls of at most ``max_elements`` elements: a list of
+  calls, each a list of ``(k, start, stop)`` batch ranges."""
+  total = sum(batches)
   per_call = total
   if max_elements is not None:
-    per_call = max(1, int(max_elements) // (rows * cols))
+    per_call = max(1, int(max_elements) // matrix_elements)
   sizes = [per_call] * (total // per_call) + ([total % per_call] if total % per_call else [])
-  if len(sizes) > 1 and sizes[-1] == 1:
+  if per_call > 1 and len(sizes) > 1 and sizes[-1] == 1:
     # No lone matrix in a batched family: the sharded step runs every
     # family batched (distributed_ns.orthogonalize_sharded), and a batch of
     # one may round differently. With two per call, the last call takes three.
     sizes[-2:] = [sizes[-2] - 1, 2] if sizes[-2] > 2 else [sizes[-2] + 1]
   calls, current = [], []
   room = sizes[0] if sizes else 0
-  for k, m in enumerate(mats):
+  for k, batch in enumerate(batches):
     start = 0
-    while start < m.shape[0]:
-      take = min(room, m.shape[0] - start)
+    while start < batch:
+      take = min(room, batch - start)
       current.append((k, start, start + take))
       start += take
       room -= take
@@ -224,6 +227,15 @@ def _chunked(mats, max_elements, ns):
         room = sizes[len(calls)] if len(calls) < len(sizes) else 0
   if current:
     calls.append(current)
+  return calls
+
+
+def _chunked(mats, max_elements, ns):
+  """Runs ``ns`` over the matrices of ``mats`` (same (rows, cols), each a
+  (batch, rows, cols) array), as few calls as ``max_elements`` per call
+  allows; yields ``(index into mats, [result parts in batch order])``."""
+  rows, cols = mats[0].shape[1:]
+  calls = _call_plan([m.shape[0] for m in mats], rows * cols, max_elements)
   parts: dict[int, list] = {}
   for call in calls:
     xs = [mats[k] if (a, b) == (0, mats[k].shape[0]) else jax.lax.slice_in_dim(mats[k], a, b)
@@ -235,6 +247,31 @@ def _chunked(mats, max_elements, ns):
           y if len(call) == 1 else jax.lax.slice_in_dim(y, offset, offset + b - a))
       offset += b - a
   return list(parts.items())
+
+
+def _plain_layout(x, spec, path) -> bool:
+  """Whether the leaf is one family of ``(rows <= cols)`` matrices read
+  without a transpose (its NS input needs no re-layout)."""
+  if not isinstance(spec, DIMENSION_NUMBER_TYPES):
+    return False
+  red, out = matrix_views.normalize_dimension_numbers(spec, x.shape, path)
+  batch = tuple(a for a in range(x.ndim) if a not in red and a not in out)
+  rows = math.prod(x.shape[a] for a in red)
+  cols = math.prod(x.shape[a] for a in out)
+  return batch + tuple(red) + tuple(out) == tuple(range(x.ndim)) and rows <= cols
+
+
+def _piece_shapes(x, spec, path):
+  """The ``(batch, rows, cols)`` shapes of :func:`matrix_views.split`'s pieces
+  of ``x``, without computing them."""
+  if isinstance(spec, DIMENSION_NUMBER_TYPES):
+    red, out = matrix_views.normalize_dimension_numbers(spec, x.shape, path)
+    size = lambda axes: math.prod(x.shape[a] for a in axes)
+    batch = [a for a in range(x.ndim) if a not in red and a not in out]
+    return [(size(batch), size(red), size(out))]
+  struct = jax.ShapeDtypeStruct(x.shape, x.dtype)
+  pieces = jax.eval_shape(lambda v: [p.matrix for p in matrix_views.split(v, spec, path)[0]], struct)
+  return [p.shape for p in pieces]
 
 
 def _broadcast_specs(specs, tree):
@@ -366,9 +403,13 @@ def scale_by_muon(
     skip_inactive: a matrix whose gradient is all zero this step (an expert
       that no token reached) keeps its momentum and gets a zero update.
     ns_max_elements: the most matrix elements one NS call takes (``None``:
-      the default, 2^27 = 256 MB of bf16 input). Same-shaped matrices beyond
-      it go into several calls, each still batched, so XLA can free one
-      call's temporaries before the next. A Python int: under
+      the default, 2^25 = 64 MiB of bf16 input, two of the 1.2 B Llama
+      tree's 2048x8192 matrices). Same-shaped matrices beyond it go into
+      several calls, each still batched (never one lone matrix of a larger
+      family), so XLA can free one call's temporaries before the next; in
+      :func:`fuseopt.optim.step` the calls run one after the other, each with
+      its own momentum pass and parameter update, so the step's temporary
+      memory is one call's working set. A Python int: under
       :func:`optax.inject_hyperparams` list a non-default value in
       ``static_args`` (as optax's own ``ns_steps``).
     ns_dtype: ``"bfloat16"`` (default) or ``"float32"`` (optax's numerics);
@@ -428,10 +469,18 @@ def scale_by_muon(
   # (the direction leaves as a tree before apply_updates).
   fused_ns_input = ns_dtype if preconditioning == "frobenius" and not adaptive else None
 
-  def direction(updates, mu, count, ns_input_dtype=None, placement=None):
+  def direction(updates, mu, count, ns_input_dtype=None, placement=None, finish=None,
+                grad_fn=None, param_leaves=None):
     """The Muon direction of ``updates``: ``(u leaves, treedef, new mu
     leaves, count + 1)``; the new mu leaves keep their stored dtype, the NS
-    input is in ``ns_input_dtype`` (None: the gradient's)."""
+    input is in ``ns_input_dtype`` (None: the gradient's).
+
+    With ``finish`` (``(leaf index, u, parameter) -> new parameter``, and
+    ``param_leaves``) the leaves are finished as their Newton-Schulz call
+    completes and the first element is the finished leaves: see
+    :func:`_sequenced`. ``grad_fn`` maps each
+    gradient leaf before use (the clip factor of the fused step).
+    """
     g_leaves, treedef = jax.tree.flatten(updates)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(updates)[0]]
     specs = _leaf_specs(weight_dimension_numbers, updates, treedef)
@@ -446,6 +495,10 @@ def scale_by_muon(
               "weight_dimension_numbers (e.g. MuonDimensionNumbers(reduction_axis=1, "
               "output_axis=2) for a stack of matrices, None for a leaf Muon should not touch)")
     m_old = treedef.flatten_up_to(mu)
+    if grad_fn is None:
+      grad_fn = lambda g: g
+    if finish is None:
+      g_leaves = [grad_fn(g) for g in g_leaves]
 
     count_inc = optax.safe_increment(count)
     # Bias corrections with optax's own function: same rounding, jitted or not.
@@ -455,12 +508,13 @@ def scale_by_muon(
     # temporary memory.
     bc1 = _one_minus_pow(beta, count_inc)
     bc2 = _one_minus_pow(beta, optax.safe_increment(count_inc))
-    active = [(_active(g, s) if skip_inactive and s is not None else None)
-              for g, s in zip(g_leaves, specs)]
-    # One elementwise pass a leaf: fp32 momentum, stored in the state's dtype
-    # (stochastically rounded when bf16), and the NS input from the same values.
-    mu_leaves, mu_hat = [], []
-    for i, (g, m, s, a) in enumerate(zip(g_leaves, m_old, specs, active)):
+
+    def momentum(i, g, m):
+      """One elementwise pass: the fp32 momentum, stored in the state's dtype
+      (stochastically rounded when bf16), and the NS input from the same
+      values; and the leaf's active mask (``skip_inactive``)."""
+      s = specs[i]
+      a = _active(g, s) if skip_inactive and s is not None else None
       # fp32 math for fp32/bf16 (bf16 momentum is stored stochastically
       # rounded); other dtypes keep optax's arithmetic in their own dtype.
       wide = (jnp.float32 if {jnp.result_type(g), jnp.result_type(m)} <= set(fused_adam.KERNEL_DTYPES)
@@ -475,13 +529,61 @@ def scale_by_muon(
         h = beta * (m_new / bc2.astype(wide)) + (1 - beta) * (g32 / bc1.astype(wide))
       else:
         h = m_new / bc1.astype(wide)
+      return stored, h.astype(ns_input_dtype if s is not None and ns_input_dtype else g.dtype), a
+
+    ns = functools.partial(_orthogonalize, coeffs=kernel_coeffs, steps=kernel_steps,
+                           ns_dtype=ns_dtype, eps=eps, preconditioning=preconditioning, gram=gram,
+                           implementation=implementation, interpret=interpret)
+
+    def assemble(pieces, merge, ys, fans, a):
+      """The leaf's update from its pieces' NS results."""
+      if adaptive:
+        # optax's dual-norm scale <mu_hat, NS(mu_hat)> over the whole leaf, before shape scaling.
+        dual = sum(jnp.sum(p.matrix * y) for p, y in zip(pieces, ys))
+        ys = [dual * y for y in ys]
+      if shape_scaling:
+        scaled = []
+        for y, (fan_in, fan_out) in zip(ys, fans):
+          if consistent_rms is not None:
+            scale = jnp.sqrt(jnp.maximum(fan_in, fan_out)) * consistent_rms
+          else:
+            scale = jnp.sqrt(jnp.maximum(1, fan_out / fan_in))
+          scaled.append(scale * y)
+        ys = scaled
+      u = merge([p.unflatten(y) for p, y in zip(pieces, ys)])
+      if a is not None:
+        u = jnp.where(a, u, jnp.zeros((), u.dtype))
+      return u
+
+    def finish_distributed(i, h, y, red_out, a):
+      red, outs = red_out
+      fan = lambda axes: int(np.prod([h.shape[ax] for ax in axes]))
+      # The result is already in the leaf's layout: one family per leaf.
+      return assemble([matrix_views.Piece(h, lambda y: y)], lambda parts: parts[0],
+                      [y.astype(g_leaves[i].dtype)], [(fan(red), fan(outs))], a)
+
+    def finish_grouped(i, plan, results, a):
+      pieces, merge = plan
+      ys = [results[(i, j)].astype(g_leaves[i].dtype) for j in range(len(pieces))]
+      return assemble(pieces, merge, ys, [y.shape[1:] for y in ys], a)
+
+    leaf_shardings = kernel_sharding.flatten_shardings(
+        shardings if placement is None else placement, mu, owner="scale_by_muon")
+    if finish is not None:
+      new_p, mu_leaves = _sequenced(g_leaves, m_old, param_leaves, specs, paths, leaf_shardings,
+                                    grad_fn, momentum, ns, finish_distributed, finish_grouped,
+                                    finish)
+      return new_p, treedef, mu_leaves, count_inc
+
+    mu_leaves, mu_hat, active = [], [], []
+    for i, (g, m) in enumerate(zip(g_leaves, m_old)):
+      stored, h, a = momentum(i, g, m)
       mu_leaves.append(stored)
-      mu_hat.append(h.astype(ns_input_dtype if s is not None and ns_input_dtype else g.dtype))
+      mu_hat.append(h)
+      active.append(a)
 
     # Leaves on a multi-device mesh: whole matrices per device (all-to-all).
-    distributed = _place_ns_inputs(
-        mu_hat, specs, kernel_sharding.flatten_shardings(
-            shardings if placement is None else placement, mu, owner="scale_by_muon"), paths)
+    distributed = _place_ns_inputs(mu_hat, specs, leaf_shardings, paths)
     # Cut every other Muon leaf into (batch, rows, cols) families; group them by shape.
     plans = [None] * len(mu_hat)
     groups: dict[tuple, list[tuple[int, int]]] = {}
@@ -494,9 +596,6 @@ def scale_by_muon(
         groups.setdefault(p.matrix.shape[1:] + (p.matrix.dtype,), []).append((i, j))
 
     results: dict[tuple[int, int], jax.Array] = {}
-    ns = functools.partial(_orthogonalize, coeffs=kernel_coeffs, steps=kernel_steps,
-                           ns_dtype=ns_dtype, eps=eps, preconditioning=preconditioning, gram=gram,
-                           implementation=implementation, interpret=interpret)
     if distributed:
       where = list(distributed.items())
       ys = distributed_ns.orthogonalize_sharded(
@@ -513,37 +612,102 @@ def scale_by_muon(
     for i, (h, s) in enumerate(zip(mu_hat, specs)):
       if s is None:
         out.append(h)
-        continue
-      if i in distributed:
-        # The result is already in the leaf's layout: one family per leaf.
-        red, outs = distributed[i][1]
-        fan = lambda axes: int(np.prod([h.shape[a] for a in axes]))
-        pieces = [matrix_views.Piece(h, lambda y: y)]
-        merge = lambda parts: parts[0]
-        ys = [results[(i, 0)].astype(g_leaves[i].dtype)]
-        fans = [(fan(red), fan(outs))]
+      elif i in distributed:
+        out.append(finish_distributed(i, h, results[(i, 0)], distributed[i][1], active[i]))
       else:
-        pieces, merge = plans[i]
-        ys = [results[(i, j)].astype(g_leaves[i].dtype) for j in range(len(pieces))]
-        fans = [y.shape[1:] for y in ys]
-      if adaptive:
-        # optax's dual-norm scale <mu_hat, NS(mu_hat)> over the whole leaf, before shape scaling.
-        dual = sum(jnp.sum(p.matrix * y) for p, y in zip(pieces, ys))
-        ys = [dual * y for y in ys]
-      if shape_scaling:
-        scaled = []
-        for y, (fan_in, fan_out) in zip(ys, fans):
-          if consistent_rms is not None:
-            scale = jnp.sqrt(jnp.maximum(fan_in, fan_out)) * consistent_rms
-          else:
-            scale = jnp.sqrt(jnp.maximum(1, fan_out / fan_in))
-          scaled.append(scale * y)
-        ys = scaled
-      u = merge([p.unflatten(y) for p, y in zip(pieces, ys)])
-      if active[i] is not None:
-        u = jnp.where(active[i], u, jnp.zeros((), u.dtype))
-      out.append(u)
+        out.append(finish_grouped(i, plans[i], results, active[i]))
     return out, treedef, mu_leaves, count_inc
+
+  def _sequenced(g_leaves, m_old, p_leaves, specs, paths, leaf_shardings, grad_fn, momentum, ns,
+                 finish_distributed, finish_grouped, finish):
+    """The fused step's Muon leaves, one Newton-Schulz call at a time.
+
+    Each call's leaves get their momentum pass (new momentum and NS input)
+    just before the call and are finished (``finish``: the parameter
+    update) right after it; an ``optimization_barrier`` ties every call's
+    inputs to the previous call's finished parameters, so the compiler can
+    neither hoist a later momentum pass nor defer an earlier update. Only
+    one call's NS input, working set and result are live at a time,
+    whatever the size of the tree. The arithmetic is the unsequenced path's.
+    Returns ``(new parameter leaves, new momentum leaves)``.
+    """
+    n = len(g_leaves)
+    new_p, mu_leaves = [None] * n, [None] * n
+    distributed = _place_ns_inputs(g_leaves, specs, leaf_shardings, paths)
+    if distributed:
+      where = list(distributed.items())
+      started = {i: momentum(i, grad_fn(g_leaves[i]), m_old[i]) for i, _ in where}
+      ys = distributed_ns.orthogonalize_sharded(
+          [started[i][1] for i, _ in where], [p for _, (p, _) in where],
+          [ax for _, (_, ax) in where], ns, max_elements=ns_max_elements)
+      for (i, (_, red_out)), y in zip(where, ys):
+        stored, h, a = started[i]
+        mu_leaves[i] = stored
+        new_p[i] = finish(i, finish_distributed(i, h, y, red_out, a), p_leaves[i])
+    groups: dict[tuple, list[tuple[int, int, int]]] = {}
+    for i, (g, s) in enumerate(zip(g_leaves, specs)):
+      if s is None:
+        stored, h, _ = momentum(i, grad_fn(g), m_old[i])
+        mu_leaves[i], new_p[i] = stored, finish(i, h, p_leaves[i])
+      elif i not in distributed:
+        dtype = jnp.dtype(fused_ns_input or g.dtype)
+        for j, shape in enumerate(_piece_shapes(g, s, paths[i])):
+          groups.setdefault(shape[1:] + (dtype,), []).append((i, j, shape[0]))
+    stages = []   # (members, call) per NS call, in order
+    for (rows, cols, _), members in groups.items():
+      for call in _call_plan([b for _, _, b in members], rows * cols, ns_max_elements):
+        stages.append((members, call))
+    first, last = {}, {}
+    for st, (members, call) in enumerate(stages):
+      for k, _, _ in call:
+        i = members[k][0]
+        first.setdefault(i, st)
+        last[i] = st
+    plans, active, parts, held = {}, {}, {}, {}
+    done = []   # the previous call's finished parameters
+    run = _replicated_ns(ns)
+    for st, (members, call) in enumerate(stages):
+      starting = sorted({members[k][0] for k, _, _ in call if first[members[k][0]] == st})
+      # Every input of the call's leaves (gradient, momentum, parameter), so
+      # that whatever the compiler makes of them (a TPU re-lays out a tall
+      # matrix for its transposed NS input) is made within the call; the
+      # finished parameters are taken from the barrier too, or the compiler
+      # drops that half.
+      inputs = [(g_leaves[i], m_old[i], p_leaves[i]) for i in starting]
+      inputs, finished = jax.lax.optimization_barrier((inputs, [new_p[i] for i in done]))
+      for i, p in zip(done, finished):
+        new_p[i] = p
+      for i, (g, m, p) in zip(starting, inputs):
+        held[i] = p
+        stored, h, a = momentum(i, grad_fn(g), m)
+        if not _plain_layout(g, specs[i], paths[i]):
+          # Materialise the NS input in the leaf's layout, in the pass that
+          # writes the momentum in place: else the compiler splits the pass
+          # around the NS orientation's transpose, and the two halves both
+          # reading the old momentum cost a copy of it (64 MiB a down
+          # projection of the 1.2 B tree).
+          stored, h = jax.lax.optimization_barrier((stored, h))
+        mu_leaves[i], active[i] = stored, a
+        plans[i] = matrix_views.split(h, specs[i], paths[i])
+      xs = []
+      for k, a, b in call:
+        i, j, batch = members[k]
+        x = plans[i][0][j].matrix
+        xs.append(x if (a, b) == (0, batch) else jax.lax.slice_in_dim(x, a, b))
+      y = run(xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=0))
+      offset = 0
+      for k, a, b in call:
+        i, j, _ = members[k]
+        parts.setdefault((i, j), []).append(
+            y if len(call) == 1 else jax.lax.slice_in_dim(y, offset, offset + b - a))
+        offset += b - a
+      done = []
+      for i in sorted({members[k][0] for k, _, _ in call if last[members[k][0]] == st}):
+        results = {(i, j): ps[0] if len(ps) == 1 else jnp.concatenate(ps, axis=0)
+                   for (ii, j), ps in parts.items() if ii == i}
+        new_p[i] = finish(i, finish_grouped(i, plans[i], results, active[i]), held[i])
+        done.append(i)
+    return new_p, mu_leaves
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
@@ -606,24 +770,31 @@ def _muon_branch(direction_tx, decay, learning_rate, weight_decay, weight_decay_
     muon_state, shape_state, decay_state, lr_state = state  # the chain above
     if callable(weight_decay):
       raise fusion.NotFusable("muon: a weight-decay schedule has no in-place rule")
-    u_leaves, treedef, mu_leaves, count_inc = direction_tx.fuseopt_muon_direction(
-        ctx.scale_grads(grads), muon_state.mu, muon_state.count, placement=ctx.shardings)
+    treedef = jax.tree.structure(grads)
     p_leaves = treedef.flatten_up_to(params)
+    count_inc = optax.safe_increment(muon_state.count)
     neg_lr = -(learning_rate(lr_state.count) if callable(learning_rate) else learning_rate)
     if weight_decay_mask is None:
       decayed = [True] * len(p_leaves)
     else:
       decayed = fusion.per_leaf_mask(weight_decay_mask, grads)
     specs = _leaf_specs(dims_fn, grads, treedef) if skip_inactive else [None] * len(p_leaves)
-    new_p = []
-    for i, (u, p, d, s) in enumerate(zip(u_leaves, p_leaves, decayed, specs)):
+
+    def finish(i, u, p):
+      d, s = decayed[i], specs[i]
       p32 = p.astype(jnp.float32)
       if d and s is not None:
         u = u + jnp.where(_active(u, s), weight_decay * p32, 0.0)
       elif d:
         u = u + weight_decay * p32
       new = _store(p32 + neg_lr * u, p.dtype, count_inc, i, counter_hash.STREAM_PARAM)
-      new_p.append(new if ctx.apply is None else jnp.where(ctx.apply, new, p))
+      return new if ctx.apply is None else jnp.where(ctx.apply, new, p)
+
+    scale = ctx.grad_scale
+    new_p, _, mu_leaves, count_inc = direction_tx.fuseopt_muon_direction(
+        grads, muon_state.mu, muon_state.count, placement=ctx.shardings, finish=finish,
+        grad_fn=None if scale is None else (lambda g: (g * scale).astype(g.dtype)),
+        param_leaves=p_leaves)
     mu_old = treedef.flatten_up_to(muon_state.mu)
     new_state = (
         muon_state._replace(count=ctx.keep(count_inc, muon_state.count),

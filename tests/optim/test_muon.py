@@ -221,3 +221,15 @@ def test_pallas_backends_in_interpret_mode_match_xla():
   for impl in ("triton", "mosaic_tpu"):
     for a, b in zip(jax.tree.leaves(out[impl]), jax.tree.leaves(out["xla"])):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=2e-2)
+
+
+def test_call_plan_never_leaves_a_batched_family_a_lone_matrix():
+  from fuseopt.optim.fused_muon import _call_plan
+  sizes = lambda batches, cap: [sum(b - a for _, a, b in call) for call in _call_plan(batches, 1, cap)]
+  assert sizes([3, 3], 5) == [4, 2]         # not [5, 1]
+  assert sizes([3], 2) == [3]               # not [2, 1]: two a call can only take three
+  assert sizes([2, 2], 2) == [2, 2]
+  assert sizes([3], 1) == [1, 1, 1]         # one a call: every call is a lone matrix anyway
+  assert sizes([4, 1], None) == [5]
+  # Ranges cover every member's batch once, in order.
+  assert _call_plan([3, 3], 1, 5) == [[(0, 0, 3), (1, 0, 1)], [(1, 1, 3)]]

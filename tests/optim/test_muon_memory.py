@@ -36,3 +36,19 @@ def test_temp_memory_below_optax_and_two_matrix_copies():
   matrix_bytes = sum(4 * math.prod(x.shape) for x in workloads.matrices(struct))
   assert fused < drop_in < theirs, (fused, drop_in, theirs)
   assert drop_in <= 2 * matrix_bytes, (drop_in, matrix_bytes)
+
+
+def test_fused_step_temp_is_one_call_not_the_tree():
+  """The fused step runs one NS call at a time (each call's leaves get their
+  momentum pass just before it and their parameter update just after): its
+  temp memory is a call's working set, so four times the layers (four times
+  the Muon matrices and NS calls) cost no more; the drop-in update, which
+  returns every leaf's update at once, grows with the tree."""
+  def temps(layers):
+    struct = workloads.llama_tree_cpu(jnp.float32, abstract=True, layers=layers)
+    tx = fo.muon(1e-2, coeffs="jordan", ns_max_elements=2 * 64 * 256,
+                 muon_weight_dimension_numbers=cases.muon_dims)
+    return _temp_bytes(tx, struct, fused=True), _temp_bytes(tx, struct)
+  (fused2, drop_in2), (fused8, drop_in8) = temps(2), temps(8)
+  assert fused8 <= fused2 * 1.05, (fused2, fused8)
+  assert drop_in8 >= 2 * drop_in2, (drop_in2, drop_in8)
