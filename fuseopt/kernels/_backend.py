@@ -98,3 +98,34 @@ def mosaic_compiler_params(interpret: Any, dimension_semantics, **kwargs) -> Any
   if interpret is not False and interpret is not None:
     return pltpu.CompilerParams(**kwargs)
   return pltpu.CompilerParams(dimension_semantics=dimension_semantics, **kwargs)
+
+
+# Per-element work of the elementwise kernels, for their cost estimates (XLA's
+# cost analysis, and a TPU's optimal_seconds, count a Pallas kernel only by
+# what it declares). Adam: the two moment updates (3 + 4), the bias-corrected
+# step (sqrt, eps, divide, lr: 4), the weight decay and the parameter write
+# (3); one square root. Integer hashing of the stochastic rounding is not
+# floating-point work.
+ADAM_FLOPS_PER_ELEMENT = 14
+ADAM_TRANSCENDENTALS_PER_ELEMENT = 1
+
+
+def nbytes(*arrays) -> int:
+  """Bytes of arrays or shape-dtype structs (None entries count 0)."""
+  total = 0
+  for a in arrays:
+    if a is not None:
+      n = 1
+      for d in a.shape:
+        n *= int(d)
+      total += n * jax.numpy.dtype(a.dtype).itemsize
+  return total
+
+
+def cost_estimate(*, flops: float, bytes_accessed: float, transcendentals: float = 0) -> Any:
+  """A ``pl.CostEstimate``: a kernel's floating-point work and its
+  compulsory memory traffic (every operand read once, every result written
+  once)."""
+  from jax.experimental import pallas as pl
+  return pl.CostEstimate(flops=int(flops), transcendentals=int(transcendentals),
+                         bytes_accessed=int(bytes_accessed))

@@ -1,17 +1,23 @@
 """Tiling shared by fuseopt's elementwise kernels (stochastic rounding, Adam).
 
-Both tile a leaf's *flat* index space, so the counter hash sees global flat
-indices whatever the block:
+Both tile a leaf so that the counter hash sees each element's row-major flat
+index in the whole leaf, whatever the block:
 
-- Triton: a 1-D grid of ``block`` elements a program (a power of two), the
-  ragged last block masked by Pallas;
-- Mosaic TPU: the flat array viewed as ``(rows, 128)`` lanes, ``block_rows``
-  rows a grid step (a multiple of 16: bf16 packs 16 rows a vreg tile).
+- Triton: a 1-D grid of ``block`` elements a program (a power of two) over the
+  flattened leaf, the ragged last block masked by Pallas;
+- Mosaic TPU: the leaf in its own layout (:func:`mosaic_tiling`). A TPU array
+  is stored in (8, 128) tiles of its last two dims (bf16 packs row pairs in
+  them), so viewing a 2-D leaf as flat ``(rows, 128)`` lanes is a relayout
+  copy of every operand (docs/pallas_notes.md, "TPU layouts and the
+  elementwise kernels' views"); the kernel instead views a leaf
+  ``(..., R, C)`` as ``(prod(...) * R, C)`` (or, when R is not a multiple of
+  16, ``(prod(...), R, C)``) and steps over blocks of its last two dims.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -34,11 +40,19 @@ class TritonConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
+  """Mosaic TPU tiling budget: a grid step holds at most ``block_rows * 128``
+  elements of each operand, columns counted padded to 128 as in VMEM (a
+  minimal block may exceed it, within VMEM). The block's shape follows the
+  leaf (:func:`mosaic_tiling`)."""
   block_rows: int = 512
 
   def __post_init__(self):
     if self.block_rows <= 0 or self.block_rows % 16:
       raise ValueError(f"block_rows must be a positive multiple of 16, got {self.block_rows}")
+
+  @property
+  def block_elements(self) -> int:
+    return self.block_rows * LANES
 
 
 def triton_heuristic(size: int) -> TritonConfig:
@@ -55,9 +69,145 @@ def triton_flat_index(block: int) -> jax.Array:
   return start + jax.lax.iota(jnp.uint32, block)
 
 
-def mosaic_flat_index(block_rows: int) -> jax.Array:
-  """uint32 flat indices of the current Mosaic grid step's (block_rows, 128) tile."""
-  shape = (block_rows, LANES)
-  row0 = (pl.program_id(0) * block_rows).astype(jnp.uint32)
-  rows = jax.lax.broadcasted_iota(jnp.uint32, shape, 0) + row0
-  return rows * jnp.uint32(LANES) + jax.lax.broadcasted_iota(jnp.uint32, shape, 1)
+# Rows of a Mosaic block: a multiple of 16 (bf16 packs 16 rows a vreg tile,
+# fp32 8) unless it is the array's whole extent.
+SUBLANES = 16
+# Row blocks that divide the rows: multiples of 16, else of 8 (an (8, 128)
+# tile; bf16 then fills half its packed vreg tiles).
+ROW_MULTIPLES = (SUBLANES, 8)
+# Double-buffered pipeline blocks of all a kernel's operands must fit the
+# scoped VMEM limit with room for Mosaic's own scratch: 16 MiB is v5e's
+# default scoped limit (v6e: 32 MiB), 12 MiB of it for the blocks.
+MOSAIC_VMEM_BYTES = 12 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicTiling:
+  """How a Mosaic elementwise kernel steps over one leaf.
+
+  ``view``: the shape the kernel sees, ``(M, C)`` or ``(A, R, C)``, a
+  reshape of the leaf that keeps its TPU layout (a bitcast); ``block``: one
+  grid step's block, ``None`` for a squeezed leading dim (one slab a step).
+  A block dim divides its extent, or (``ragged_edge``) leaves a padded last
+  block, which Pallas pads on load and clips on store.
+  """
+  view: tuple[int, ...]
+  block: tuple[int | None, ...]
+
+  @property
+  def grid(self) -> tuple[int, ...]:
+    return tuple(pl.cdiv(d, b or 1) for d, b in zip(self.view, self.block))
+
+  def spec(self) -> pl.BlockSpec:
+    return pl.BlockSpec(self.block, lambda *ids: ids)
+
+  @property
+  def semantics(self) -> tuple[str, ...]:
+    return ("parallel",) * len(self.view)
+
+  def flat_index(self) -> jax.Array:
+    """uint32 row-major flat indices in the whole ``view`` of the current
+    grid step's block (inside the kernel)."""
+    shape = tuple(b for b in self.block if b is not None)
+    index, axis, stride = None, len(shape), 1
+    for d in reversed(range(len(self.view))):
+      b = self.block[d]
+      # Grid sizes are static here: pl.num_programs is never read (it goes
+      # stale across grids, docs/pallas_notes.md).
+      coord = (pl.program_id(d) * (b or 1)).astype(jnp.uint32)
+      if b is not None:
+        axis -= 1
+        coord = coord + jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
+      term = coord if stride == 1 else coord * jnp.uint32(stride & 0xFFFFFFFF)
+      index = term if index is None else index + term
+      stride *= self.view[d]
+    return index
+
+
+def _round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+def _divisor(extent: int, most: int, multiple: int) -> int | None:
+  """The largest multiple of ``multiple`` up to ``most`` dividing ``extent``."""
+  for b in range(most - most % multiple, 0, -multiple):
+    if extent % b == 0:
+      return b
+  return None
+
+
+def _row_block(extent: int, most: int, ragged_edge: bool) -> int:
+  """Rows a step, at most ``most`` (a multiple of 8) unless the whole extent.
+
+  A divisor of the extent, a multiple of 16 (else of 8: an (8, 128) tile,
+  half a packed bf16 one); with ``ragged_edge``, ``most`` itself when every
+  such divisor is under a quarter of it; else the whole extent (which the
+  caller checks against VMEM)."""
+  if extent <= most:
+    return extent
+  for m in ROW_MULTIPLES:
+    b = _divisor(extent, most, m)
+    if b is not None and (not ragged_edge or 4 * b >= most):
+      return b
+  return most if ragged_edge else extent
+
+
+def mosaic_tiling(shape, config: MosaicConfig, *, stream_bytes: int,
+                  ragged_edge: bool = False) -> MosaicTiling | None:
+  """The tiling of a leaf of ``shape`` for a kernel whose operands and
+  results together take ``stream_bytes`` bytes an element (Adam with fp32 p
+  and g and bf16 moments: 4 + 4 + 2 + 2 in, 4 + 2 + 2 out).
+
+  A leaf of two or more dims whose last dim spans the 128 lanes keeps its
+  layout. Columns: the whole last dim (any width: a full-extent block is
+  legal), or, when 16 rows of it exceed the budget, the widest multiple of
+  128 dividing it that fits. Rows: see :func:`_row_block`; ``ragged_edge``
+  allows a padded last block, for kernels with no aliased output (jax
+  0.11.2's TPU interpreter returns an aliased output padded to whole
+  blocks, a shape error). Other leaves are viewed as flat ``(size // 128,
+  128)`` lanes: a 1-D leaf (a bitcast on TPU too), a leaf with a last dim
+  under 128 (XLA stores those with the last dim major, so no view of them is
+  native), and one whose smallest native block overflows VMEM (a relayout
+  copy). ``None`` when no tiling applies (a flat size that is not a
+  multiple of 128, or flat rows with no divisor and no ragged edge): the
+  caller runs the reference.
+  """
+  # (a budget past VMEM shrinks to it: only a minimal block that does not fit
+  # leaves the native layout)
+  budget = min(config.block_elements, MOSAIC_VMEM_BYTES // (2 * stream_bytes))
+  # VMEM of a block, rows padded to the 8 of an fp32 tile (a bf16 block of
+  # 8 rows would pad to 16: the headroom under the scoped limit covers it).
+  fits = lambda block: 2 * stream_bytes * math.prod(
+      _round_up(b or 1, m) for b, m in zip(block, (1,) * (len(block) - 2) + (8, LANES))
+  ) <= MOSAIC_VMEM_BYTES
+  if len(shape) >= 2 and shape[-1] >= LANES and math.prod(shape):
+    *lead, r, c = (int(d) for d in shape)
+    a = math.prod(lead)
+    c_pad = _round_up(c, LANES)
+    if c % LANES or SUBLANES * c_pad <= budget:
+      bc = c
+    else:
+      bc = max(b for b in range(LANES, c + 1, LANES) if c % b == 0 and SUBLANES * b <= budget)
+    bc_pad = _round_up(bc, LANES)
+    most_rows = budget // bc_pad
+    most_rows = most_rows - most_rows % (SUBLANES if most_rows >= SUBLANES else 8) or 8
+    rows = lambda extent: _row_block(extent, most_rows, ragged_edge)
+    if a == 1 or r % SUBLANES == 0:
+      # Whole tiles per slab: merging the leading dims into the rows keeps
+      # the layout.
+      tiling = MosaicTiling((a * r, c), (rows(a * r), bc))
+    elif r <= most_rows:
+      most_slabs = max(1, budget // (_round_up(r, SUBLANES) * bc_pad))
+      slabs = a if a <= most_slabs else _divisor(a, most_slabs, 1)
+      tiling = MosaicTiling((a, r, c), (slabs if slabs > 1 else None, r, bc))
+    else:
+      tiling = MosaicTiling((a, r, c), (None, rows(r), bc))
+    if fits(tiling.block):
+      return tiling
+  size = math.prod(shape)
+  if size == 0 or size % LANES:
+    return None
+  flat_rows = size // LANES
+  block = _row_block(flat_rows, budget // LANES // SUBLANES * SUBLANES, ragged_edge)
+  tiling = MosaicTiling((flat_rows, LANES), (block, LANES))
+  return tiling if fits(tiling.block) else None

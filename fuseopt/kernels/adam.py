@@ -31,11 +31,13 @@ Backends:
   in-place output, a 1-D grid over the sum of their block counts, program
   ``i`` updating leaf ``k``'s block ``i - starts[k]`` with that leaf's own
   flat index, so the bits are the per-leaf kernel's;
-- ``mosaic_tpu``: the leaf viewed as ``(rows, 128)``, at most ``block_rows``
-  rows a grid step, the block dividing the rows (or the whole leaf). Leaves
-  whose size is not a multiple of 128, or whose row count has no multiple of
-  16 up to ``block_rows`` as divisor, run the reference (on LLM trees these
-  are at most biases and norms: small). One launch per leaf: Mosaic's
+- ``mosaic_tpu``: the leaf on its own TPU layout, 2-D blocks of its last two
+  dims that divide it, at most ``128 * block_rows`` elements a grid step
+  (:func:`fuseopt.kernels._elementwise.mosaic_tiling`: a flat
+  ``(rows, 128)`` view would be a relayout copy of every operand); 1-D leaves
+  and last dims under 128 on the flat view. Leaves with no such tiling run
+  the reference (on LLM trees at most small biases and norms whose size is
+  not a multiple of 128). One launch per leaf: Mosaic's
   pipeline copies each output block it holds back to HBM (when its index
   changes and when the grid, or a core's share of it, ends), written or not,
   so in a grouped launch the clamped block of a leaf that a core's steps
@@ -86,14 +88,16 @@ _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # device, never in the heuristic.
 TRITON_SEARCH_SPACE = tuple(TritonConfig(b, w) for b in (512, 1024, 2048, 4096)
                             for w in (4, 8))
-# 7 streams double-buffered: 1024 fp32 rows are 7 MiB of VMEM, inside the
+# Budgets of 128 * block_rows elements a step (MosaicConfig). 7 streams
+# double-buffered: 1024 * 128 fp32 elements are 7 MiB of VMEM, inside the
 # 16 MiB default scoped limit of v5e.
 MOSAIC_SEARCH_SPACE = tuple(MosaicConfig(r) for r in (128, 256, 512, 1024))
 
 
 def mosaic_heuristic(size: int) -> MosaicConfig:
-  rows = max(1, size // LANES)
-  return MosaicConfig(block_rows=min(512, 16 * pl.cdiv(rows, 16)))
+  # One budget for every size: a leaf under it is one full-extent block anyway.
+  del size
+  return MosaicConfig(block_rows=512)
 
 
 # ------------------------------------------------------------- shared math --
@@ -195,6 +199,17 @@ def _triton_kernel(s_ref, seed_ref, *refs, block, nesterov, apply, index_map):
   nu_out[...] = _store(nu_new, nu_out.dtype, index, seed_ref[2])
 
 
+def _adam_cost(arrays, out_shape):
+  """Adam's work per element (``_backend.ADAM_FLOPS_PER_ELEMENT``, one square
+  root) and its compulsory traffic: every stream read once, p, mu, nu
+  written once (20 B per parameter for fp32 p/g with bf16 moments)."""
+  n = sum(o.size for o in out_shape) // 3
+  return _backend.cost_estimate(
+      flops=n * _backend.ADAM_FLOPS_PER_ELEMENT,
+      transcendentals=n * _backend.ADAM_TRANSCENDENTALS_PER_ELEMENT,
+      bytes_accessed=_backend.nbytes(*arrays, *out_shape))
+
+
 def _adam_triton(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpret,
                  index_map=None):
   from jax.experimental.pallas import triton as plgpu
@@ -212,9 +227,9 @@ def _adam_triton(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, i
   return pl.pallas_call(
       functools.partial(_triton_kernel, block=block, nesterov=nesterov, apply=apply,
                         index_map=index_map),
-      out_shape=(jax.ShapeDtypeStruct((n,), out_dtype),
-                 jax.ShapeDtypeStruct((n,), mu.dtype),
-                 jax.ShapeDtypeStruct((n,), nu.dtype)),
+      out_shape=(out_shape := (jax.ShapeDtypeStruct((n,), out_dtype),
+                               jax.ShapeDtypeStruct((n,), mu.dtype),
+                               jax.ShapeDtypeStruct((n,), nu.dtype))),
       grid=(pl.cdiv(n, block),),
       in_specs=[pl.BlockSpec((N_SCALARS,), lambda i: (0,)),
                 pl.BlockSpec((N_SEEDS,), lambda i: (0,))] + [spec] * len(arrays),
@@ -223,6 +238,7 @@ def _adam_triton(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, i
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
       interpret=interpret,
       name="fuseopt_adam_update",
+      cost_estimate=_adam_cost(arrays, out_shape),
   )(scalars, seeds, *arrays)
 
 
@@ -347,64 +363,57 @@ def _adam_triton_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config, in
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
       interpret=interpret,
       name="fuseopt_adam_update_group",
+      cost_estimate=_adam_cost(arrays, out_shape),
   )(scalars, seeds, *arrays)
   return [tuple(outs[3 * k:3 * (k + 1)]) for k in range(n_leaves)]
 
 
 # -------------------------------------------------------------- mosaic_tpu --
-def _mosaic_kernel(s_ref, seed_ref, *refs, block_rows, nesterov, apply, index_map):
+def _mosaic_kernel(s_ref, seed_ref, *refs, tiling, nesterov, apply, index_map):
   out, mu_new, nu_new, (o_ref, mu_out, nu_out) = _kernel_body(s_ref, refs, nesterov=nesterov,
                                                               apply=apply)
   seed = lambda k: seed_ref[k].astype(jnp.uint32)
-  index = sharding_lib.global_index(_elementwise.mosaic_flat_index(block_rows), index_map,
-                                    seed(SEED_BASE))
+  index = sharding_lib.global_index(tiling.flat_index(), index_map, seed(SEED_BASE))
   o_ref[...] = _store_mosaic(out, o_ref.dtype, index, seed(0))
   mu_out[...] = _store_mosaic(mu_new, mu_out.dtype, index, seed(1))
   nu_out[...] = _store_mosaic(nu_new, nu_out.dtype, index, seed(2))
 
 
-def _mosaic_block_rows(rows: int, most: int) -> int | None:
-  """Rows a grid step: the whole leaf if it fits in ``most`` rows (a
-  full-extent block is legal for any count), else the largest multiple of 16
-  (bf16 sublane packing) up to ``most`` that divides ``rows``; ``None`` if
-  there is none (the leaf then runs the reference). Dividing blocks keep the
-  in-place outputs free of padded edge blocks."""
-  if rows <= most:
-    return rows
-  for b in range(most - most % 16, 15, -16):
-    if rows % b == 0:
-      return b
-  return None
+def _mosaic_tiling(p, g, mu, nu, out_dtype, config) -> _elementwise.MosaicTiling | None:
+  ins = (p, g, mu, nu) if p is not None else (g, mu, nu)
+  stream_bytes = (sum(a.dtype.itemsize for a in ins)
+                  + jnp.dtype(out_dtype).itemsize + mu.dtype.itemsize + nu.dtype.itemsize)
+  return _elementwise.mosaic_tiling(g.shape, config, stream_bytes=stream_bytes)
 
 
 def _adam_mosaic(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpret,
                  index_map=None):
   from jax.experimental.pallas import tpu as pltpu
-  (n,) = g.shape
-  rows = n // LANES
-  block_rows = _mosaic_block_rows(rows, config.block_rows)
+  tiling = _mosaic_tiling(p, g, mu, nu, out_dtype, config)
   apply = p is not None
-  arrays = tuple(a.reshape(rows, LANES) for a in ((p, g, mu, nu) if apply else (g, mu, nu)))
-  spec = pl.BlockSpec((block_rows, LANES), lambda i: (i, 0))
+  # Reshapes that keep the TPU layout (_elementwise.mosaic_tiling): no copies.
+  arrays = tuple(a.reshape(tiling.view) for a in ((p, g, mu, nu) if apply else (g, mu, nu)))
+  spec = tiling.spec()
   first = 2
   aliases = ({first: 0, first + 2: 1, first + 3: 2} if apply
              else {first + 1: 1, first + 2: 2})
   outs = pl.pallas_call(
-      functools.partial(_mosaic_kernel, block_rows=block_rows, nesterov=nesterov, apply=apply,
+      functools.partial(_mosaic_kernel, tiling=tiling, nesterov=nesterov, apply=apply,
                         index_map=index_map),
-      out_shape=(jax.ShapeDtypeStruct((rows, LANES), out_dtype),
-                 jax.ShapeDtypeStruct((rows, LANES), mu.dtype),
-                 jax.ShapeDtypeStruct((rows, LANES), nu.dtype)),
-      grid=(pl.cdiv(rows, block_rows),),
+      out_shape=(out_shape := (jax.ShapeDtypeStruct(tiling.view, out_dtype),
+                               jax.ShapeDtypeStruct(tiling.view, mu.dtype),
+                               jax.ShapeDtypeStruct(tiling.view, nu.dtype))),
+      grid=tiling.grid,
       in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
                 pl.BlockSpec(memory_space=pltpu.SMEM)] + [spec] * len(arrays),
       out_specs=(spec, spec, spec),
       input_output_aliases=aliases,
-      compiler_params=_backend.mosaic_compiler_params(interpret, ("parallel",)),
+      compiler_params=_backend.mosaic_compiler_params(interpret, tiling.semantics),
       interpret=interpret,
       name="fuseopt_adam_update",
+      cost_estimate=_adam_cost(arrays, out_shape),
   )(scalars, jax.lax.bitcast_convert_type(seeds, jnp.int32), *arrays)
-  return tuple(o.reshape(-1) for o in outs)
+  return tuple(o.reshape(g.shape) for o in outs)
 
 
 # ------------------------------------------------------------------ public --
@@ -512,33 +521,31 @@ def _run(impl, scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, interpret, 
   want = {"triton": TritonConfig, "mosaic_tpu": MosaicConfig}.get(impl)
   if config is not None and want is not None and not isinstance(config, want):
     raise TypeError(f"adam_update: config must be a {want.__name__} for {impl}, got {config!r}")
-  if impl == "mosaic_tpu" and (n % LANES or _mosaic_block_rows(
-      n // LANES, (config or mosaic_heuristic(n)).block_rows) is None
-                               or sharding_lib.needs_division(index_map)):
-    # (Mosaic has no vector integer division to rebuild the global index of
-    # a shard cut along a later axis whose sizes are not powers of two.)
-    impl = "xla"
+  if impl == "mosaic_tpu":
+    config = config or mosaic_heuristic(n)
+    if (sharding_lib.needs_division(index_map)
+        or _mosaic_tiling(p, g, mu, nu, out_dtype, config) is None):
+      # (Mosaic has no vector integer division to rebuild the global index of
+      # a shard cut along a later axis whose sizes are not powers of two.)
+      impl = "xla"
   if n == 0 or impl == "xla":
     # In the leaf's own shape: a reshape between a donated input and its
     # in-place output makes XLA copy the leaf.
     return _reference(scalars, seeds, p, g, mu, nu,
                       order_for_in_place=_backend.current_platform((g,)) == "cpu", **kw)
-  flat = lambda a: None if a is None else a.reshape(-1)
-  p, g, mu, nu = flat(p), flat(g), flat(mu), flat(nu)
-  if impl == "triton":
-    config = config or triton_heuristic(n)
-    if not isinstance(config, TritonConfig):
-      raise TypeError(f"adam_update: config must be a TritonConfig for triton, got {config!r}")
-    outs = _no_derivative(impl, functools.partial(
-        _adam_triton, config=config, interpret=_backend.interpret_arg(impl, interpret), **kw),
-        scalars, seeds, p, g, mu, nu)
-  else:
-    config = config or mosaic_heuristic(n)
-    if not isinstance(config, MosaicConfig):
-      raise TypeError(f"adam_update: config must be a MosaicConfig for mosaic_tpu, got {config!r}")
-    outs = _no_derivative(impl, functools.partial(
+  if impl == "mosaic_tpu":
+    # In the leaf's own shape too: the kernel picks a view that keeps the TPU layout.
+    return _no_derivative(impl, functools.partial(
         _adam_mosaic, config=config, interpret=_backend.interpret_arg(impl, interpret), **kw),
         scalars, seeds, p, g, mu, nu)
+  flat = lambda a: None if a is None else a.reshape(-1)
+  p, g, mu, nu = flat(p), flat(g), flat(mu), flat(nu)
+  config = config or triton_heuristic(n)
+  if not isinstance(config, TritonConfig):
+    raise TypeError(f"adam_update: config must be a TritonConfig for triton, got {config!r}")
+  outs = _no_derivative(impl, functools.partial(
+      _adam_triton, config=config, interpret=_backend.interpret_arg(impl, interpret), **kw),
+      scalars, seeds, p, g, mu, nu)
   return tuple(o.reshape(shape) for o in outs)
 
 

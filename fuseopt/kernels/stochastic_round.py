@@ -7,9 +7,12 @@ differ only in how they tile the flat index space:
 - ``xla``: the reference, plain ``jnp`` over the whole array;
 - ``triton``: a 1-D grid over the flattened array, ``block`` elements a
   program (a power of two); the ragged last block is masked;
-- ``mosaic_tpu``: the flattened array viewed as ``(rows, 128)`` lanes,
-  ``block_rows`` rows a grid step; a tail of fewer than 128 elements (sizes
-  that are not a multiple of 128) is rounded by the reference, with its offset.
+- ``mosaic_tpu``: the array in its own TPU layout, blocks of its last two dims
+  (:func:`fuseopt.kernels._elementwise.mosaic_tiling`) when the last dim
+  spans the 128 lanes (any width past that); other arrays are viewed as
+  flat ``(rows, 128)`` lanes, and a tail of fewer than 128 elements (sizes
+  that are not a multiple of 128) is rounded by the reference, with its
+  offset.
 
 Because the random bits depend only on ``(seed, offset + flat index)``, every
 backend and every block size gives bitwise the same result.
@@ -37,8 +40,9 @@ MOSAIC_SEARCH_SPACE = tuple(MosaicConfig(r) for r in (256, 512, 1024, 2048))
 
 
 def mosaic_heuristic(size: int) -> MosaicConfig:
-  rows = max(1, size // LANES)
-  return MosaicConfig(block_rows=min(1024, max(16, 16 * pl.cdiv(rows, 16))))
+  # One budget for every size: an array under it is one full-extent block anyway.
+  del size
+  return MosaicConfig(block_rows=1024)
 
 
 # --------------------------------------------------------------- reference --
@@ -79,34 +83,36 @@ def _round_triton(flat, scalars, *, config: TritonConfig, interpret, index_map=N
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
       interpret=interpret,
       name="fuseopt_stochastic_round",
+      cost_estimate=_backend.cost_estimate(flops=0, bytes_accessed=n * (flat.dtype.itemsize + 2)),
   )(scalars, flat)
 
 
 # -------------------------------------------------------------- mosaic_tpu --
-def _mosaic_kernel(scalars_ref, x_ref, o_ref, *, block_rows, index_map):
+# fp32 in, bf16 out; no output is aliased, so a ragged last block is fine.
+_TILING = dict(stream_bytes=4 + 2, ragged_edge=True)
+
+
+def _mosaic_kernel(scalars_ref, x_ref, o_ref, *, tiling, index_map):
   seed = scalars_ref[0].astype(jnp.uint32)
   offset = scalars_ref[1].astype(jnp.uint32)
-  index = sharding_lib.global_index(_elementwise.mosaic_flat_index(block_rows), index_map, offset)
+  index = sharding_lib.global_index(tiling.flat_index(), index_map, offset)
   o_ref[...] = counter_hash.stochastic_round_values_32bit(x_ref[...], index, seed)
 
 
-def _round_mosaic(flat, scalars, *, config: MosaicConfig, interpret, index_map=None):
+def _round_mosaic(x, scalars, *, tiling: _elementwise.MosaicTiling, interpret, index_map=None):
   from jax.experimental.pallas import tpu as pltpu
-  rows = flat.shape[0] // LANES
-  x2 = flat.reshape(rows, LANES)
-  block_rows = config.block_rows
   out = pl.pallas_call(
-      functools.partial(_mosaic_kernel, block_rows=block_rows, index_map=index_map),
-      out_shape=jax.ShapeDtypeStruct((rows, LANES), jnp.bfloat16),
-      grid=(pl.cdiv(rows, block_rows),),
-      in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
-                pl.BlockSpec((block_rows, LANES), lambda i: (i, 0))],
-      out_specs=pl.BlockSpec((block_rows, LANES), lambda i: (i, 0)),
-      compiler_params=_backend.mosaic_compiler_params(interpret, ("parallel",)),
+      functools.partial(_mosaic_kernel, tiling=tiling, index_map=index_map),
+      out_shape=jax.ShapeDtypeStruct(tiling.view, jnp.bfloat16),
+      grid=tiling.grid,
+      in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), tiling.spec()],
+      out_specs=tiling.spec(),
+      compiler_params=_backend.mosaic_compiler_params(interpret, tiling.semantics),
       interpret=interpret,
       name="fuseopt_stochastic_round",
-  )(scalars.astype(jnp.int32), x2)
-  return out.reshape(-1)
+      cost_estimate=_backend.cost_estimate(flops=0, bytes_accessed=x.size * (x.dtype.itemsize + 2)),
+  )(scalars.astype(jnp.int32), x.reshape(tiling.view))
+  return out.reshape(x.shape)
 
 
 # ------------------------------------------------------------------ public --
@@ -120,19 +126,25 @@ def _round_local(x, seed, offset, *, index_map, impl, interpret, config):
   if impl == "xla" or x.size == 0:
     return stochastic_round_reference(x, seed, offset=offset, index_map=index_map)
   interp = _backend.interpret_arg(impl, interpret)
-  flat = x.reshape(-1)
   scalars = jnp.stack([seed, offset])
-  n = flat.shape[0]
+  n = x.size
   if impl == "triton":
     config = config or triton_heuristic(n)
-    out = _round_triton(flat, scalars, config=config, interpret=interp, index_map=index_map)
+    out = _round_triton(x.reshape(-1), scalars, config=config, interpret=interp, index_map=index_map)
   else:
     config = config or mosaic_heuristic(n)
+    tiling = _elementwise.mosaic_tiling(x.shape, config, **_TILING)
+    if tiling is not None:
+      return _round_mosaic(x, scalars, tiling=tiling, interpret=interp, index_map=index_map)
+    # No tiling of the whole array (a size that is not a multiple of 128, 1-D
+    # or with a last dim under 128): flat lanes and a tail.
+    flat = x.reshape(-1)
     main = (n // LANES) * LANES
     parts = []
     if main:
-      parts.append(_round_mosaic(flat[:main], scalars, config=config, interpret=interp,
-                                 index_map=index_map))
+      parts.append(_round_mosaic(
+          flat[:main], scalars, interpret=interp, index_map=index_map,
+          tiling=_elementwise.mosaic_tiling((main,), config, **_TILING)))
     if main < n:
       # The tail's local indices continue from ``main``.
       tail = jax.lax.iota(jnp.uint32, n - main) + jnp.uint32(main)

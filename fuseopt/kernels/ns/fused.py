@@ -136,5 +136,9 @@ def newton_schulz_fused(x, table, *, implementation, interpret=False, config=Non
       compiler_params=params,
       interpret=interpret,
       name="fuseopt_ns_fused",
+      # Per step: X Xᵀ (2m²n), A·A with b·A (2m³ + 2m²), B X with a·X (2m²n + 2mn).
+      cost_estimate=_backend.cost_estimate(
+          flops=batch * len(table) * (4 * mp * mp * np_ + 2 * mp**3 + 2 * mp * mp + 2 * mp * np_),
+          bytes_accessed=2 * _backend.nbytes(xp)),
   )(xp)
   return out[:, :m, :n] if (mp, np_) != (m, n) else out

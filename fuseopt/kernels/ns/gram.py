@@ -170,6 +170,19 @@ def _epilogue(acc, xs, i, j, coef, *, terms, bm):
   return acc
 
 
+def _sym_cost(x, out_dtype, bm, terms):
+  """What the symmetric kernels execute: the upper-triangle tile pairs only
+  (``num_pairs(m/bm)`` tiles of bm² outputs, 2k FLOPs each) and 1-3
+  epilogue FLOPs per stored output; the input read once, both triangles
+  written."""
+  batch, m, k = x.shape
+  pairs = num_pairs(m // bm)
+  epilogue = sum(bool(t) for t in terms)
+  flops = batch * pairs * bm * bm * (2 * k + epilogue)
+  out = jax.ShapeDtypeStruct((batch, m, m), out_dtype)
+  return _backend.cost_estimate(flops=flops, bytes_accessed=_backend.nbytes(x, out))
+
+
 # ------------------------------------------------------------------ triton --
 def pair_from_index(t, tiles: int):
   """(i, j), i <= j, of the t-th tile pair in row-major upper-triangle order.
@@ -225,6 +238,7 @@ def _sym_triton(x, coef, *, terms, out_dtype, config: TritonConfig, interpret):
                                            num_stages=config.num_stages),
       interpret=interpret,
       name="fuseopt_ns_sym",
+      cost_estimate=_sym_cost(x, out_dtype, bm, terms),
   )(coef, x)
 
 
@@ -302,6 +316,7 @@ def _sym_mosaic(x, coef, *, terms, out_dtype, config: MosaicConfig, interpret):
           interpret, ("parallel", "arbitrary", "arbitrary")),
       interpret=interpret,
       name="fuseopt_ns_sym",
+      cost_estimate=_sym_cost(x, out_dtype, bm, terms),
   )(jnp.asarray(rows), jnp.asarray(cols), *args)
 
 

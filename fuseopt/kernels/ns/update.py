@@ -110,6 +110,15 @@ def matmul_reference(b, x, *, a=0.0, out_dtype=None):
   return acc.astype(out_dtype)
 
 
+def _matmul_cost(b, x, out_dtype, has_a):
+  """2m FLOPs per output of B X, 2 more for the a·X epilogue; B and X read
+  once, the output written once."""
+  batch, m, n = x.shape
+  out = jax.ShapeDtypeStruct((batch, m, n), out_dtype)
+  return _backend.cost_estimate(flops=batch * m * n * (2 * m + (2 if has_a else 0)),
+                                bytes_accessed=_backend.nbytes(b, x, out))
+
+
 # ------------------------------------------------------------------ triton --
 def _triton_kernel(coef_ref, b_ref, x_ref, o_ref, *, nk, bm, bn, bk, has_a):
   i, j = pl.program_id(1), pl.program_id(2)
@@ -142,6 +151,7 @@ def _matmul_triton(b, x, coef, *, has_a, out_dtype, config: TritonConfig, interp
                                            num_stages=config.num_stages),
       interpret=interpret,
       name="fuseopt_ns_update",
+      cost_estimate=_matmul_cost(b, x, out_dtype, has_a),
   )(coef, b, x)
 
 
@@ -191,6 +201,7 @@ def _matmul_mosaic(b, x, coef, *, has_a, out_dtype, config: MosaicConfig, interp
           interpret, ("parallel", "parallel", "parallel", "arbitrary")),
       interpret=interpret,
       name="fuseopt_ns_update",
+      cost_estimate=_matmul_cost(b, x, out_dtype, has_a),
   )(*args)
 
 
