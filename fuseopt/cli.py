@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
   c.add_argument("--update", action="store_true", help="write the fresh figures into the JSON")
   c.add_argument("--match", default=None, help="only cases whose id matches this regex")
   c.add_argument("--jobs", type=int, default=1, help="worker processes (one compile each)")
+  c.add_argument("--no-baselines", action="store_true",
+                 help="leave out optax's steps (the tests do: they do not move with fuseopt's code)")
   c.add_argument("--results", type=Path, default=Path("bench/results/compiled"))
   d = sub.add_parser("demo", help="train a small MLP with optax's and fuseopt's optimizers side by side")
   d.add_argument("--steps", type=int, default=300)
@@ -255,7 +257,7 @@ def cmd_compile_check(args, out=print) -> int:
   targets.report_ptxas()
   from fuseopt.benchmarks import compiled
   return compiled.main(args.target, full=args.full, update=args.update, match=args.match,
-                       jobs=args.jobs, root=args.results, out=out)
+                       jobs=args.jobs, baselines=not args.no_baselines, root=args.results, out=out)
 
 
 def main(argv=None) -> int:

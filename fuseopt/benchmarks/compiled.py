@@ -155,6 +155,13 @@ class Case:
   implementations: tuple[str, ...] = ("triton", "mosaic_tpu")
   full_only: bool = False            # only in the full sweep (``full=True``)
   expect_kernels: bool = True        # False for optax's baselines and XLA paths
+  # optax's own step, compiled beside fuseopt's for the figures: recorded by
+  # ``compile-check --update``, left out of the tests (its figures move with
+  # optax's and jax's versions, not with fuseopt's code).
+  baseline: bool = False
+  # The targets whose CI run compiles this case (``None``: every target); on
+  # the others it belongs to the full sweep (``full=True``). See CI_TARGETS.
+  ci_targets: tuple[str, ...] | None = None
   mesh: Callable[[targets_lib.Target], Any] | None = None   # sharded cases
 
 
@@ -260,8 +267,9 @@ def _sr_cases(impl: str) -> list[Case]:
       return fn, (_S((n,)),), ()
     return Case(f"kernel/stochastic_round/{impl}/n={n}/{_cfg_name(cfg)}", build,
                 implementations=(impl,), full_only=full_only)
-  # The benchmark sizes and a ragged one (the last block masked / padded).
-  for n in (*workloads.SR_SIZES["quick"], *workloads.SR_SIZES["full"], 1_000_003):
+  # The benchmark sizes, a ragged one (the last block masked / padded) and
+  # the tests' small sizes (the heuristics pick smaller blocks there).
+  for n in (*workloads.SR_SIZES["quick"], *workloads.SR_SIZES["full"], 1_000_003, 4096, 1000):
     cfg = heur(n)
     if cfg not in seen:
       seen.add(cfg)
@@ -310,6 +318,7 @@ def _adam_cases(impl: str) -> list[Case]:
   out.append(options_case("pf32-gf32-mbf16-nesterov-clip-skip", nesterov=True))
   out.append(case("direction-only-gf32-mbf16", _ADAM_SHAPE, None, F32, BF16))
   out.append(case("ragged-pf32-gf32-mbf16", _ADAM_RAGGED, F32, F32, BF16))
+  out.append(case("small-pf32-gf32-mbf16", (64, 256), F32, F32, BF16))   # the tests' size
   out += [case("pf32-gf32-mbf16", _ADAM_SHAPE, F32, F32, BF16, cfg=c, full_only=True)
           for c in space]
   if impl == "triton":
@@ -351,13 +360,19 @@ def _ns_cases(impl: str) -> list[Case]:
       return fn, (_S(shape, dtype),), ()
     return Case(f"kernel/newton_schulz/{impl}/{tag}/{_cfg_name(cfg)}", build,
                 implementations=(impl,), full_only=full_only)
-  # The benchmark shapes (what config=None picks: fused or tiled, and the
-  # tiled kernels' heuristic configs), Gram NS, a ragged shape and a small
-  # batch the single-kernel path takes.
+  # The benchmark shapes, each distinct choice of config=None once (the
+  # single-kernel path or the tiled kernels' heuristic configs: shapes that
+  # pick the same configs differ only in their grids), Gram NS, a ragged
+  # shape and a small batch the single-kernel path takes.
   small = 128 if impl == "triton" else 256
-  quick = set(workloads.NS_SHAPES_QUICK)
-  for shape in workloads.NS_SHAPES:
-    out.append(case(workloads.shape_name(shape), shape, full_only=shape not in quick))
+  seen = set()
+  for shape in sorted(workloads.NS_SHAPES, key=lambda s: -len(s)):   # stacks first
+    *batch, a, b = shape
+    bsz, m, n = math.prod(batch), min(a, b), max(a, b)
+    picks = ("fused",) if fused.fits(impl, m, n) else (
+        "tiled", gram.heuristic(impl, bsz, m, n), update.heuristic(impl, bsz, m, n))
+    out.append(case(workloads.shape_name(shape), shape, full_only=picks in seen))
+    seen.add(picks)
   out.append(case("gram-2048x8192", (2048, 8192), gram_=True))
   out.append(case("ragged-1000x2900", (1000, 2900)))
   out.append(case(f"fused-8x{small}x{2 * small}", (8, small, 2 * small)))
@@ -432,6 +447,21 @@ def _step_fn(tx, fused):
   return step
 
 
+# Which targets CI compiles the costly cases on (the rest is the full sweep,
+# `fuseopt compile-check --target all --all`): on the 2-core CI machine
+# libtpu takes 1.5-3.5 min for one sharded or Muon step of the 1.20 B tree.
+# The fused steps and every kernel compile on all five targets; the
+# ``tx.update`` + ``apply_updates`` path (XLA glue around the same kernels)
+# on one GPU and one TPU; the sharded steps on 8 x H200 and v6e "2x4", and
+# the Auto mesh (the FSDP setup the scaling figures quote) on v5e too.
+CI_TARGETS = {
+    "fallback": ("h200", "v6e"),
+    "builder_fallback": ("h200",),
+    "sharded_explicit": ("h200", "v6e"),
+    "sharded_auto": ("h200", "v5e", "v6e"),
+}
+
+
 def step_cases() -> list[Case]:
   from fuseopt.benchmarks import workloads
   out = []
@@ -445,8 +475,12 @@ def step_cases() -> list[Case]:
         tree = workloads.llama_tree(F32)
         state = jax.eval_shape(tx.init, tree)
         return _step_fn(tx, fused), (tree, state, tree), (0, 1)
+      ci = None
+      if variant == "fuseopt_fallback":
+        ci = CI_TARGETS["builder_fallback" if recipe == "builder_recipe" else "fallback"]
       out.append(Case(f"step/{recipe}/{variant}/llama1.2b", build, kind="step",
-                      expect_kernels=variant == "fuseopt_step"))
+                      expect_kernels=variant != "optax_chain", baseline=variant == "optax_chain",
+                      ci_targets=ci))
   return out
 
 
@@ -471,6 +505,11 @@ def sharded_cases() -> list[Case]:
   for axis_type in (AxisType.Explicit, AxisType.Auto):
     for recipe in ("adamw", "hybrid"):
       for variant in ("fuseopt_step", "optax"):
+        if variant == "optax" and recipe == "hybrid" and axis_type == AxisType.Explicit:
+          # optax.contrib.muon does not trace on an Explicit mesh (its
+          # Newton-Schulz dot of a row-sharded matrix with its transpose
+          # raises a ShardingTypeError): there is no baseline to compile.
+          continue
         def mesh_of(t, axis_type=axis_type):
           return targets_lib.mesh(t, (8,), (FSDP_AXIS,), axis_types=(axis_type,))
 
@@ -500,7 +539,8 @@ def sharded_cases() -> list[Case]:
           return _step_fn(tx, fused), (placed, state, placed), (0, 1)
         kind = "explicit" if axis_type == AxisType.Explicit else "auto"
         out.append(Case(f"sharded/{recipe}/{variant}/llama1.2b-fsdp8-{kind}", build,
-                        kind="sharded", devices=8, expect_kernels=variant == "fuseopt_step",
+                        kind="sharded", devices=8, expect_kernels=variant != "optax",
+                        baseline=variant == "optax", ci_targets=CI_TARGETS[f"sharded_{kind}"],
                         mesh=mesh_of))
   return out
 
@@ -518,11 +558,11 @@ def _with_state_shardings(t, state, mesh):
   return jax.tree.map(one, state)
 
 
-def cases(target, *, full: bool = False, kinds: tuple[str, ...] = ("kernel", "step", "sharded")
-          ) -> list[Case]:
+def cases(target, *, full: bool = False, kinds: tuple[str, ...] = ("kernel", "step", "sharded"),
+          baselines: bool = False) -> list[Case]:
   """The cases that apply to ``target``: its backend's kernels, the steps
   and (where it has an 8-device topology) the sharded steps. ``full`` adds
-  every config of every search space."""
+  every config of every search space, ``baselines`` optax's steps."""
   t = targets_lib.get(target)
   every = []
   if "kernel" in kinds:
@@ -531,8 +571,11 @@ def cases(target, *, full: bool = False, kinds: tuple[str, ...] = ("kernel", "st
     every += step_cases()
   if "sharded" in kinds and 8 in t.topologies:
     every += sharded_cases()
-  return [c for c in every if t.implementation in c.implementations and (full or not c.full_only)
-          and c.devices in t.topologies]
+  def selected(c):
+    in_ci = not c.full_only and (c.ci_targets is None or t.name in c.ci_targets)
+    return (t.implementation in c.implementations and (full or in_ci)
+            and c.devices in t.topologies and (baselines or not c.baseline))
+  return [c for c in every if selected(c)]
 
 
 # ------------------------------------------------------------ baseline --
@@ -628,10 +671,11 @@ def versions_match(doc: dict[str, Any] | None) -> bool:
 
 # ------------------------------------------------------------------ runner --
 def run(target, *, full: bool = False, kinds=("kernel", "step", "sharded"), match: str | None = None,
-        jobs: int = 1, log=print) -> dict[str, dict]:
+        jobs: int = 1, baselines: bool = True, log=print) -> dict[str, dict]:
   """Compiles every case of ``target`` (in ``jobs`` worker processes when
   ``jobs > 1``); returns ``{case id: figures or {"error": message}}``."""
-  selected = [c for c in cases(target, full=full, kinds=kinds) if not match or re.search(match, c.id)]
+  selected = [c for c in cases(target, full=full, kinds=kinds, baselines=baselines)
+              if not match or re.search(match, c.id)]
   ids = [c.id for c in selected]
   if jobs <= 1:
     return {c.id: _run_one(target, c, log) for c in selected}
@@ -640,7 +684,7 @@ def run(target, *, full: bool = False, kinds=("kernel", "step", "sharded"), matc
   out = {}
   ctx = mp.get_context("spawn")
   with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-    futures = {pool.submit(_worker, targets_lib.get(target).name, full, tuple(kinds), i): i
+    futures = {pool.submit(_worker, targets_lib.get(target).name, full, tuple(kinds), baselines, i): i
                for i in ids}
     for fut in cf.as_completed(futures):
       cid = futures[fut]
@@ -660,9 +704,9 @@ def _run_one(target, case: Case, log) -> dict:
   return fig
 
 
-def _worker(target: str, full: bool, kinds: tuple, case_id: str) -> dict:
+def _worker(target: str, full: bool, kinds: tuple, baselines: bool, case_id: str) -> dict:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  by_id = {c.id: c for c in cases(target, full=full, kinds=kinds)}
+  by_id = {c.id: c for c in cases(target, full=full, kinds=kinds, baselines=baselines)}
   return _run_one(target, by_id[case_id], log=lambda *_: None)
 
 
@@ -770,7 +814,7 @@ def render_readme(readme: Path | str = "README.md", root: Path | str = RESULTS_D
 
 
 def main(target: str, *, full: bool = False, update: bool = False, match: str | None = None,
-         jobs: int = 1, root: Path | str = RESULTS_DIR, out=print) -> int:
+         jobs: int = 1, baselines: bool = True, root: Path | str = RESULTS_DIR, out=print) -> int:
   """``fuseopt compile-check``: compile, compare with (or ``update``) the
   committed figures; 1 if anything fails to compile or regresses."""
   names = list(targets_lib.TARGETS) if target == "all" else [targets_lib.get(target).name]
@@ -782,7 +826,7 @@ def main(target: str, *, full: bool = False, update: bool = False, match: str | 
       bad += 1
       continue
     out(f"== {name} ({targets_lib.get(name).device_kind})")
-    fresh = run(name, full=full, match=match, jobs=jobs, log=out)
+    fresh = run(name, full=full, match=match, jobs=jobs, baselines=baselines, log=out)
     errors = {k: v for k, v in fresh.items() if "error" in v}
     bad += len(errors)
     doc = load(name, root)

@@ -21,8 +21,8 @@ from fuseopt.benchmarks import compiled
 UPDATE = os.environ.get("FUSEOPT_COMPILED_UPDATE") == "1"
 
 
-def case_ids(target: str) -> list[str]:
-  return [c.id for c in compiled.cases(target)]
+def case_ids(target: str, kinds: tuple[str, ...]) -> list[str]:
+  return [c.id for c in compiled.cases(target, kinds=kinds)]
 
 
 def check(target: str, case_id: str) -> None:

@@ -1,0 +1,11 @@
+"""The compile tier's step cases for the target `l4` (see tests/compile/tier.py)."""
+import pytest
+
+from tests.compile import tier
+
+TARGET = "l4"
+
+
+@pytest.mark.parametrize("case_id", tier.case_ids(TARGET, ("step",)))
+def test_compiles(case_id):
+  tier.check(TARGET, case_id)
