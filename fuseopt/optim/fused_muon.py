@@ -634,16 +634,39 @@ def scale_by_muon(
     n = len(g_leaves)
     new_p, mu_leaves = [None] * n, [None] * n
     distributed = _place_ns_inputs(g_leaves, specs, leaf_shardings, paths)
+    done = []   # the leaves finished by the previous call
+
+    def barrier(starting):
+      """Every input of the call's leaves (gradient, momentum, parameter),
+      tied to the previous call's finished parameters: whatever the compiler
+      makes of the inputs (a TPU re-lays out a tall matrix for its
+      transposed NS input) is made within the call. The finished parameters
+      are taken from the barrier too, or the compiler drops that half."""
+      inputs = [(g_leaves[i], m_old[i], p_leaves[i]) for i in starting]
+      inputs, finished = jax.lax.optimization_barrier((inputs, [new_p[i] for i in done]))
+      for i, p in zip(done, finished):
+        new_p[i] = p
+      return inputs
+
     if distributed:
       where = list(distributed.items())
-      started = {i: momentum(i, grad_fn(g_leaves[i]), m_old[i]) for i, _ in where}
-      ys = distributed_ns.orthogonalize_sharded(
-          [started[i][1] for i, _ in where], [p for _, (p, _) in where],
-          [ax for _, (_, ax) in where], ns, max_elements=ns_max_elements)
-      for (i, (_, red_out)), y in zip(where, ys):
-        stored, h, a = started[i]
-        mu_leaves[i] = stored
-        new_p[i] = finish(i, finish_distributed(i, h, y, red_out, a), p_leaves[i])
+      # One all-to-all call per round: a device's share of a round is at most
+      # ns_max_elements, so the sharded step too holds one round at a time.
+      for members in distributed_ns.rounds(
+          [g_leaves[i] for i, _ in where], [p for _, (p, _) in where],
+          [ax for _, (_, ax) in where], ns_max_elements):
+        leaves = [where[k][0] for k in members]
+        started = {}
+        for i, (g, m, p) in zip(leaves, barrier(leaves)):
+          started[i] = momentum(i, grad_fn(g), m) + (p,)
+        ys = distributed_ns.orthogonalize_sharded(
+            [started[i][1] for i in leaves], [distributed[i][0] for i in leaves],
+            [distributed[i][1] for i in leaves], ns, max_elements=ns_max_elements)
+        for i, y in zip(leaves, ys):
+          stored, h, a, p = started[i]
+          mu_leaves[i] = stored
+          new_p[i] = finish(i, finish_distributed(i, h, y, distributed[i][1], a), p)
+        done = leaves
     groups: dict[tuple, list[tuple[int, int, int]]] = {}
     for i, (g, s) in enumerate(zip(g_leaves, specs)):
       if s is None:
@@ -664,20 +687,10 @@ def scale_by_muon(
         first.setdefault(i, st)
         last[i] = st
     plans, active, parts, held = {}, {}, {}, {}
-    done = []   # the previous call's finished parameters
     run = _replicated_ns(ns)
     for st, (members, call) in enumerate(stages):
       starting = sorted({members[k][0] for k, _, _ in call if first[members[k][0]] == st})
-      # Every input of the call's leaves (gradient, momentum, parameter), so
-      # that whatever the compiler makes of them (a TPU re-lays out a tall
-      # matrix for its transposed NS input) is made within the call; the
-      # finished parameters are taken from the barrier too, or the compiler
-      # drops that half.
-      inputs = [(g_leaves[i], m_old[i], p_leaves[i]) for i in starting]
-      inputs, finished = jax.lax.optimization_barrier((inputs, [new_p[i] for i in done]))
-      for i, p in zip(done, finished):
-        new_p[i] = p
-      for i, (g, m, p) in zip(starting, inputs):
+      for i, (g, m, p) in zip(starting, barrier(starting)):
         held[i] = p
         stored, h, a = momentum(i, grad_fn(g), m)
         if not _plain_layout(g, specs[i], paths[i]):

@@ -178,3 +178,16 @@ def test_sharded_muon_step_is_bitwise_the_unsharded_step(family_run, kind, axis)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(w)[0], jax.tree.leaves(g)):
       np.testing.assert_array_equal(np.asarray(b), np.asarray(a),
                                     err_msg=f"step {t} {jax.tree_util.keystr(path)}")
+
+
+def test_rounds_bound_each_devices_share_and_never_leave_a_lone_matrix():
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
+  where = sharding_lib.Placement(mesh, P("fsdp", None))
+  leaves = [jax.ShapeDtypeStruct((64, 32), jnp.float32)] * 33
+  axes = [((0,), (1,))] * 33
+  # Two matrices a device: rounds of 16; 33 = 16 + 16 + 1, the last one joins the round before.
+  got = distributed.rounds(leaves, [where] * 33, axes, max_elements=2 * 64 * 32)
+  assert [len(r) for r in got] == [16, 17] and sum(got, []) == list(range(33))
+  # A budget below two matrices still gives every device two (a batched NS).
+  assert [len(r) for r in distributed.rounds(leaves[:32], [where] * 32, axes, 64 * 32)] == [16, 16]
+  assert distributed.rounds(leaves, [where] * 33, axes, None) == [list(range(33))]

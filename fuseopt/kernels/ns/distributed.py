@@ -60,6 +60,49 @@ def _size(mesh, names) -> int:
   return math.prod(mesh.shape[n] for n in names)
 
 
+def _family_key(x_shape, dtype, placement, red, out, mesh):
+  used = {n for a in range(len(x_shape)) for n in placement.axis_names(a)}
+  free = tuple(n for n in mesh.axis_names if n not in used and mesh.shape[n] > 1)
+  R = math.prod(x_shape[a] for a in red)
+  O = math.prod(x_shape[a] for a in out)
+  return (R, O, jnp.dtype(dtype).name, _names(placement, red[:1]), _names(placement, out[:1]),
+          free)
+
+
+def rounds(leaves: Sequence[jax.Array], placements: Sequence[sharding_lib.Placement],
+           axes: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
+           max_elements: int | None) -> list[list[int]]:
+  """Splits :func:`orthogonalize_sharded`'s work into rounds (lists of leaf
+  indices, each a call of its own) so that no device's NS call in a round
+  exceeds ``max_elements`` matrix elements: whole leaves, a family's leaves
+  in order, and never a round holding one lone matrix of a larger family
+  (it would run unbatched, see :func:`orthogonalize_sharded`)."""
+  mesh = placements[0].mesh
+  families: dict[tuple, list[int]] = {}
+  for i, (x, p, (red, out)) in enumerate(zip(leaves, placements, axes)):
+    families.setdefault(_family_key(x.shape, x.dtype, p, red, out, mesh), []).append(i)
+  out_rounds = []
+  for (R, O, _, red_names, out_names, free), members in families.items():
+    share = _size(mesh, red_names) * _size(mesh, out_names) * _size(mesh, free)
+    per_device = 2 if max_elements is None else max(2, max_elements // (R * O))
+    room = per_device * share
+    count = lambda i: math.prod(d for a, d in enumerate(leaves[i].shape)
+                                if a not in axes[i][0] and a not in axes[i][1])
+    current, used = [], 0
+    family_rounds = []
+    for i in members:
+      if current and (max_elements is not None) and used + count(i) > room:
+        family_rounds.append(current)
+        current, used = [], 0
+      current.append(i)
+      used += count(i)
+    family_rounds.append(current)
+    if len(family_rounds) > 1 and sum(count(i) for i in family_rounds[-1]) == 1:
+      family_rounds[-2:] = [family_rounds[-2] + family_rounds[-1]]
+    out_rounds += family_rounds
+  return out_rounds
+
+
 def orthogonalize_sharded(leaves: Sequence[jax.Array],
                           placements: Sequence[sharding_lib.Placement],
                           axes: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
