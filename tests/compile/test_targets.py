@@ -114,7 +114,7 @@ def test_cli_writes_then_gates_the_figures(tmp_path, capsys):
   import json
 
   from fuseopt import cli
-  args = ["compile-check", "--target", "h200", "--match", "kernel/stochastic_round/triton/n=1048576/",
+  args = ["compile-check", "--target", "h200", "--match", "kernel/stochastic_round/triton/1048576/",
           "--results", str(tmp_path)]
   assert cli.main(args + ["--update"]) == 0
   doc = json.loads((tmp_path / "h200.json").read_text())
