@@ -233,3 +233,26 @@ def test_call_plan_never_leaves_a_batched_family_a_lone_matrix():
   assert sizes([4, 1], None) == [5]
   # Ranges cover every member's batch once, in order.
   assert _call_plan([3, 3], 1, 5) == [[(0, 0, 3), (1, 0, 1)], [(1, 1, 3)]]
+
+
+@pytest.mark.parametrize("impl", ["triton", "mosaic_tpu"])
+def test_ns_matmul_pallas_runs_the_update_kernel_and_matches(impl, monkeypatch):
+  """ns_matmul="pallas": the tiled NS's a·X + B·X by the Pallas update kernel
+  (interpret mode), the same function as XLA's dot path."""
+  from jax.experimental import pallas as pl
+  monkeypatch.setenv("FUSEOPT_NS_PATH", "tiled")   # a matrix this small fits the fused kernel
+  names, real = [], pl.pallas_call
+  monkeypatch.setattr(pl, "pallas_call", lambda *a, **k: names.append(k.get("name")) or real(*a, **k))
+  g = {"w": jax.random.normal(jax.random.key(3), (2, 256, 512))}
+  dims = {"w": MDN(1, 2)}
+  outs = {}
+  for mm in ("xla", "pallas"):
+    names.clear()
+    tx = scale_by_muon(weight_dimension_numbers=dims, ns_matmul=mm, implementation=impl,
+                       interpret=True, coeffs="jordan")
+    outs[mm], _ = jax.jit(tx.update)(g, tx.init(g))
+    assert ("fuseopt_ns_update" in names) == (mm == "pallas"), (mm, names)
+  np.testing.assert_allclose(np.asarray(outs["pallas"]["w"]), np.asarray(outs["xla"]["w"]),
+                             rtol=0, atol=2e-2)
+  with pytest.raises(ValueError, match="ns_matmul"):
+    scale_by_muon(ns_matmul="cublas")

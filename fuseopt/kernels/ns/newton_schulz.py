@@ -337,8 +337,15 @@ class TiledConfig:
   """Block configs for the multi-kernel path (``None`` → the shape heuristic).
 
   ``sym``: :mod:`fuseopt.kernels.ns.gram` config for the symmetric products;
-  ``matmul``: :mod:`fuseopt.kernels.ns.update` config, or the string ``"xla"``
-  to run ``a·X + B X`` as an XLA dot with a fused add.
+  ``matmul``: :mod:`fuseopt.kernels.ns.update` config, the string ``"xla"``
+  (the default) to run ``a·X + B X`` as an XLA dot with a fused add, or
+  ``"pallas"`` for the update kernel with its shape heuristic. The Pallas
+  kernel adds ``a·X`` in its epilogue and writes only the rounded result:
+  XLA's dot keeps fp32 products and an fp32 copy of X (excess precision) per
+  call, 3-4 fp32 buffers the size of the call on an H200 and a TPU.
+
+  Any TiledConfig forces the tiled path, except ``TiledConfig(matmul="pallas")``,
+  which leaves the choice (single fused kernel or tiled) to the shape.
   """
   sym: Any = None
   matmul: Any = None
@@ -348,7 +355,7 @@ def _pick_path(impl, m, n, batch, config, use_gram):
   """'fused' or 'tiled' for a Pallas backend (see docs/kernels.md, "What implementation=None runs")."""
   from fuseopt.kernels.ns import fused
   forced = os.environ.get("FUSEOPT_NS_PATH")
-  if isinstance(config, TiledConfig):
+  if isinstance(config, TiledConfig) and (config.sym is not None or config.matmul != "pallas"):
     return "tiled"
   if isinstance(config, (fused.TritonConfig, fused.MosaicConfig)):
     return "fused"

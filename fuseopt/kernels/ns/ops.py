@@ -31,6 +31,8 @@ class KernelOps:
     batch, m, n = x.shape
     self.sym_config = self.config.sym or gram_k.heuristic(self.impl, batch, m, n)
     self.matmul_config = self.config.matmul if self.config.matmul is not None else "xla"
+    if self.matmul_config == "pallas":
+      self.matmul_config = update_k.heuristic(self.impl, batch, m, n)
     gm = max(self.sym_config.bm, self.sym_config.bk)
     gn = self.sym_config.bk
     if self.matmul_config != "xla":
