@@ -7,7 +7,8 @@ three differences in how the work is done:
 * Every Muon matrix of the tree is cut into ``(batch, rows, cols)`` families
   (batch axes such as a stacked-layers or experts axis stay a batch, never a
   Python loop), and all families of the same ``(rows, cols)`` across the
-  tree go through ONE call of :func:`fuseopt.kernels.newton_schulz`. A
+  tree go through batched calls of :func:`fuseopt.kernels.newton_schulz`
+  (as few as ``ns_max_elements`` per call allows). A
   family that is alone in its shape is handed over as a reshape of the
   momentum (no copy); several are joined by a concatenate that XLA fuses
   into the elementwise momentum/Nesterov pass that produces them, so no
@@ -26,8 +27,9 @@ three differences in how the work is done:
 (new momentum, stored in its dtype with stochastic rounding when bf16, and
 the Nesterov NS input in ``ns_dtype``), the batched Newton-Schulz, and one
 pass writing ``p - lr (scale O + wd p)`` over the parameter (stochastic
-rounding for bf16 parameters); its AdamW leaves go through the fused Adam
-kernel.
+rounding for bf16 parameters), one NS call at a time (optimization barriers
+order the calls, so the step holds one call's working set, not the tree's);
+its AdamW leaves go through the fused Adam kernel.
 """
 
 # No `from __future__ import annotations`: optax's tests (and tools) read
