@@ -13,7 +13,8 @@ at run time on a GPU). So each config runs here on the device, inside
 reference.
 
 Families (``implementation`` of the default device: ``triton`` on a GPU,
-``mosaic_tpu`` on a TPU); each starts with ``<family>/heuristic`` (what
+``mosaic_tpu`` on a TPU; on an sm_90 GPU also ``stochastic_round_mosaic_gpu``
+and ``adam_mosaic_gpu``, the same work through the Mosaic GPU kernels); each starts with ``<family>/heuristic`` (what
 ``config=None`` picks), then every config of the search space, the last
 one first (the largest blocks, the likeliest to fail), ids
 ``<family>/<index in the search space>``:
@@ -76,6 +77,8 @@ class Settings:
   fused_shape: tuple       # (batch, m, n) the single-kernel NS takes
   iters: int
   per_family: int | None   # keep the first N jobs of each family (dry run)
+  # Also time the Mosaic GPU elementwise kernels beside Triton's (an sm_90 GPU).
+  mosaic_gpu: bool = False
 
 
 @dataclasses.dataclass
@@ -102,7 +105,19 @@ def settings_for(platform: str, args) -> Settings:
   while not fused.fits(impl, fm, fm):
     fm //= 2
   return Settings(impl, False, {**workloads.LLAMA_1B, "layers": args.ew_layers}, RAGGED_LEAVES,
-                  tuple(args.ns_shape), (32, fm, fm), args.iters, args.per_family)
+                  tuple(args.ns_shape), (32, fm, fm), args.iters, args.per_family,
+                  mosaic_gpu=impl == "triton" and _sm90())
+
+
+def _sm90() -> bool:
+  """Whether the default GPU can compile Mosaic GPU kernels (fuseopt refuses
+  the others before lowering)."""
+  from fuseopt.kernels import _backend
+  try:
+    _backend.check_mosaic_gpu_target("config_checks", False)
+  except ValueError:
+    return False
+  return True
 
 
 # ------------------------------------------------------------------ helpers --
@@ -207,10 +222,13 @@ def families(st: Settings) -> list[Family]:
                               for i, x in enumerate(xs)])(xs)
     return {"args": xs, "ref": _block(ref)}
 
-  def sr_run(state, cfg):
-    f = jax.jit(lambda xs: [stochastic_round.stochastic_round_bf16(
-        x, i + 17, implementation=impl, interpret=st.interpret, config=cfg) for i, x in enumerate(xs)])
-    return _call(lambda: f(state["args"]), f, (state["args"],))
+  def sr_runner(impl):
+    def run(state, cfg):
+      f = jax.jit(lambda xs: [stochastic_round.stochastic_round_bf16(
+          x, i + 17, implementation=impl, interpret=st.interpret, config=cfg)
+          for i, x in enumerate(xs)])
+      return _call(lambda: f(state["args"]), f, (state["args"],))
+    return run
 
   def sr_compare(state, outs):
     c = compare_arrays(outs, state["ref"])
@@ -219,7 +237,7 @@ def families(st: Settings) -> list[Family]:
   n_ew = sum(math.prod(s) for s in ew_shapes(st))
   out.append(Family("stochastic_round", "fuseopt.kernels.stochastic_round.stochastic_round_bf16",
                     stochastic_round.MOSAIC_SEARCH_SPACE if mosaic else stochastic_round.TRITON_SEARCH_SPACE,
-                    sr_setup, sr_run, sr_compare, {"bytes": 6 * n_ew}))
+                    sr_setup, sr_runner(impl), sr_compare, {"bytes": 6 * n_ew}))
 
   hyper = dict(count=3, learning_rate=1e-3, weight_decay=0.1, seed=5)
 
@@ -231,7 +249,7 @@ def families(st: Settings) -> list[Family]:
         p, g, mu, nu, implementation="xla", **hyper))(p, g, mu, nu)
     return {"args": (p, g, mu, nu), "ref": _flat(_block(ref))}
 
-  def adam_runner(group):
+  def adam_runner(group, impl=impl):
     def run(state, cfg):
       f = jax.jit(lambda p, g, mu, nu: adam.adam_update_tree(
           p, g, mu, nu, implementation=impl, interpret=st.interpret, config=cfg, group=group, **hyper),
@@ -261,6 +279,17 @@ def families(st: Settings) -> list[Family]:
     out.append(Family("adam_group", "fuseopt.kernels.adam.adam_update_tree(group=True)",
                       adam.TRITON_GROUP_SEARCH_SPACE, adam_setup, adam_runner(True), adam_compare,
                       adam_work))
+  if st.mosaic_gpu:
+    # The same trees through the Mosaic GPU kernels: Triton stays the GPU
+    # default until these two families have been timed beside the two above.
+    from fuseopt.kernels import adam_mosaic_gpu, stochastic_round_mosaic_gpu
+    out.append(Family("stochastic_round_mosaic_gpu",
+                      "fuseopt.kernels.stochastic_round_mosaic_gpu.round_flat",
+                      stochastic_round_mosaic_gpu.SEARCH_SPACE, sr_setup, sr_runner("mosaic_gpu"),
+                      sr_compare, {"bytes": 6 * n_ew}))
+    out.append(Family("adam_mosaic_gpu", "fuseopt.kernels.adam_mosaic_gpu.update_flat",
+                      adam_mosaic_gpu.SEARCH_SPACE, adam_setup, adam_runner(False, "mosaic_gpu"),
+                      adam_compare, adam_work))
 
   # -- Newton–Schulz kernels ------------------------------------------------
   b, m, n = st.ns_shape

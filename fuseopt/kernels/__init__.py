@@ -1,6 +1,6 @@
 """Device ops: each a plain-jnp reference plus Pallas backends (Triton for
-GPU, Mosaic for TPU) behind one public function taking
-``implementation=`` and ``interpret=``.
+GPU, Mosaic for TPU; Mosaic GPU, sm_90 only, for the elementwise ops) behind
+one public function taking ``implementation=`` and ``interpret=``.
 
 Each op's block-size config types are exported with the op's name in front
 (the modules themselves call them ``TritonConfig`` / ``MosaicConfig``), so
@@ -19,6 +19,7 @@ from fuseopt.kernels.stochastic_round import stochastic_round_reference
 
 # Elementwise kernels' configs (stochastic rounding and the Adam update).
 from fuseopt.kernels._elementwise import MosaicConfig as ElementwiseMosaicConfig
+from fuseopt.kernels._elementwise import MosaicGPUConfig as ElementwiseMosaicGPUConfig
 from fuseopt.kernels._elementwise import TritonConfig as ElementwiseTritonConfig
 
 # The Adam update on bf16 moments.
@@ -50,6 +51,7 @@ from fuseopt.kernels.ns.update import TritonConfig as UpdateTritonConfig
 __all__ = (
     "AdamTritonGroupConfig",
     "ElementwiseMosaicConfig",
+    "ElementwiseMosaicGPUConfig",
     "ElementwiseTritonConfig",
     "FusedMosaicConfig",
     "FusedTritonConfig",

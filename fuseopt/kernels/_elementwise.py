@@ -5,6 +5,11 @@ index in the whole leaf, whatever the block:
 
 - Triton: a 1-D grid of ``block`` elements a program (a power of two) over the
   flattened leaf, the ragged last block masked by Pallas;
+- Mosaic GPU (sm_90): a 1-D grid over the flattened leaf's first
+  ``128 * (size // 128)`` elements, ``block`` a program loaded from and
+  stored to global memory as one warpgroup's register array
+  (:func:`mosaic_gpu_blocks`); the last program takes the shorter rest, and
+  the caller the last ``size % 128`` elements;
 - Mosaic TPU: the leaf in its own layout (:func:`mosaic_tiling`). A TPU array
   is stored in (8, 128) tiles of its last two dims (bf16 packs row pairs in
   them), so viewing a 2-D leaf as flat ``(rows, 128)`` lanes is a relayout
@@ -53,6 +58,57 @@ class MosaicConfig:
   @property
   def block_elements(self) -> int:
     return self.block_rows * LANES
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGPUConfig:
+  """Mosaic GPU: ``block`` elements a program (one CTA of one warpgroup,
+  128 threads), a power of two of at least 128."""
+  block: int = 1024
+
+  def __post_init__(self):
+    if self.block < MOSAIC_GPU_LANES or self.block & (self.block - 1):
+      raise ValueError(f"block must be a power of two >= {MOSAIC_GPU_LANES}, got {self.block}")
+
+
+# A warpgroup's 1-D register array spans a multiple of its 128 threads.
+MOSAIC_GPU_LANES = 128
+# The grid axis of the Mosaic GPU elementwise kernels.
+MOSAIC_GPU_AXIS = "fuseopt_blocks"
+
+
+def mosaic_gpu_heuristic(size: int) -> MosaicGPUConfig:
+  # Triton's measured per-leaf block (triton_heuristic); not measured for
+  # Mosaic GPU: the search space holds the rest.
+  return MosaicGPUConfig(block=min(1024, max(MOSAIC_GPU_LANES, pl.next_power_of_2(max(size, 1)))))
+
+
+def mosaic_gpu_split(size: int) -> int:
+  """Elements of a flat leaf of ``size`` that a Mosaic GPU kernel covers."""
+  return size - size % MOSAIC_GPU_LANES
+
+
+def mosaic_gpu_programs(main: int, block: int) -> int:
+  return pl.cdiv(main, block)
+
+
+def mosaic_gpu_blocks(main: int, block: int, fn) -> None:
+  """Inside a Mosaic GPU kernel over :data:`MOSAIC_GPU_AXIS`: calls
+  ``fn(start, size)`` for this program's block of the first ``main``
+  elements (a multiple of 128), ``size`` static (``block``, or the shorter
+  rest in the last program: Mosaic GPU has no masked loads, so no block
+  reads past ``main``)."""
+  full, rest = divmod(main, block)
+  b = jax.lax.axis_index(MOSAIC_GPU_AXIS)
+  if full:
+    pl.when(b < full)(lambda: fn(b * block, block))
+  if rest:
+    pl.when(b == full)(lambda: fn(b * block, rest))
+
+
+def mosaic_gpu_flat_index(start, size: int) -> jax.Array:
+  """uint32 flat indices of a Mosaic GPU block."""
+  return start.astype(jnp.uint32) + jax.lax.iota(jnp.uint32, size)
 
 
 def triton_heuristic(size: int) -> TritonConfig:

@@ -45,6 +45,11 @@ Backends:
   race with the core that does update it where the grid is split between
   cores), and every leaf's blocks would sit in VMEM at once. Grouping there
   needs ``memory_space=pl.ANY`` operands and manual DMA.
+- ``mosaic_gpu``: Pallas's Mosaic GPU lowering, sm_90 only
+  (:mod:`fuseopt.kernels.adam_mosaic_gpu`): a 1-D grid over the flattened
+  leaf, ``block`` elements a program, in place through ``jax.new_ref``
+  operands; the last ``size % 128`` elements (and leaves under 128) in XLA.
+  One launch per leaf.
 
 Non-finite gradients propagate as in optax: an element whose gradient is NaN
 gets NaN mu, nu and parameter; ``+-Inf`` gives ``mu = +-Inf``, ``nu = +Inf``
@@ -67,7 +72,8 @@ from fuseopt.kernels import _validate
 from fuseopt.kernels import counter_hash
 from fuseopt.kernels import _elementwise
 from fuseopt.kernels import sharding as sharding_lib
-from fuseopt.kernels._elementwise import LANES, MosaicConfig, TritonConfig, triton_heuristic
+from fuseopt.kernels._elementwise import (LANES, MosaicConfig, MosaicGPUConfig, TritonConfig,
+                                          triton_heuristic)
 
 OP_NAME = "adam_update"
 
@@ -518,9 +524,12 @@ def _run(impl, scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, interpret, 
   shape = g.shape
   n = g.size
   kw = dict(nesterov=nesterov, out_dtype=out_dtype, index_map=index_map)
-  want = {"triton": TritonConfig, "mosaic_tpu": MosaicConfig}.get(impl)
+  want = {"triton": TritonConfig, "mosaic_tpu": MosaicConfig,
+          "mosaic_gpu": MosaicGPUConfig}.get(impl)
   if config is not None and want is not None and not isinstance(config, want):
     raise TypeError(f"adam_update: config must be a {want.__name__} for {impl}, got {config!r}")
+  if impl == "mosaic_gpu" and n < _elementwise.MOSAIC_GPU_LANES:
+    impl = "xla"   # no warpgroup-wide block: the leaf is all tail
   if impl == "mosaic_tpu":
     config = config or mosaic_heuristic(n)
     if (sharding_lib.needs_division(index_map)
@@ -540,6 +549,15 @@ def _run(impl, scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, interpret, 
         scalars, seeds, p, g, mu, nu)
   flat = lambda a: None if a is None else a.reshape(-1)
   p, g, mu, nu = flat(p), flat(g), flat(mu), flat(nu)
+  if impl == "mosaic_gpu":
+    from fuseopt.kernels import adam_mosaic_gpu
+    # (the guard on the inputs, not around the kernel: jax cannot discharge
+    # the kernel's in-place refs inside a custom_jvp)
+    outs = adam_mosaic_gpu.update_flat(
+        *_no_derivative(impl, lambda *a: a, scalars, seeds, p, g, mu, nu),
+        config=config or adam_mosaic_gpu.heuristic(n),
+        interpret=_backend.interpret_arg(impl, interpret), **kw)
+    return tuple(o.reshape(shape) for o in outs)
   config = config or triton_heuristic(n)
   if not isinstance(config, TritonConfig):
     raise TypeError(f"adam_update: config must be a TritonConfig for triton, got {config!r}")
@@ -596,10 +614,13 @@ def adam_update(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0
       indices (:mod:`fuseopt.kernels.sharding`), bitwise the unsharded
       result; on an Auto mesh without it the reference runs and a warning
       says so.
-    implementation: ``None`` (by platform), ``"xla"``, ``"triton"`` or
-      ``"mosaic_tpu"``.
+    implementation: ``None`` (by platform), ``"xla"``, ``"triton"``,
+      ``"mosaic_tpu"`` or ``"mosaic_gpu"`` (sm_90 GPUs only: on any other
+      target a ValueError names the device and its compute capability
+      before anything is lowered; any machine in interpret mode).
     interpret: run a Pallas backend in interpret mode (CPU debugging).
-    config: a :class:`TritonConfig` / :class:`MosaicConfig`.
+    config: a :class:`TritonConfig` / :class:`MosaicConfig` /
+      :class:`MosaicGPUConfig`.
     grad_scale: fp32 scalar (may be traced) the gradient is multiplied by as
       it is read, before everything above (a global-norm clip factor).
     apply: bool scalar (may be traced); False returns ``params``, ``mu`` and
@@ -624,7 +645,10 @@ def adam_update(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0
                          weight_decay=weight_decay if params is not None else 0.0,
                          nesterov=nesterov, grad_scale=grad_scale, apply=apply)
   seeds = adam_seeds(seed, count, leaf_index)
-  impl = _backend.resolve_implementation(OP_NAME, implementation, (grads,))
+  impl = _backend.resolve_implementation(OP_NAME, implementation, (grads,),
+                                         available=_backend.IMPLEMENTATIONS)
+  if impl == "mosaic_gpu":
+    _backend.check_mosaic_gpu_target("adam_update", interpret, (grads,))
   if config is not None and impl == "triton" and not isinstance(config, TritonConfig):
     raise TypeError(f"adam_update: config must be a TritonConfig for triton, got {config!r}")
   outs = _update_leaves(impl, [scalars], [seeds], None if params is None else [params], [grads],
@@ -772,7 +796,7 @@ def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9,
   on the 1.2 B tree (147 leaves, docs/measurements.md). The bits are those of
   the per-leaf kernels. ``group=False`` (for measurement) and the other
   implementations run one kernel per leaf (``config``: a
-  :class:`TritonConfig` / :class:`MosaicConfig`). Mosaic TPU stays per leaf
+  :class:`TritonConfig` / :class:`MosaicConfig` / :class:`MosaicGPUConfig`). Mosaic TPU stays per leaf
   (module docstring): its pipeline writes back the output blocks it holds,
   written or not, so another leaf's clamped, unwritten block would overwrite
   that leaf's memory.
@@ -798,7 +822,10 @@ def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9,
   applies = apply  # the step's flag; `apply` below says whether params are given
   apply = params is not None
   grads = [jnp.asarray(g) for g in grads]
-  impl = _backend.resolve_implementation(OP_NAME, implementation, grads)
+  impl = _backend.resolve_implementation(OP_NAME, implementation, grads,
+                                         available=_backend.IMPLEMENTATIONS)
+  if impl == "mosaic_gpu":
+    _backend.check_mosaic_gpu_target("adam_update_tree", interpret, grads)
   if impl == "triton" and group and config is not None and not isinstance(config,
                                                                           TritonGroupConfig):
     raise TypeError(f"adam_update: config must be a TritonGroupConfig for grouped triton "

@@ -13,6 +13,10 @@ differ only in how they tile the flat index space:
   flat ``(rows, 128)`` lanes, and a tail of fewer than 128 elements (sizes
   that are not a multiple of 128) is rounded by the reference, with its
   offset.
+- ``mosaic_gpu``: Pallas's Mosaic GPU lowering, sm_90 only
+  (:mod:`fuseopt.kernels.stochastic_round_mosaic_gpu`): a 1-D grid over the
+  flattened array, ``block`` elements a program, the last ``size % 128``
+  rounded by the reference.
 
 Because the random bits depend only on ``(seed, offset + flat index)``, every
 backend and every block size gives bitwise the same result.
@@ -27,7 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from fuseopt.kernels import _backend
-from fuseopt.kernels._elementwise import LANES, MosaicConfig, TritonConfig, triton_heuristic
+from fuseopt.kernels._elementwise import (LANES, MosaicConfig, MosaicGPUConfig, TritonConfig,
+                                          triton_heuristic)
 from fuseopt.kernels import _elementwise
 from fuseopt.kernels import counter_hash
 from fuseopt.kernels import sharding as sharding_lib
@@ -131,6 +136,10 @@ def _round_local(x, seed, offset, *, index_map, impl, interpret, config):
   if impl == "triton":
     config = config or triton_heuristic(n)
     out = _round_triton(x.reshape(-1), scalars, config=config, interpret=interp, index_map=index_map)
+  elif impl == "mosaic_gpu":
+    from fuseopt.kernels import stochastic_round_mosaic_gpu as mgpu
+    out = mgpu.round_flat(x.reshape(-1), scalars, config=config or mgpu.heuristic(n),
+                          interpret=interp, index_map=index_map)
   else:
     config = config or mosaic_heuristic(n)
     tiling = _elementwise.mosaic_tiling(x.shape, config, **_TILING)
@@ -175,11 +184,13 @@ def stochastic_round_bf16(x, seed, *, offset=0, sharding=None, implementation=No
       ``NamedSharding`` or a ``PartitionSpec``); ``None`` reads it from
       ``x``'s type (Explicit axes). On an Auto mesh without it the reference
       runs (XLA partitions it) and a warning says so.
-    implementation: ``None`` (by platform), ``"xla"``, ``"triton"`` or
-      ``"mosaic_tpu"``.
+    implementation: ``None`` (by platform), ``"xla"``, ``"triton"``,
+      ``"mosaic_tpu"`` or ``"mosaic_gpu"`` (sm_90 GPUs only: on any other
+      target a ValueError names the device and its compute capability
+      before anything is lowered; any machine in interpret mode).
     interpret: run a Pallas backend in interpret mode (CPU debugging).
-    config: a :class:`TritonConfig` / :class:`MosaicConfig` overriding the
-      shape heuristic.
+    config: a :class:`TritonConfig` / :class:`MosaicConfig` /
+      :class:`MosaicGPUConfig` overriding the shape heuristic.
 
   Returns:
     A bf16 array shaped (and sharded) like ``x``. Its derivative is the identity (the
@@ -195,8 +206,12 @@ def stochastic_round_bf16(x, seed, *, offset=0, sharding=None, implementation=No
   if x.dtype != jnp.float32:
     raise TypeError(f"stochastic_round_bf16: x must be float32 (or bfloat16, "
                     f"returned unchanged), got {x.dtype}")
-  impl = _backend.resolve_implementation(OP_NAME, implementation, (x,))
-  want = {"triton": TritonConfig, "mosaic_tpu": MosaicConfig}.get(impl)
+  impl = _backend.resolve_implementation(OP_NAME, implementation, (x,),
+                                         available=_backend.IMPLEMENTATIONS)
+  if impl == "mosaic_gpu":
+    _backend.check_mosaic_gpu_target("stochastic_round_bf16", interpret, (x,))
+  want = {"triton": TritonConfig, "mosaic_tpu": MosaicConfig,
+          "mosaic_gpu": MosaicGPUConfig}.get(impl)
   if config is not None and want is not None and not isinstance(config, want):
     raise TypeError(f"stochastic_round_bf16: config must be a {want.__name__} for "
                     f"implementation={impl!r}, got {config!r}")
