@@ -73,25 +73,30 @@ _COLLECTIVE = re.compile(
 _ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|c64|c128)\[([\d,]*)\]")
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
              "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
-_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
-_SPILL_COUNTS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+# ptxas -v: "Compiling entry function 'k' ...", "Function properties for k",
+# then "S bytes stack frame, N bytes spill stores, M bytes spill loads".
+_PTXAS = re.compile(r"Compiling entry function '([^']+)'|Function properties for (\S+)|"
+                    r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+KERNEL_PREFIX = "fuseopt_"   # every fuseopt Pallas kernel is named fuseopt_<op>
 
 
 def spills(log_lines) -> list[str]:
   """ptxas's register spills, ``"<kernel>: S B spill stores, L B spill loads"``,
-  from its verbose report (see :func:`fuseopt.targets.report_ptxas`)."""
-  out, entry = [], "?"
-  for line in log_lines:
-    m = _ENTRY.search(line)
-    if m:
-      entry = m.group(1)
-      continue
-    m = _SPILL_COUNTS.search(line)
-    if m and (int(m.group(1)) or int(m.group(2))):
-      out.append((entry, f"{entry}: {m.group(1)} B spill stores, {m.group(2)} B spill loads"))
-  # XLA also logs ptxas's whole output as one line, before the kernel's name.
-  named = {text for entry, text in out if entry != "?"}
-  return sorted(named or {text for _, text in out})
+  from its verbose report (see :func:`fuseopt.targets.report_ptxas`), for
+  every kernel of the program: fuseopt's (named ``fuseopt_*``) and XLA's own
+  fusions."""
+  out, entry = set(), "?"
+  for m in _PTXAS.finditer("\n".join(log_lines)):
+    if m.group(1) or m.group(2):
+      entry = (m.group(1) or m.group(2)).strip("'\"")
+    elif int(m.group(3)) or int(m.group(4)):
+      out.add(f"{entry}: {m.group(3)} B spill stores, {m.group(4)} B spill loads")
+  return sorted(out)
+
+
+def fuseopt_spills(spilled: list[str]) -> list[str]:
+  """The spills of fuseopt's own kernels (XLA's fusions are XLA's)."""
+  return [s for s in spilled if s.startswith(KERNEL_PREFIX)]
 
 
 def kernel_launches(hlo: str) -> int:
@@ -163,6 +168,9 @@ class Case:
   # the others it belongs to the full sweep (``full=True``). See CI_TARGETS.
   ci_targets: tuple[str, ...] | None = None
   mesh: Callable[[targets_lib.Target], Any] | None = None   # sharded cases
+  # Mosaic GPU kernels: only GPUs of compute capability 9.0, even in the full
+  # sweep (fuseopt refuses the others before lowering).
+  sm90_only: bool = False
 
 
 class CompileFailure(AssertionError):
@@ -254,11 +262,24 @@ def _dt(d) -> str:
   return {F32: "f32", BF16: "bf16"}[jnp.dtype(d)]
 
 
+# Mosaic GPU kernels compile on sm_90 only (the dispatch refuses sm_89, where
+# the compiler aborts the process): their cases run on the GPU targets (whose
+# backend is triton) and in CI on the H200.
+_MOSAIC_GPU = dict(implementations=("triton",), ci_targets=("h200",), sm90_only=True)
+
+
+def _on(impl: str) -> dict:
+  return _MOSAIC_GPU if impl == "mosaic_gpu" else dict(implementations=(impl,))
+
+
 def _sr_cases(impl: str) -> list[Case]:
   from fuseopt.benchmarks import workloads
   from fuseopt.kernels import _elementwise, stochastic_round as sr
-  heur = _elementwise.triton_heuristic if impl == "triton" else sr.mosaic_heuristic
-  space = sr.TRITON_SEARCH_SPACE if impl == "triton" else sr.MOSAIC_SEARCH_SPACE
+  from fuseopt.kernels import stochastic_round_mosaic_gpu as sr_mgpu
+  heur = {"triton": _elementwise.triton_heuristic, "mosaic_tpu": sr.mosaic_heuristic,
+          "mosaic_gpu": sr_mgpu.heuristic}[impl]
+  space = {"triton": sr.TRITON_SEARCH_SPACE, "mosaic_tpu": sr.MOSAIC_SEARCH_SPACE,
+           "mosaic_gpu": sr_mgpu.SEARCH_SPACE}[impl]
   out, seen = [], set()
 
   def case(shape, cfg, full_only=False):
@@ -266,7 +287,7 @@ def _sr_cases(impl: str) -> list[Case]:
       fn = lambda x: sr.stochastic_round_bf16(x, 7, implementation=impl, config=cfg)
       return fn, (_S(shape),), ()
     return Case(f"kernel/stochastic_round/{impl}/{'x'.join(map(str, shape))}/{_cfg_name(cfg)}",
-                build, implementations=(impl,), full_only=full_only)
+                build, full_only=full_only, **_on(impl))
   # The benchmark sizes (flat), a ragged one and the tests' small sizes, each
   # distinct heuristic config once; then leaves in their own layout (on a TPU
   # the kernel tiles a leaf's last two dims): a matrix of the 1.2 B tree, a
@@ -288,8 +309,9 @@ _ADAM_RAGGED = (1000, 3001)
 
 
 def _adam_cases(impl: str) -> list[Case]:
-  from fuseopt.kernels import adam
-  space = adam.TRITON_SEARCH_SPACE if impl == "triton" else adam.MOSAIC_SEARCH_SPACE
+  from fuseopt.kernels import adam, adam_mosaic_gpu
+  space = {"triton": adam.TRITON_SEARCH_SPACE, "mosaic_tpu": adam.MOSAIC_SEARCH_SPACE,
+           "mosaic_gpu": adam_mosaic_gpu.SEARCH_SPACE}[impl]
   out = []
 
   def case(tag, shape, pd, gd, md, *, cfg=None, full_only=False, **opts):
@@ -301,7 +323,7 @@ def _adam_cases(impl: str) -> list[Case]:
       donate = (0, 2, 3) if p is not None else (2, 3)
       return fn, (p, _S(shape, gd), _S(shape, md), _S(shape, md)), donate
     return Case(f"kernel/adam_update/{impl}/{tag}/{_cfg_name(cfg)}", build,
-                implementations=(impl,), full_only=full_only)
+                full_only=full_only, **_on(impl))
   # Every dtype signature: params x grads x moments.
   for pd in (F32, BF16):
     for gd in (F32, BF16):
@@ -319,15 +341,15 @@ def _adam_cases(impl: str) -> list[Case]:
                                 implementation=impl, **static, **traced_options(p, g, mu, nu))
       return fn, (_S(_ADAM_SHAPE), _S(_ADAM_SHAPE), _S(_ADAM_SHAPE, BF16),
                   _S(_ADAM_SHAPE, BF16)), (0, 2, 3)
-    return Case(f"kernel/adam_update/{impl}/{tag}/heuristic", build, implementations=(impl,))
+    return Case(f"kernel/adam_update/{impl}/{tag}/heuristic", build, **_on(impl))
   out.append(options_case("pf32-gf32-mbf16-nesterov-clip-skip", nesterov=True))
   out.append(case("direction-only-gf32-mbf16", _ADAM_SHAPE, None, F32, BF16))
   out.append(case("ragged-pf32-gf32-mbf16", _ADAM_RAGGED, F32, F32, BF16))
   out.append(case("small-pf32-gf32-mbf16", (64, 256), F32, F32, BF16))   # the tests' size
   out += [case("pf32-gf32-mbf16", _ADAM_SHAPE, F32, F32, BF16, cfg=c, full_only=True)
           for c in space]
-  if impl == "triton":
-    out += _adam_group_cases()
+  if impl in ("triton", "mosaic_gpu"):
+    out += _adam_group_cases(impl)
   return out
 
 
@@ -336,8 +358,10 @@ def _llama_leaves(dtype=F32):
   return jax.tree.leaves(workloads.llama_tree(dtype, layers=1))
 
 
-def _adam_group_cases() -> list[Case]:
-  from fuseopt.kernels import adam
+def _adam_group_cases(impl: str = "triton") -> list[Case]:
+  from fuseopt.kernels import adam, adam_mosaic_gpu
+  space = (adam.TRITON_GROUP_SEARCH_SPACE if impl == "triton"
+           else adam_mosaic_gpu.GROUP_SEARCH_SPACE)
 
   def case(cfg, full_only):
     def build(t):
@@ -346,12 +370,12 @@ def _adam_group_cases() -> list[Case]:
 
       def fn(ps, gs, mus, nus):
         return adam.adam_update_tree(ps, gs, mus, nus, count=3, learning_rate=1e-3,
-                                     weight_decay=0.1, implementation="triton", config=cfg,
+                                     weight_decay=0.1, implementation=impl, config=cfg,
                                      group=True)
       return fn, (leaves, leaves, mom, mom), (0, 2, 3)
-    return Case(f"kernel/adam_update_tree/triton/llama-1-layer/{_cfg_name(cfg)}", build,
-                implementations=("triton",), full_only=full_only)
-  return [case(None, False)] + [case(c, True) for c in adam.TRITON_GROUP_SEARCH_SPACE]
+    return Case(f"kernel/adam_update_tree/{impl}/llama-1-layer/{_cfg_name(cfg)}", build,
+                full_only=full_only, **_on(impl))
+  return [case(None, False)] + [case(c, True) for c in space]
 
 
 def _ns_cases(impl: str) -> list[Case]:
@@ -399,7 +423,7 @@ def kernel_cases() -> list[Case]:
   out = []
   for impl in ("triton", "mosaic_tpu"):
     out += _sr_cases(impl) + _adam_cases(impl) + _ns_cases(impl)
-  return out
+  return out + _sr_cases("mosaic_gpu") + _adam_cases("mosaic_gpu")
 
 
 # Recipes on the 1.2 B tree.
@@ -579,7 +603,8 @@ def cases(target, *, full: bool = False, kinds: tuple[str, ...] = ("kernel", "st
   def selected(c):
     in_ci = not c.full_only and (c.ci_targets is None or t.name in c.ci_targets)
     return (t.implementation in c.implementations and (full or in_ci)
-            and c.devices in t.topologies and (baselines or not c.baseline))
+            and c.devices in t.topologies and (baselines or not c.baseline)
+            and (not c.sm90_only or t.compute_capability == (9, 0)))
   return [c for c in every if selected(c)]
 
 
@@ -656,9 +681,12 @@ def compare(fresh: dict[str, Any], base: dict[str, Any] | None) -> tuple[list[st
         fails.append(f"{kind} {k} grew: {b} -> {a}")
       elif a < b:
         notes.append(f"{kind} {k} shrank: {b} -> {a}")
+  # Spills are not compared case by case: XLA compiles a kernel once per
+  # process, so ptxas reports it for the first case that holds it. The tests
+  # fail on any spill of a fuseopt kernel in a default config instead.
   new_spills = sorted(set(fresh.get("spills", [])) - set(base.get("spills", [])))
   if new_spills:
-    fails.append(f"new ptxas spills: {new_spills}")
+    notes.append(f"ptxas spills not in the baseline: {new_spills}")
   for k in ("lower_s", "compile_s"):
     if fresh.get(k) is not None and base.get(k):
       notes.append(f"{k} {fresh[k]:.1f} (baseline {base[k]:.1f})")
@@ -720,7 +748,7 @@ def _line(case_id: str, fig: dict) -> str:
     return f"FAIL {case_id}: {fig['error'][:300]}"
   coll = ", ".join(f"{k} {v['count']}" for k, v in fig["collectives"].items())
   return (f"ok   {case_id}: temp {fig['temp_bytes']:,} B, {fig['kernels']} kernels"
-          f"{', ' + coll if coll else ''}{', SPILLS' if fig['spills'] else ''}; lower "
+          f"{', ' + coll if coll else ''}{', spills: ' + str(fig['spills']) if fig['spills'] else ''}; lower "
           f"{fig['lower_s']:.1f} s, compile {fig['compile_s']:.1f} s")
 
 
@@ -791,7 +819,7 @@ def markdown(root: Path | str = RESULTS_DIR) -> str:
                 else f"XLA + ptxas (nvcc {env.get('nvidia-cuda-nvcc-cu12', '?')})")
     out.append(f"**{doc['device_kind']}** (`{name}`; jax {env.get('jax', '?')}, {compiler}): "
                f"{len(kernels)} kernel configs compile, "
-               f"{sum(1 for k in kernels if cs[k].get('spills'))} spill")
+               f"{sum(1 for k in kernels if fuseopt_spills(cs[k].get('spills', [])))} spill")
     out.append("")
     out.append("| step (1.20 B Llama tree, fp32 params, donated) | fuseopt temp | optax temp "
                "| fuseopt kernels | fuseopt collectives | optax collectives "
@@ -854,8 +882,8 @@ def main(target: str, *, full: bool = False, update: bool = False, match: str | 
     for cid, fig in fresh.items():
       if "error" in fig:
         continue
-      if not full and fig["spills"]:
-        out(f"FAIL {cid}: ptxas spills in a default config: {fig['spills']}")
+      if not full and fuseopt_spills(fig["spills"]):
+        out(f"FAIL {cid}: ptxas spills in a default config: {fuseopt_spills(fig['spills'])}")
         bad += 1
       fails, notes = compare(fig, (doc or {}).get("cases", {}).get(cid))
       for n in notes:

@@ -31,8 +31,12 @@ def check(target: str, case_id: str) -> None:
     pytest.skip(why)
   case = {c.id: c for c in compiled.cases(target)}[case_id]
   figures = compiled.compile_case(target, case)   # raises CompileFailure with the message
-  # Default and heuristic configs must not spill (the full sweep may, documented).
-  assert not figures["spills"], f"{target}: {case_id}: ptxas spills registers: {figures['spills']}"
+  # fuseopt's kernels must not spill in default and heuristic configs (the
+  # full sweep may, documented); XLA's own fusions are reported only.
+  ours = compiled.fuseopt_spills(figures["spills"])
+  assert not ours, f"{target}: {case_id}: ptxas spills registers: {ours}"
+  if figures["spills"]:
+    print(f"{target}: {case_id}: XLA's fusions spill: {figures['spills']}")
   if UPDATE:
     compiled.write(target, {case_id: figures})
     return
