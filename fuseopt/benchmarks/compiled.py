@@ -639,6 +639,9 @@ def write(target, figures: dict[str, dict], root: Path | str = RESULTS_DIR, *,
   old = load(t, root) if merge else None
   cases_ = dict(old["cases"]) if old else {}
   cases_.update(figures)
+  # Cases that no longer exist (renamed or removed) leave the file.
+  known = {c.id for c in cases(t, full=True, baselines=True)}
+  cases_ = {k: v for k, v in cases_.items() if k in known}
   doc = {"schema": SCHEMA, "target": t.name, "device_kind": t.device_kind,
          "platform": t.platform, "implementation": t.implementation,
          "environment": environment(),
