@@ -13,8 +13,9 @@ at run time on a GPU). So each config runs here on the device, inside
 reference.
 
 Families (``implementation`` of the default device: ``triton`` on a GPU,
-``mosaic_tpu`` on a TPU; on an sm_90 GPU also ``stochastic_round_mosaic_gpu``
-and ``adam_mosaic_gpu``, the same work through the Mosaic GPU kernels); each starts with ``<family>/heuristic`` (what
+``mosaic_tpu`` on a TPU; on an sm_90 GPU also ``stochastic_round_mosaic_gpu``,
+``adam_mosaic_gpu`` and ``adam_group_mosaic_gpu``, the same work through the
+Mosaic GPU kernels); each starts with ``<family>/heuristic`` (what
 ``config=None`` picks), then every config of the search space, the last
 one first (the largest blocks, the likeliest to fail), ids
 ``<family>/<index in the search space>``:
@@ -290,6 +291,9 @@ def families(st: Settings) -> list[Family]:
     out.append(Family("adam_mosaic_gpu", "fuseopt.kernels.adam_mosaic_gpu.update_flat",
                       adam_mosaic_gpu.SEARCH_SPACE, adam_setup, adam_runner(False, "mosaic_gpu"),
                       adam_compare, adam_work))
+    out.append(Family("adam_group_mosaic_gpu", "fuseopt.kernels.adam_mosaic_gpu.update_group",
+                      adam_mosaic_gpu.GROUP_SEARCH_SPACE, adam_setup,
+                      adam_runner(True, "mosaic_gpu"), adam_compare, adam_work))
 
   # -- Newton–Schulz kernels ------------------------------------------------
   b, m, n = st.ns_shape

@@ -92,14 +92,15 @@ def mosaic_gpu_programs(main: int, block: int) -> int:
   return pl.cdiv(main, block)
 
 
-def mosaic_gpu_blocks(main: int, block: int, fn) -> None:
+def mosaic_gpu_blocks(main: int, block: int, fn, program=None) -> None:
   """Inside a Mosaic GPU kernel over :data:`MOSAIC_GPU_AXIS`: calls
   ``fn(start, size)`` for this program's block of the first ``main``
   elements (a multiple of 128), ``size`` static (``block``, or the shorter
   rest in the last program: Mosaic GPU has no masked loads, so no block
-  reads past ``main``)."""
+  reads past ``main``). ``program``: the block's index in the leaf (default:
+  the program's position in the grid)."""
   full, rest = divmod(main, block)
-  b = jax.lax.axis_index(MOSAIC_GPU_AXIS)
+  b = jax.lax.axis_index(MOSAIC_GPU_AXIS) if program is None else program
   if full:
     pl.when(b < full)(lambda: fn(b * block, block))
   if rest:

@@ -672,27 +672,47 @@ def _tree_run(impl, scalars, seeds, ps, gs, mus, nus, *, nesterov, interpret, co
   """Runs leaves that are local to this device (or shard): lists in, lists out."""
   n = len(gs)
   apply = ps is not None
-  grouped = impl == "triton" and group
+  if impl == "mosaic_gpu":
+    from fuseopt.kernels import adam_mosaic_gpu
+  grouped = group and (impl == "triton" or (
+      impl == "mosaic_gpu" and isinstance(config, adam_mosaic_gpu.GroupConfig)))
+  # (a Mosaic GPU block spans at least one warpgroup's 128 elements)
+  smallest = _elementwise.MOSAIC_GPU_LANES if impl == "mosaic_gpu" else 1
   outs = ([None] * n, [None] * n, [None] * n)
   groups = {}  # dtype signature -> leaf positions, in tree order
   for i in range(n):
     p, g, m, v = (ps[i] if apply else None), gs[i], mus[i], nus[i]
-    if grouped and g.size:
+    if grouped and g.size >= smallest:
       sig = (p.dtype if apply else None, g.dtype, m.dtype, v.dtype)
       groups.setdefault(sig, []).append(i)
       continue
-    # (grouped: only empty leaves get here; the group config is not theirs)
+    # (grouped: only empty (and, Mosaic GPU, tiny) leaves get here; the
+    # group config is not theirs)
     r = _run(impl, scalars[i], seeds[i], p, g, m, v, nesterov=nesterov,
              out_dtype=(p if apply else g).dtype, interpret=interpret,
              config=None if grouped else config, index_map=index_maps[i])
     for lst, x in zip(outs, r):
       lst[i] = x
   for members in groups.values():
+    # (Mosaic GPU groups only with a config: adam_mosaic_gpu.GROUP_SEARCH_SPACE)
     cfg = config or triton_group_heuristic([gs[i].size for i in members])
     step = cfg.max_leaves_per_launch
     for c in range(0, len(members), step):
       chunk = members[c:c + step]
       flat = lambda arrays: [arrays[i].reshape(-1) for i in chunk]
+      if impl == "mosaic_gpu":
+        # (the inputs guarded, as in _run)
+        args = _no_derivative(impl, lambda *a: a, jnp.stack([scalars[i] for i in chunk]),
+                              jnp.stack([seeds[i] for i in chunk]),
+                              flat(ps) if apply else None, flat(gs), flat(mus), flat(nus))
+        res = adam_mosaic_gpu.update_group(
+            *args, nesterov=nesterov, config=cfg,
+            interpret=_backend.interpret_arg(impl, interpret),
+            index_maps=[index_maps[i] for i in chunk])
+        for i, r in zip(chunk, res):
+          for lst, x in zip(outs, r):
+            lst[i] = x.reshape(gs[i].shape)
+        continue
       res = _no_derivative(impl, functools.partial(
           _adam_triton_group, nesterov=nesterov, config=cfg,
           interpret=_backend.interpret_arg(impl, interpret),
@@ -794,9 +814,12 @@ def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9,
   (``config``: a :class:`TritonGroupConfig`), each leaf read and written in
   place where it lies; per-leaf launches cost about 15% over one flat buffer
   on the 1.2 B tree (147 leaves, docs/measurements.md). The bits are those of
-  the per-leaf kernels. ``group=False`` (for measurement) and the other
-  implementations run one kernel per leaf (``config``: a
-  :class:`TritonConfig` / :class:`MosaicConfig` / :class:`MosaicGPUConfig`). Mosaic TPU stays per leaf
+  the per-leaf kernels. ``mosaic_gpu`` groups the same way, but only when
+  ``config`` is an :class:`~fuseopt.kernels.adam_mosaic_gpu.GroupConfig`
+  (lowering a grouped Mosaic GPU launch takes tens of seconds).
+  ``group=False`` (for measurement) and the other implementations run one
+  kernel per leaf (``config``: a :class:`TritonConfig` /
+  :class:`MosaicConfig` / :class:`MosaicGPUConfig`). Mosaic TPU stays per leaf
   (module docstring): its pipeline writes back the output blocks it holds,
   written or not, so another leaf's clamped, unwritten block would overwrite
   that leaf's memory.
@@ -830,6 +853,13 @@ def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9,
                                                                           TritonGroupConfig):
     raise TypeError(f"adam_update: config must be a TritonGroupConfig for grouped triton "
                     f"launches (or pass group=False), got {config!r}")
+  if impl == "mosaic_gpu" and config is not None:
+    from fuseopt.kernels import adam_mosaic_gpu
+    if not isinstance(config, (MosaicGPUConfig, adam_mosaic_gpu.GroupConfig)) or (
+        not group and isinstance(config, adam_mosaic_gpu.GroupConfig)):
+      raise TypeError(f"adam_update: config must be a MosaicGPUConfig (one launch per leaf) "
+                      f"or, with group=True, an adam_mosaic_gpu.GroupConfig for mosaic_gpu, "
+                      f"got {config!r}")
   ps = [jnp.asarray(p) for p in params] if apply else None
   mus, nus = [jnp.asarray(m) for m in mu], [jnp.asarray(v) for v in nu]
   scalars, seeds, base = [], [], None

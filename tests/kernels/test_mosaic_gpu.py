@@ -208,12 +208,44 @@ def test_adam_tree_runs_per_leaf_bitwise():
             for i, s in enumerate([(16, 64), (300,), (5,)])]
   ps, gs, mus, nus = (list(x) for x in zip(*leaves))
   got = adam_update_tree(ps, gs, mus, nus, count=2, learning_rate=1e-3, implementation=MGPU,
-                         interpret=True)
+                         interpret=True, group=False)
   for i in range(3):
     one = adam_update(ps[i], gs[i], mus[i], nus[i], count=2, learning_rate=1e-3, leaf_index=i,
                       implementation=MGPU, interpret=True)
     for a, b in zip((o[i] for o in got), one):
       harness.assert_bitwise_equal(a, b, f"leaf {i}")
+
+
+@pytest.mark.parametrize("config", [adam_mosaic_gpu.GroupConfig(128, 2),
+                                    adam_mosaic_gpu.GroupConfig(1024, 8)], ids=str)
+@pytest.mark.parametrize("direction", [False, True], ids=["params", "direction"])
+def test_adam_grouped_launch_is_the_per_leaf_kernels_bits(config, direction):
+  """Leaves of one dtype signature in one launch (a leaf under 128 elements
+  per leaf, in the reference), each with its own flat index: bitwise the
+  per-leaf kernels, for every leaf, with a ragged tail or not."""
+  shapes = [(16, 64), (300,), (5,), (3, 129), (2048,)]
+  leaves = [_inputs(jax.random.key(30 + i), s, F32, F32, BF16) for i, s in enumerate(shapes)]
+  ps, gs, mus, nus = (list(x) for x in zip(*leaves))
+  kw = dict(count=2, learning_rate=1e-3, weight_decay=0.1, implementation=MGPU, interpret=True)
+  ps = None if direction else ps
+  got = jax.jit(lambda *a: adam_update_tree(*a, config=config, **kw))(ps, gs, mus, nus)
+  want = jax.jit(lambda *a: adam_update_tree(*a, group=False, **kw))(ps, gs, mus, nus)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    harness.assert_bitwise_equal(a, b, "grouped")
+
+
+def test_adam_group_configs():
+  with pytest.raises(ValueError, match="max_leaves_per_launch"):
+    adam_mosaic_gpu.GroupConfig(1024, 0)
+  x = [jnp.ones((256,))]
+  for config, group in ((A.TritonGroupConfig(), True), (adam_mosaic_gpu.GroupConfig(), False)):
+    with pytest.raises(TypeError, match="GroupConfig"):
+      adam_update_tree(x, x, x, x, count=1, implementation=MGPU, interpret=True, config=config,
+                       group=group)
+  # a per-leaf config runs per leaf, grouped or not
+  adam_update_tree(x, x, x, x, count=1, implementation=MGPU, interpret=True,
+                   config=MosaicGPUConfig(256))
+  assert all(c.max_leaves_per_launch <= 8 for c in adam_mosaic_gpu.GROUP_SEARCH_SPACE)
 
 
 def _tree(seed, dtype):
@@ -366,11 +398,12 @@ def test_device_script_times_mosaic_gpu_beside_triton():
   st = cc.Settings("triton", False, dict(d=32, ff=64, layers=0, vocab=64), ((13, 7),), (1, 64, 128),
                    (2, 32, 64), 1, None, mosaic_gpu=True)
   fams = {f.name: f for f in cc.families(st)}
-  assert {"stochastic_round", "adam", "stochastic_round_mosaic_gpu", "adam_mosaic_gpu"} <= set(fams)
+  assert {"stochastic_round", "adam", "stochastic_round_mosaic_gpu", "adam_mosaic_gpu",
+          "adam_group_mosaic_gpu"} <= set(fams)
   assert "adam_mosaic_gpu" not in {f.name for f in cc.families(
       cc.Settings("triton", False, dict(d=32, ff=64, layers=0, vocab=64), ((13, 7),), (1, 64, 128),
                   (2, 32, 64), 1, None))}
-  for name in ("stochastic_round_mosaic_gpu", "adam_mosaic_gpu"):
+  for name in ("stochastic_round_mosaic_gpu", "adam_mosaic_gpu", "adam_group_mosaic_gpu"):
     fam = fams[name]
     call = fam.run(fam.setup(), fam.space[-1])
     structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), call.args)
