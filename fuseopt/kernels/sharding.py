@@ -327,7 +327,10 @@ def flatten_shardings(shardings, tree, *, owner: str, argument: str = "shardings
   applies to every leaf under it; ``None`` entries mean "unknown"). Leaves are
   matched by key path, so masked trees (``optax.MaskedNode`` where another
   transform owns a leaf, as inside ``optax.partition``) take the same tree.
-  ``strict``: also reject entries that match no leaf of ``tree``.
+  ``strict``: also reject entries that match no leaf of ``tree`` and no
+  leafless position of it (a ``MaskedNode``: a parameter another transform
+  owns; a ``None`` parameter), so a misspelt key raises instead of being
+  ignored.
 
   Raises:
     ValueError: naming the leaf that has no entry (or the entry with no leaf).
@@ -360,8 +363,28 @@ def flatten_shardings(shardings, tree, *, owner: str, argument: str = "shardings
                        f"{jax.tree_util.keystr(path)!r}; give it a tree shaped like the "
                        f"parameters (or a prefix of them)")
   if strict:
-    for path in by_path:
-      if path not in used:
-        raise ValueError(f"{owner}: {argument}{jax.tree_util.keystr(path)} matches no "
-                         f"parameter leaf")
+    unused = [path for path in by_path if path not in used]
+    if unused:
+      holes = [tuple(p) for p, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_hole)[0]
+               if _is_hole(x)]
+      for path in unused:
+        # A masked position may stand for a whole subtree, or lie under a
+        # prefix entry: either way the entry names a parameter of the model.
+        if not any(h[:len(path)] == path or path[:len(h)] == h for h in holes):
+          raise ValueError(f"{owner}: {argument}{jax.tree_util.keystr(path)} matches no "
+                           f"parameter leaf (a misspelt key?); the leaves here: "
+                           f"{_some_paths(leaves_with_paths)}")
   return out
+
+
+def _is_hole(x) -> bool:
+  """A position that holds no array and no subtree: ``optax.MaskedNode()``,
+  ``None``, an empty container (not a dict of MaskedNodes, which has keys)."""
+  treedef = jax.tree_util.tree_structure(x)
+  return treedef.num_leaves == 0 and treedef.num_nodes == 1
+
+
+def _some_paths(leaves_with_paths, k: int = 5) -> str:
+  paths = [jax.tree_util.keystr(p) for p, _ in leaves_with_paths[:k]]
+  more = len(leaves_with_paths) - k
+  return ", ".join(paths) + (f" (+{more} more)" if more > 0 else "")

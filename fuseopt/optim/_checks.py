@@ -11,8 +11,47 @@ see :mod:`fuseopt.optim.schedules`)."""
 from __future__ import annotations
 
 import math
+import operator
 
 from fuseopt.kernels._validate import concrete_float
+
+
+class StaticDefault:
+  """A default that :func:`optax.inject_hyperparams` leaves static.
+
+  inject_hyperparams binds the defaults along with the given arguments and
+  turns every int, float or array among them into a traced array of its
+  state, so under ``jit`` an ``int`` default that sizes a kernel (Muon's
+  ``ns_steps``) arrives as a tracer whose value nothing can read. This holder
+  is none of those types (nor a callable, which would be taken for a
+  schedule), so the value reaches the factory as it is; it prints, compares
+  and hashes as the value it holds, so signatures and docs still read
+  ``ns_steps=5``."""
+
+  __slots__ = ("value",)
+
+  def __init__(self, value):
+    self.value = value
+
+  def __repr__(self):
+    return repr(self.value)
+
+  def __eq__(self, other):
+    return self.value == static_value(other)
+
+  def __hash__(self):
+    return hash(self.value)
+
+  def __index__(self):
+    return operator.index(self.value)
+
+  def __int__(self):
+    return int(self.value)
+
+
+def static_value(value):
+  """``value``, or the value a :class:`StaticDefault` holds."""
+  return value.value if isinstance(value, StaticDefault) else value
 
 
 def _value(value):

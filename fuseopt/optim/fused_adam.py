@@ -192,7 +192,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
              if {g[i].dtype, mu[i].dtype, nu[i].dtype} <= set(KERNEL_DTYPES)}
     rest = [i for i in range(len(g)) if i not in fused]
     u, new_mu, new_nu = [None] * len(g), list(mu), list(nu)
-    leaf_shardings = kernel_sharding.flatten_shardings(shardings, state.mu, owner="scale_by_adam")
+    leaf_shardings = kernel_sharding.flatten_shardings(shardings, state.mu, owner="scale_by_adam",
+                                                       strict=True)
     if fused:
       # Other leaves stand in as empty arrays, so leaf i keeps rounding seed i.
       empty = jnp.zeros((0,), jnp.float32)
@@ -266,7 +267,8 @@ def _in_place(hp: AdamHyperparams, decay_at: Optional[int], lr_at: int):
         group=ctx.group, grad_scale=1.0 if ctx.grad_scale is None else ctx.grad_scale,
         apply=True if ctx.apply is None else ctx.apply,
         shardings=kernel_sharding.flatten_shardings(
-            hp.shardings if ctx.shardings is None else ctx.shardings, params, owner="step"))
+            hp.shardings if ctx.shardings is None else ctx.shardings, params,
+            owner=name if ctx.shardings is None else "step", strict=True))
     new_adam = optax.ScaleByAdamState(count=ctx.keep(count, adam_state.count),
                                       mu=treedef.unflatten(mu), nu=treedef.unflatten(nu))
     # The chain's other states (weight-decay and learning-rate schedules,
@@ -274,7 +276,8 @@ def _in_place(hp: AdamHyperparams, decay_at: Optional[int], lr_at: int):
     rest = tuple(ctx.keep(jax.tree.map(optax.safe_increment, s), s) for s in state[1:])
     return treedef.unflatten(new_p), (new_adam,) + rest
 
-  return fusion.InPlace("adamw" if decay_at is not None else "adam", apply=apply)
+  name = "adamw" if decay_at is not None else "adam"
+  return fusion.InPlace(name, apply=apply)
 
 
 def _fused(chain, hp: AdamHyperparams, decay_at=None, lr_at=1) -> FusedAdamTransformation:

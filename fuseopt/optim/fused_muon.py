@@ -74,6 +74,9 @@ _DION_COEFFS = (
 # optax.contrib.muon's preset names.
 _OPTAX_PRESETS = {"standard": JORDAN_COEFFS, "dion": _DION_COEFFS}
 _PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten")
+# The default of ns_steps (5, optax's): not an int, so that
+# optax.inject_hyperparams leaves it static (see _checks.StaticDefault).
+_NS_STEPS = _checks.StaticDefault(5)
 # Seed of Muon's stochastic roundings (momentum and, in the fused step,
 # bf16 parameters), apart from the Adam side's default seed 0: "Muon".
 MUON_SEED = 0x4D756F6E
@@ -355,7 +358,7 @@ def _replicated_ns(ns):
 
 def scale_by_muon(
     ns_coeffs=JORDAN_COEFFS,
-    ns_steps: int = 5,
+    ns_steps: int = _NS_STEPS,
     beta: float = 0.95,
     eps: float = 1e-8,
     mu_dtype: Optional[Any] = None,
@@ -435,7 +438,10 @@ def scale_by_muon(
   optax's other preconditionings, run optax's iteration (in the matrix's
   own dtype; the other preconditionings in ``ns_dtype``). Non-numeric
   defaults (``ns_dtype``, ``ns_max_elements``, ``implementation``) are not
-  injected by :func:`optax.inject_hyperparams`.
+  injected by :func:`optax.inject_hyperparams`, nor is the default of
+  ``ns_steps`` (5, held in a wrapper that is not an ``int``: the step count
+  sizes the kernel); a number passed for ``ns_steps`` is injected, and
+  refused under ``jit`` unless listed in ``static_args``.
     gram, implementation, interpret: forwarded to
       :func:`fuseopt.kernels.newton_schulz` (``gram="auto"``: Gram
       Newton-Schulz for matrices of aspect ratio >= 2).
@@ -455,8 +461,16 @@ def scale_by_muon(
   # ns_steps=2.5 would be truncated to 2 by int().
   _checks.check_decay("scale_by_muon", "beta", beta)
   _checks.check_nonnegative("scale_by_muon", "eps", eps)
-  steps_arr = np.asarray(ns_steps) if not isinstance(ns_steps, jax.core.Tracer) else None
-  if (isinstance(ns_steps, bool) or steps_arr is None or steps_arr.shape
+  ns_steps = _checks.static_value(ns_steps)
+  if isinstance(ns_steps, jax.core.Tracer):
+    # The step count sizes the kernel's unrolled iteration and its
+    # coefficient table, so it cannot follow a traced value.
+    raise TypeError(
+        f"scale_by_muon: ns_steps must be a static integer >= 1, got a traced value "
+        f"{ns_steps!r}: under optax.inject_hyperparams pass ns_steps only to change it, and "
+        f"then list it in static_args=('ns_steps',) (its default stays static by itself)")
+  steps_arr = np.asarray(ns_steps)
+  if (isinstance(ns_steps, bool) or steps_arr.shape
       or not np.issubdtype(steps_arr.dtype, np.integer) or int(steps_arr) < 1):
     raise ValueError(f"scale_by_muon: ns_steps must be an integer >= 1 (a static value), "
                      f"got {ns_steps!r}")
@@ -586,7 +600,7 @@ def scale_by_muon(
       return assemble(pieces, merge, ys, [y.shape[1:] for y in ys], a)
 
     leaf_shardings = kernel_sharding.flatten_shardings(
-        shardings if placement is None else placement, mu, owner="scale_by_muon")
+        shardings if placement is None else placement, mu, owner="scale_by_muon", strict=True)
     if finish is not None:
       new_p, mu_leaves = _sequenced(g_leaves, m_old, param_leaves, specs, paths, leaf_shardings,
                                     grad_fn, momentum, ns, finish_distributed, finish_grouped,
@@ -841,7 +855,7 @@ def _muon_branch(direction_tx, decay, learning_rate, weight_decay, weight_decay_
 def muon(
     learning_rate: optax.ScalarOrSchedule,
     ns_coeffs=JORDAN_COEFFS,
-    ns_steps: int = 5,
+    ns_steps: int = _NS_STEPS,
     beta: float = 0.95,
     eps: float = 1e-8,
     weight_decay: float = 0.0,

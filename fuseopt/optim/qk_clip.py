@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import types
 from collections.abc import Iterable, Mapping
@@ -14,6 +15,7 @@ import optax
 
 from fuseopt.optim import groups as groups_lib
 from fuseopt.optim import fusion
+from fuseopt.optim import fused_muon
 
 __all__ = [
     "QK_PROJECTIONS",
@@ -299,12 +301,21 @@ def scale_by_qk_clip(
     variable name and tuple index) are ignored. Without ``qk_stats`` or
     ``params`` the updates pass through unchanged.
   """
-  try:
-    tau_value = float(tau)
-  except (TypeError, jax.errors.ConcretizationTypeError):
-    raise TypeError(f"scale_by_qk_clip: tau must be a positive number, got {tau!r}") from None
-  if not tau_value > 0:
-    raise ValueError(f"scale_by_qk_clip: tau must be > 0, got {tau!r}")
+  if isinstance(tau, jax.core.Tracer):
+    # optax.inject_hyperparams traces it: the clip only compares and divides
+    # by it, so the traced scalar serves as it is (its range is the caller's).
+    dtype = jnp.result_type(tau)
+    if jnp.shape(tau) != () or not (jnp.issubdtype(dtype, jnp.floating)
+                                    or jnp.issubdtype(dtype, jnp.integer)):
+      raise TypeError(f"scale_by_qk_clip: tau must be a positive number, got {tau!r}")
+    tau_value = tau
+  else:
+    try:
+      tau_value = float(tau)
+    except (TypeError, ValueError):
+      raise TypeError(f"scale_by_qk_clip: tau must be a positive number, got {tau!r}") from None
+    if not tau_value > 0:
+      raise ValueError(f"scale_by_qk_clip: tau must be > 0, got {tau!r}")
   roles = _resolve_roles(projections)
   if mla is not None and not isinstance(mla, MLAHeadDims):
     raise TypeError(f"scale_by_qk_clip: mla must be an MLAHeadDims or None, got {mla!r}")
@@ -369,9 +380,24 @@ def muonclip(learning_rate, *, tau: float = 100.0,
   ``muon_kwargs`` go to :func:`fuseopt.optim.muon`, e.g.
   ``muon_weight_dimension_numbers=muon_weight_dimension_numbers(params,
   axes)``. The update takes ``params=`` and ``qk_stats=``, which
-  ``optax.chain`` forwards to the clip.
+  ``optax.chain`` forwards to the clip. The signature lists muon's
+  arguments one by one, so :func:`optax.inject_hyperparams` injects the same
+  hyperparameters as into ``muon`` (and ``tau``).
   """
   clip = scale_by_qk_clip(tau, projections, mla=mla)
-  # Imported here: fused_muon imports the kernels, the clip alone does not need them.
-  from fuseopt.optim.fused_muon import muon  # pylint: disable=g-import-not-at-top
-  return fusion.chain(muon(learning_rate, **muon_kwargs), clip)
+  return fusion.chain(fused_muon.muon(learning_rate, **muon_kwargs), clip)
+
+
+def _muonclip_signature(muon) -> inspect.Signature:
+  """``muonclip``'s own arguments, then muon's as keyword-only: without it
+  inject_hyperparams binds ``**muon_kwargs`` as one argument named
+  ``muon_kwargs`` and passes it back as such."""
+  own = inspect.signature(muonclip).parameters
+  theirs = inspect.signature(muon).parameters
+  params = [theirs["learning_rate"]] + [own[n] for n in ("tau", "projections", "mla")]
+  params += [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for n, p in theirs.items()
+             if n != "learning_rate"]
+  return inspect.signature(muonclip).replace(parameters=params)
+
+
+muonclip.__signature__ = _muonclip_signature(fused_muon.muon)

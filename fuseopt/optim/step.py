@@ -44,7 +44,8 @@ def step(tx: Any, grads: Any, state: Any, params: Any, *, group: bool = True,
 
   Any other transformation, or a composition with a piece that has no rule
   (``optax.chain(optax.clip_by_global_norm(1.0), fo.adamw(...))``: optax's
-  clip has none), falls back to ``tx.update(grads, state, params)`` +
+  clip has none, and neither has what :func:`optax.inject_hyperparams`
+  returns), falls back to ``tx.update(grads, state, params)`` +
   :func:`optax.apply_updates`, so ``step`` is safe to call on anything; the
   piece that forced the fallback is logged at debug level on the ``"fuseopt"``
   logger.
@@ -80,7 +81,14 @@ def step(tx: Any, grads: Any, state: Any, params: Any, *, group: bool = True,
   if shardings is not None:   # the whole tree: every entry must name a parameter
     kernel_sharding.flatten_shardings(shardings, params, owner="step", strict=True)
   rule = fusion.in_place_rule(tx)
-  reason = "it declares no in-place rule" if rule is None or rule.apply is None else None
+  reason = None
+  if rule is None or rule.apply is None:
+    reason = "it declares no in-place rule"
+    if isinstance(state, (optax.InjectStatefulHyperparamsState, optax.InjectHyperparamsState)):
+      # inject_hyperparams builds its inner transformation inside update(),
+      # from the state's hyperparameters: no rule is reachable from tx.
+      reason = ("optax.inject_hyperparams hides the inner transformation's in-place rule "
+                "(a fuseopt transform fuses with a schedule given as its learning_rate)")
   if reason is None:
     try:
       return rule.apply(grads, state, params,

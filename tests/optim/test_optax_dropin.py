@@ -131,6 +131,124 @@ def test_inject_hyperparams_injects_what_optax_injects(factory, optax_factory, k
       np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=1e-4)
 
 
+# ------------------------------------- optax.inject_hyperparams, optax's way --
+def _attn_tree():
+  k1, k2 = jax.random.split(jax.random.key(3))
+  return {"attn": {"q_proj": jax.random.normal(k1, (8, 8)), "k_proj": jax.random.normal(k2, (8, 8))},
+          "b": jnp.linspace(-1.0, 1.0, 4)}
+
+
+# qk_stats of the "attn" module (2 heads): head 0 is clipped at tau = 50.
+_QK = {"attn": jnp.array([300.0, 20.0])}
+_QK_LOW = {"attn": jnp.array([30.0, 20.0])}
+INJECTED = [
+    pytest.param(fo.adam, {}, {}, {}, id="adam"),
+    pytest.param(fo.adamw, {"weight_decay": 0.1}, {}, {}, id="adamw"),
+    pytest.param(fo.muon, {"weight_decay": 0.1}, {}, {}, id="muon"),
+    pytest.param(fo.muonclip, {"tau": 50.0}, {"qk_stats": _QK}, {"qk_stats": _QK_LOW}, id="muonclip"),
+]
+
+
+def _with_lr(state, lr):
+  hp = dict(state.hyperparams)
+  hp["learning_rate"] = jnp.asarray(lr, hp["learning_rate"].dtype)
+  return state._replace(hyperparams=hp)
+
+
+@pytest.mark.parametrize("factory, kwargs, extra, unclipped", INJECTED)
+def test_inject_hyperparams_under_jit_as_optax_does(factory, kwargs, extra, unclipped):
+  """optax's pattern with no static_args: ``jax.jit(tx.init)``, several
+  ``jax.jit(tx.update)`` steps, the learning rate changed by hand in
+  ``state.hyperparams`` between them. Each step is bitwise the plain
+  transform built from the same hyperparameter values, and the update
+  scales with the learning rate written into the state."""
+  params = _attn_tree()
+  tx = optax.inject_hyperparams(factory)(learning_rate=1e-2, **kwargs)
+  state = jax.jit(tx.init)(params)
+  # Muon's ns_steps (like every kernel-sizing argument) stays static.
+  assert "ns_steps" not in state.hyperparams
+  _assert_bitwise(state.inner_state, factory(1e-2, **kwargs).init(params))
+  update = jax.jit(tx.update)
+  plain_update = jax.jit(lambda hp, g, s, p, ex: factory(**hp).update(g, s, p, **ex))
+
+  for t, lr in enumerate([1e-2, 1e-2, 4e-2, 5e-3]):
+    g = jax.tree.map(lambda p: jnp.sin(p * (t + 1.5)) * 3, params)
+    state = _with_lr(state, lr)
+    u, new_state = update(g, state, params, **extra)
+    assert float(new_state.hyperparams["learning_rate"]) == np.float32(lr)
+    u_plain, inner_plain = plain_update(state.hyperparams, g, state.inner_state, params, extra)
+    _assert_bitwise(u, u_plain)
+    _assert_bitwise(new_state.inner_state, inner_plain)
+    # Twice the rate, twice the update (exactly: the rate is one fp32 factor);
+    # the clip is not linear in the update, so its heads stay below tau here.
+    u1, _ = update(g, state, params, **unclipped)
+    u2, _ = update(g, _with_lr(state, 2 * lr), params, **unclipped)
+    _assert_bitwise(u2, jax.tree.map(lambda x: 2 * x, u1))
+    if t == 0:
+      # The plain transform given the same fp32 values outside jit, as
+      # constants: XLA compiles the clip's arithmetic on a constant learning
+      # rate in another order (1 ulp), the rest is bitwise.
+      plain = factory(**state.hyperparams)
+      u_const, _ = jax.jit(plain.update)(g, plain.init(params), params, **extra)
+      _assert_bitwise(u, u_const, rtol=1e-6 if factory is fo.muonclip else 0.0)
+    params = optax.apply_updates(params, u)
+    state = new_state
+
+
+def test_inject_hyperparams_of_muonclip_injects_what_it_injects_into_muon():
+  params = _attn_tree()
+  muon_hp = jax.jit(optax.inject_hyperparams(fo.muon)(learning_rate=1e-2).init)(params).hyperparams
+  clip_hp = jax.jit(optax.inject_hyperparams(fo.muonclip)(learning_rate=1e-2).init)(params).hyperparams
+  assert set(clip_hp) == set(muon_hp) | {"tau"}
+
+
+def test_inject_hyperparams_ns_steps_given_is_concrete_eagerly_and_refused_traced():
+  """A number passed for ns_steps is injected (as optax injects it): eagerly
+  its value is read, under jit the error says to list it in static_args."""
+  params = _attn_tree()
+  g = jax.tree.map(jnp.cos, params)
+  tx = optax.inject_hyperparams(fo.muon)(learning_rate=1e-2, ns_steps=3)
+  state = tx.init(params)
+  assert int(state.hyperparams["ns_steps"]) == 3
+  u, _ = tx.update(g, state, params)
+  plain = fo.muon(**state.hyperparams)
+  _assert_bitwise(u, plain.update(g, plain.init(params), params)[0])
+  with pytest.raises(TypeError, match="ns_steps.*traced.*static_args"):
+    jax.jit(tx.update)(g, state, params)
+  static = optax.inject_hyperparams(fo.muon, static_args=("ns_steps",))(learning_rate=1e-2, ns_steps=3)
+  s = jax.jit(static.init)(params)
+  jax.jit(static.update)(g, s, params)
+
+
+def test_ns_steps_default_reads_as_five():
+  import inspect
+  for f in (fo.muon, fo.scale_by_muon, fo.muonclip):
+    default = inspect.signature(f).parameters["ns_steps"].default
+    assert default == 5 and repr(default) == "5" and int(default) == 5
+
+
+@pytest.mark.parametrize("factory, kwargs, extra, unclipped", INJECTED)
+def test_step_on_an_injected_transform_falls_back_and_says_why(factory, kwargs, extra, unclipped,
+                                                               caplog):
+  """inject_hyperparams builds the inner transformation inside update(), so
+  step cannot reach its in-place rule: it runs tx.update + apply_updates
+  (bitwise) and logs why."""
+  del unclipped
+  params = _attn_tree()
+  g = jax.tree.map(jnp.cos, params)
+  tx = optax.inject_hyperparams(factory)(learning_rate=1e-2, **kwargs)
+  state = jax.jit(tx.init)(params)
+  with caplog.at_level("DEBUG", logger="fuseopt"):
+    new_params, new_state = jax.jit(lambda g, s, p: fo.step(tx, g, s, p, **extra))(g, state, params)
+  assert "inject_hyperparams hides the inner transformation's in-place rule" in caplog.text
+  def fallback(g, s, p):
+    u, s = tx.update(g, s, p, **extra)
+    return optax.apply_updates(p, u), s
+  want_params, want_state = jax.jit(fallback)(g, state, params)
+  _assert_bitwise(new_params, want_params)
+  _assert_bitwise(new_state, want_state)
+
+
 def test_ns_max_elements_rejects_a_traced_value():
   with pytest.raises(TypeError, match="ns_max_elements.*static_args"):
     fo.scale_by_muon(ns_max_elements=jnp.asarray(4))

@@ -3,7 +3,8 @@
 Infinite clip norms, patterns that match nothing, NaN/Inf hyperparameters,
 the run-length rule of schedules, Muon's 2-D promise, the skip limit's one
 name, state dtypes kept across steps (lax.scan carries), ``step`` on a state
-of the wrong structure, array-valued hyperparameters.
+of the wrong structure, array-valued hyperparameters, a traced ``ns_steps``,
+``shardings`` entries that name no parameter.
 """
 
 import jax
@@ -13,6 +14,7 @@ import optax
 import pytest
 
 import fuseopt.optim as fo
+from fuseopt.optim import fusion
 from fuseopt.optim import safeguards
 from fuseopt.optim import schedules as S
 from fuseopt.optim.builder import build_optimizer
@@ -128,6 +130,81 @@ def test_inject_hyperparams_with_traced_values_still_works():
   state = tx.init(params)
   u, state = jax.jit(tx.update)(_grads(), state, params)
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(u))
+
+
+def test_traced_ns_steps_is_refused_naming_static_args():
+  with pytest.raises(TypeError, match=r"ns_steps must be a static integer.*static_args=\('ns_steps',\)"):
+    jax.jit(lambda n: scale_by_muon(ns_steps=n))(jnp.asarray(5))
+
+
+# ---------------------------------------- shardings entries that name nothing --
+def _w_b():
+  return {"w": jnp.ones((4, 4)), "b": jnp.ones((4,))}
+
+
+def _run_step(tx, how, params=None, **kw):
+  params = _w_b() if params is None else params
+  g = jax.tree.map(lambda p: p * 0.1, params)
+  state = tx.init(params)
+  if how == "step":
+    return fo.step(tx, g, state, params, **kw)
+  return tx.update(g, state, params)
+
+
+P = jax.sharding.PartitionSpec
+TYPO = {"w": P(), "b": P(), "zzz": P()}
+
+
+@pytest.mark.parametrize("how", ["step", "update"])
+@pytest.mark.parametrize("make,owner", [
+    (lambda sh: fo.adamw(1e-2, shardings=sh), "(adamw|scale_by_adam)"),
+    (lambda sh: fo.adam(1e-2, shardings=sh), "(adam|scale_by_adam)"),
+    (lambda sh: fo.muon(1e-2, shardings=sh), "scale_by_muon"),
+    (lambda sh: fo.scale_by_muon(shardings=sh, weight_dimension_numbers={"w": MDN(), "b": None}),
+     "scale_by_muon"),
+])
+def test_a_shardings_entry_naming_no_parameter_raises(make, owner, how):
+  """A misspelt key used to be ignored (its leaf then ran without a placement)."""
+  with pytest.raises(ValueError, match=owner + r": shardings\['zzz'\] matches no parameter leaf"):
+    _run_step(make(TYPO), how)
+  _run_step(make({"w": P(), "b": P()}), how)   # the same without the typo runs
+
+
+def test_step_shardings_entry_naming_no_parameter_raises():
+  with pytest.raises(ValueError, match=r"step: shardings\['zzz'\] matches no parameter leaf"):
+    _run_step(fo.adamw(1e-2), "step", shardings=TYPO)
+
+
+@pytest.mark.parametrize("how", ["step", "update"])
+def test_a_shardings_entry_for_a_leaf_another_transform_owns_is_accepted(how):
+  """Inside optax.partition (and muon's split) a transform sees a
+  MaskedNode where another owns the leaf: an entry for that leaf names a
+  parameter. A misspelt one still raises; the accepted entries change
+  nothing."""
+  labels = {"w": "frozen", "b": "adam"}
+  def make(sh):
+    return fusion.partition({"adam": fo.adamw(1e-2, shardings=sh), "frozen": optax.set_to_zero()},
+                               labels) if how == "step" else optax.partition(
+        {"adam": fo.adamw(1e-2, shardings=sh), "frozen": optax.set_to_zero()}, labels)
+  got = _run_step(make({"w": P(), "b": P()}), how)
+  want = _run_step(make(None), how)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got, want)
+  with pytest.raises(ValueError, match=r"shardings\['zzz'\] matches no parameter leaf"):
+    _run_step(make(TYPO), how)
+  # muon: the AdamW side sees the matrix 'w' masked, the Muon side 'b'.
+  _run_step(fo.muon(1e-2, shardings={"w": P(), "b": P()}), how)
+
+
+def test_a_shardings_entry_under_a_masked_subtree_is_accepted():
+  """optax.masked with a prefix mask puts one MaskedNode where a whole
+  subtree was: entries below it name parameters of the model."""
+  params = {"enc": {"w": jnp.ones((4, 4)), "b": jnp.ones(4)}, "head": jnp.ones((4, 2))}
+  sh = {"enc": {"w": P(), "b": P()}, "head": P()}
+  tx = optax.masked(fo.adamw(1e-2, shardings=sh), {"enc": False, "head": True})
+  _run_step(tx, "update", params)
+  with pytest.raises(ValueError, match=r"shardings\['hed'\] matches no parameter leaf"):
+    _run_step(optax.masked(fo.adamw(1e-2, shardings={"enc": P(), "head": P(), "hed": P()}),
+                           {"enc": False, "head": True}), "update", params)
 
 
 # ------------------------------------------------------- the schedules' rule --
