@@ -59,6 +59,7 @@ import jax
 import jax.numpy as jnp
 
 from fuseopt import targets as targets_lib
+from fuseopt.benchmarks import core
 
 SCHEMA = "fuseopt-compiled/1"
 RESULTS_DIR = Path("bench/results/compiled")
@@ -71,8 +72,6 @@ _COLLECTIVE = re.compile(
     r"^\s*(?:ROOT )?\S+ = (.+?) (all-to-all|all-gather|all-reduce|reduce-scatter|"
     r"collective-permute|collective-broadcast|ragged-all-to-all)(-start)?\(", re.M)
 _ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|c64|c128)\[([\d,]*)\]")
-_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
-             "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
 # ptxas -v: "Compiling entry function 'k' ...", "Function properties for k",
 # then "S bytes stack frame, N bytes spill stores, M bytes spill loads".
 _PTXAS = re.compile(r"Compiling entry function '([^']+)'|Function properties for (\S+)|"
@@ -118,7 +117,7 @@ def collectives(hlo: str) -> dict[str, dict[str, int]]:
       arrays = arrays[len(arrays) // 2:]
     for dtype, dims in arrays:
       n = math.prod(int(d) for d in dims.split(",") if d)
-      nbytes += n * _ITEMSIZE.get(dtype, 4)
+      nbytes += n * core.HLO_ITEMSIZE.get(dtype, 4)
     rec = out.setdefault(kind, {"count": 0, "bytes": 0})
     rec["count"] += 1
     rec["bytes"] += nbytes

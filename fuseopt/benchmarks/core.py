@@ -131,7 +131,8 @@ _COLLECTIVE = re.compile(
     r"^\s*(?:ROOT )?\S+ = (\([^)]*\)|\S+) (all-to-all|all-gather|all-reduce|reduce-scatter|"
     r"collective-permute)(?:-start)?\(", re.M)
 _ARRAY = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
-_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
+# Bytes per element of each HLO element type.
+HLO_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
              "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
 
 
@@ -146,7 +147,7 @@ def collective_stats(hlo: str) -> dict[str, int]:
       n = 1
       for d in filter(None, dims.split(",")):
         n *= int(d)
-      nbytes += n * _ITEMSIZE.get(dtype, 4)
+      nbytes += n * HLO_ITEMSIZE.get(dtype, 4)
   return {"collectives": count, "collective_bytes": nbytes}
 
 
