@@ -73,8 +73,14 @@ _COLLECTIVE = re.compile(
     r"collective-permute|collective-broadcast|ragged-all-to-all)(-start)?\(", re.M)
 _ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|c64|c128)\[([\d,]*)\]")
 # ptxas -v: "Compiling entry function 'k' ...", "Function properties for k",
-# then "S bytes stack frame, N bytes spill stores, M bytes spill loads".
-_PTXAS = re.compile(r"Compiling entry function '([^']+)'|Function properties for (\S+)|"
+# then "S bytes stack frame, N bytes spill stores, M bytes spill loads"; and
+# --warn-on-spills: "Registers are spilled to local memory in function 'k',
+# N bytes spill stores, M bytes spill loads", which names its kernel itself.
+# XLA runs ptxas on several threads, so such a warning can land inside
+# another kernel's report: it must not be attributed to the kernel before it.
+_PTXAS = re.compile(r"spilled to local memory in function '([^']+)', "
+                    r"(\d+) bytes spill stores, (\d+) bytes spill loads|"
+                    r"Compiling entry function '([^']+)'|Function properties for (\S+)|"
                     r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 KERNEL_PREFIX = "fuseopt_"   # every fuseopt Pallas kernel is named fuseopt_<op>
 
@@ -86,10 +92,15 @@ def spills(log_lines) -> list[str]:
   fusions."""
   out, entry = set(), "?"
   for m in _PTXAS.finditer("\n".join(log_lines)):
-    if m.group(1) or m.group(2):
-      entry = (m.group(1) or m.group(2)).strip("'\"")
-    elif int(m.group(3)) or int(m.group(4)):
-      out.add(f"{entry}: {m.group(3)} B spill stores, {m.group(4)} B spill loads")
+    if m.group(1):
+      name, stores, loads = m.group(1), m.group(2), m.group(3)
+    elif m.group(4) or m.group(5):
+      entry = (m.group(4) or m.group(5)).strip("'\"")
+      continue
+    else:
+      name, stores, loads = entry, m.group(6), m.group(7)
+    if int(stores) or int(loads):
+      out.add(f"{name}: {stores} B spill stores, {loads} B spill loads")
   return sorted(out)
 
 

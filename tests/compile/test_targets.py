@@ -107,6 +107,23 @@ def test_ptxas_spills_are_parsed_per_kernel():
   assert compiled.fuseopt_spills(got) == ["fuseopt_adam_update: 8 B spill stores, 8 B spill loads"]
 
 
+def test_a_spill_warning_inside_another_kernels_report_names_its_own_kernel():
+  # ptxas runs on several threads: a --warn-on-spills line for one kernel can
+  # land between another kernel's "Compiling entry function" and its figures
+  # (seen in CI: an XLA fusion's spill was charged to fuseopt_ns_sym).
+  log = ["ptxas info    : Compiling entry function 'fuseopt_ns_sym__2' for 'sm_90a'",
+         "I1201 subprocess_compilation.cc:349] ptxas warning : Registers are spilled to local "
+         "memory in function 'loop_add_fusion_54', 136 bytes spill stores, 136 bytes spill loads",
+         "ptxas info    : Function properties for fuseopt_ns_sym__2",
+         "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads",
+         "ptxas info    : Compiling entry function 'loop_add_fusion_54' for 'sm_90a'",
+         "ptxas info    : Function properties for loop_add_fusion_54",
+         "    136 bytes stack frame, 136 bytes spill stores, 136 bytes spill loads"]
+  got = compiled.spills(log)
+  assert got == ["loop_add_fusion_54: 136 B spill stores, 136 B spill loads"]
+  assert compiled.fuseopt_spills(got) == []
+
+
 def test_every_case_id_is_unique_and_names_its_target_backend():
   for name, t in targets.TARGETS.items():
     ids = [c.id for c in compiled.cases(name, full=True)]
