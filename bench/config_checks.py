@@ -101,7 +101,7 @@ def settings_for(platform: str, args) -> Settings:
   if impl is None:
     raise SystemExit(f"config_checks: no GPU or TPU (platform {platform!r}); use --dry-run")
   from fuseopt.benchmarks import workloads
-  from fuseopt.kernels.ns import fused
+  from fuseopt.kernels.newton_schulz import fused
   fm = 128 if impl == "triton" else 512
   while not fused.fits(impl, fm, fm):
     fm //= 2
@@ -113,9 +113,9 @@ def settings_for(platform: str, args) -> Settings:
 def _sm90() -> bool:
   """Whether the default GPU can compile Mosaic GPU kernels (fuseopt refuses
   the others before lowering)."""
-  from fuseopt.kernels import _backend
+  from fuseopt.kernels import dispatch
   try:
-    _backend.check_mosaic_gpu_target("config_checks", False)
+    dispatch.check_mosaic_gpu_target("config_checks", False)
   except ValueError:
     return False
   return True
@@ -207,13 +207,15 @@ def _normal_tree(st: Settings, seed, dtype=None, scale=0.02):
 def families(st: Settings) -> list[Family]:
   import jax
   import jax.numpy as jnp
-  from fuseopt.kernels import _backend, adam, stochastic_round
-  from fuseopt.kernels.ns import fused, gram, update
-  from fuseopt.kernels.ns import newton_schulz as ns
+  from fuseopt.kernels import adam, dispatch, stochastic_round
+  from fuseopt.kernels.newton_schulz import api as ns
+  from fuseopt.kernels.newton_schulz import fused
+  from fuseopt.kernels.newton_schulz import gemm as update
+  from fuseopt.kernels.newton_schulz import sym as gram
 
   impl = st.implementation
   mosaic = impl == "mosaic_tpu"
-  interp_pallas = _backend.interpret_arg(impl, st.interpret)
+  interp_pallas = dispatch.interpret_arg(impl, st.interpret)
   out: list[Family] = []
 
   # -- elementwise: one jit over every leaf of the tree ---------------------
@@ -283,15 +285,16 @@ def families(st: Settings) -> list[Family]:
   if st.mosaic_gpu:
     # The same trees through the Mosaic GPU kernels: Triton stays the GPU
     # default until these two families have been timed beside the two above.
-    from fuseopt.kernels import adam_mosaic_gpu, stochastic_round_mosaic_gpu
+    from fuseopt.kernels.adam import mosaic_gpu as adam_mosaic_gpu
+    from fuseopt.kernels.stochastic_round import mosaic_gpu as stochastic_round_mosaic_gpu
     out.append(Family("stochastic_round_mosaic_gpu",
-                      "fuseopt.kernels.stochastic_round_mosaic_gpu.round_flat",
+                      "fuseopt.kernels.stochastic_round.mosaic_gpu.round_flat",
                       stochastic_round_mosaic_gpu.SEARCH_SPACE, sr_setup, sr_runner("mosaic_gpu"),
                       sr_compare, {"bytes": 6 * n_ew}))
-    out.append(Family("adam_mosaic_gpu", "fuseopt.kernels.adam_mosaic_gpu.update_flat",
+    out.append(Family("adam_mosaic_gpu", "fuseopt.kernels.adam.mosaic_gpu.update_flat",
                       adam_mosaic_gpu.SEARCH_SPACE, adam_setup, adam_runner(False, "mosaic_gpu"),
                       adam_compare, adam_work))
-    out.append(Family("adam_group_mosaic_gpu", "fuseopt.kernels.adam_mosaic_gpu.update_group",
+    out.append(Family("adam_group_mosaic_gpu", "fuseopt.kernels.adam.mosaic_gpu.update_group",
                       adam_mosaic_gpu.GROUP_SEARCH_SPACE, adam_setup,
                       adam_runner(True, "mosaic_gpu"), adam_compare, adam_work))
 
@@ -329,7 +332,7 @@ def families(st: Settings) -> list[Family]:
        lambda s: (s["b"], s["x"]), 2 * b * m * m * n)):
     mod = update if name == "update" else gram
     run, compare = ns_family(fn, args_of, name)
-    out.append(Family(f"ns_{name}", f"{mod.__name__}.{'matmul' if name == 'update' else 'sym'}"
+    out.append(Family(f"ns_{name}", f"{mod.__name__}.{'gemm' if name == 'update' else 'sym'}"
                       + ("(alpha, beta: the polynomial)" if name == "poly" else ""),
                       space(mod), ns_setup, run, compare, {"flops": flops}))
 
@@ -343,7 +346,7 @@ def families(st: Settings) -> list[Family]:
 
   run, compare = ns_family(lambda x, cfg: fused.newton_schulz_fused(x, table, config=cfg, **kw),
                            lambda s: (s["x"],), None)
-  out.append(Family("ns_fused", "fuseopt.kernels.ns.fused.newton_schulz_fused", space(fused),
+  out.append(Family("ns_fused", "fuseopt.kernels.newton_schulz.fused.newton_schulz_fused", space(fused),
                     fused_setup, run, compare,
                     {"flops": fb * len(table) * (4 * fm * fm * fn_ + 2 * fm ** 3)}))
   return out

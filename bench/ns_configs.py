@@ -25,10 +25,11 @@ import jax
 import jax.numpy as jnp
 
 from fuseopt.benchmarks import core
-from fuseopt.kernels import _backend
-from fuseopt.kernels.ns import fused, gram, update
-
-from fuseopt.kernels.ns import newton_schulz as ns  # noqa: E402
+from fuseopt.kernels import dispatch
+from fuseopt.kernels.newton_schulz import api as ns
+from fuseopt.kernels.newton_schulz import fused
+from fuseopt.kernels.newton_schulz import gemm as update
+from fuseopt.kernels.newton_schulz import sym as gram
 
 
 def _rel(a, b):
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
     interp, (b, m, n), iters = False, (args.batch, args.m, args.n), args.iters
     key = "TRITON_SEARCH_SPACE" if impl == "triton" else "MOSAIC_SEARCH_SPACE"
     spaces = {k: getattr(mod, key) for k, mod in (("sym", gram), ("update", update), ("fused", fused))}
-  interp = _backend.interpret_arg(impl, interp)
+  interp = dispatch.interpret_arg(impl, interp)
 
   k1, k2 = jax.random.split(jax.random.key(0))
   x = (jax.random.normal(k1, (b, m, n), jnp.float32) / (m * n) ** 0.5).astype(jnp.bfloat16)

@@ -31,7 +31,7 @@ def test_fuseopt_muon_step_lowers(platform):
   from tests.kernels import harness
   impl = "triton" if platform == "gpu" else "mosaic_tpu"
   target = harness.targets_for(impl)[0]
-  from fuseopt.optim import fused_muon as fmuon
+  from fuseopt.optim import muon_transforms as fmuon
   tx = fmuon.muon(learning_rate=0.02, coeffs="jordan", implementation=impl,
                   muon_weight_dimension_numbers=muon_cases.muon_dims)
   struct = workloads.llama_tree_cpu(jnp.float32, abstract=True)

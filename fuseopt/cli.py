@@ -89,7 +89,7 @@ def _demo_optimizers():
       "optax.adamw (fp32 moments)": lambda: optax.adamw(3e-3, weight_decay=1e-4),
       "optax.adamw (mu_dtype=bf16)": lambda: optax.adamw(3e-3, weight_decay=1e-4, mu_dtype=jnp.bfloat16),
       "fuseopt.optim.adamw (bf16 moments)": lambda: fo.adamw(3e-3, weight_decay=1e-4),
-      "fuseopt.optim.fused_muon": lambda: fo.muon(0.02),
+      "fuseopt.optim.muon": lambda: fo.muon(0.02),
   }
 
 

@@ -34,5 +34,5 @@ def test_import_fuseopt_is_cheap_and_submodules_import_alone():
   # The bare package loads neither jax nor optax; each leaf module imports
   # first on its own (an import cycle would fail one of these orders).
   assert _run("import sys, fuseopt; print('jax' in sys.modules, 'optax' in sys.modules)") == "False False"
-  _run("import fuseopt.optim.builder, fuseopt.optim; import fuseopt.kernels.ns.gram")
+  _run("import fuseopt.optim.builder, fuseopt.optim; import fuseopt.kernels.newton_schulz.sym")
   _run("import fuseopt.kernels.adam; import fuseopt.optim.step; import fuseopt.nnx")

@@ -117,29 +117,38 @@ TOLERANCES: dict[str, Tolerance] = {
 }
 
 
-def h200_kernels(fn, args) -> int:
-  """Pallas-Triton kernel calls of ``fn(*args)`` lowered for an H200 (see
-  :data:`CROSS_TARGET`)."""
-  import re
-
+def h200_lowering_text(fn, args) -> str:
+  """StableHLO of ``fn(*args)`` lowered for an H200 (:data:`CROSS_TARGET`):
+  traced under an abstract mesh of that device with
+  ``FUSEOPT_IMPLEMENTATION`` set to its backend, so ops left to choose pick
+  its kernels (and variants that name ``"xla"`` stay XLA). Arrays in ``args``
+  are replaced by their shapes; nothing is compiled."""
   from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+
+  from fuseopt.kernels import dispatch
   t = CROSS_TARGET
   mesh = AbstractMesh((), (), abstract_device=AbstractDevice(
       device_kind=t["device_kind"], num_cores=t["num_cores"], platform=t["platform"]))
   structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if isinstance(a, jax.Array) else a,
                          args)
   fn = fn if hasattr(fn, "trace") else jax.jit(fn)
-  old = os.environ.get("FUSEOPT_IMPLEMENTATION")
-  os.environ["FUSEOPT_IMPLEMENTATION"] = t["implementation"]
+  old = os.environ.get(dispatch.ENV_VAR)
+  os.environ[dispatch.ENV_VAR] = t["implementation"]
   try:
     with use_abstract_mesh(mesh):
-      text = fn.trace(*structs).lower(lowering_platforms=(t["lowering_platform"],)).as_text()
+      return fn.trace(*structs).lower(lowering_platforms=(t["lowering_platform"],)).as_text()
   finally:
     if old is None:
-      del os.environ["FUSEOPT_IMPLEMENTATION"]
+      del os.environ[dispatch.ENV_VAR]
     else:
-      os.environ["FUSEOPT_IMPLEMENTATION"] = old
-  return len(re.findall(_TRITON_CALL, text))
+      os.environ[dispatch.ENV_VAR] = old
+
+
+def h200_kernels(fn, args) -> int:
+  """Pallas-Triton kernel calls of ``fn(*args)`` lowered for an H200 (see
+  :data:`CROSS_TARGET`)."""
+  import re
+  return len(re.findall(_TRITON_CALL, h200_lowering_text(fn, args)))
 
 
 def repo_root() -> Path:
@@ -410,4 +419,4 @@ def main(update: bool = False, *, baseline_path=None, ops=None, rows=None, timin
 
 
 __all__ = ["collect", "compare", "compare_wallclock", "make_baseline", "load_baseline", "write_baseline",
-           "wallclock", "main", "h200_kernels", "TOLERANCES", "FIGURES"]
+           "wallclock", "main", "h200_kernels", "h200_lowering_text", "TOLERANCES", "FIGURES"]

@@ -2,9 +2,17 @@
 GPU, Mosaic for TPU; Mosaic GPU, sm_90 only, for the elementwise ops) behind
 one public function taking ``implementation=`` and ``interpret=``.
 
-Each op's block-size config types are exported with the op's name in front
-(the modules themselves call them ``TritonConfig`` / ``MosaicConfig``), so
-``config=`` can be built from this namespace alone. See docs/kernels.md.
+One folder per op (:mod:`.stochastic_round`, :mod:`.adam`,
+:mod:`.newton_schulz`), one module per backend in it; one dispatch for all
+(:mod:`.dispatch`). Each op's block-size config types are exported here with
+the op's name in front and the backend's name behind (``AdamTritonGroupConfig``,
+``ElementwiseMosaicTPUConfig``), so ``config=`` can be built from this
+namespace alone; the names they had before (``ElementwiseMosaicConfig``,
+``GramTritonConfig``, ``UpdateMosaicConfig``...) stay as aliases of the same
+classes. See docs/kernels.md, "Anatomy of an op".
+
+``fuseopt.kernels.newton_schulz`` is the function; its package's modules are
+imported by their full names (``from fuseopt.kernels.newton_schulz import sym``).
 """
 
 from __future__ import annotations
@@ -18,43 +26,57 @@ from fuseopt.kernels.stochastic_round import stochastic_round_bf16
 from fuseopt.kernels.stochastic_round import stochastic_round_reference
 
 # Elementwise kernels' configs (stochastic rounding and the Adam update).
-from fuseopt.kernels._elementwise import MosaicConfig as ElementwiseMosaicConfig
-from fuseopt.kernels._elementwise import MosaicGPUConfig as ElementwiseMosaicGPUConfig
-from fuseopt.kernels._elementwise import TritonConfig as ElementwiseTritonConfig
+from fuseopt.kernels.elementwise_tiling import MosaicGPUConfig as ElementwiseMosaicGPUConfig
+from fuseopt.kernels.elementwise_tiling import MosaicTPUConfig as ElementwiseMosaicTPUConfig
+from fuseopt.kernels.elementwise_tiling import TritonConfig as ElementwiseTritonConfig
 
 # The Adam update on bf16 moments.
 from fuseopt.kernels.adam import adam_update
 from fuseopt.kernels.adam import adam_update_reference
 from fuseopt.kernels.adam import adam_update_tree
-from fuseopt.kernels.adam import TritonGroupConfig as AdamTritonGroupConfig
+from fuseopt.kernels.adam.mosaic_gpu import MosaicGPUGroupConfig as AdamMosaicGPUGroupConfig
+from fuseopt.kernels.adam.triton import TritonGroupConfig as AdamTritonGroupConfig
 
 # Running the kernels shard-local on a mesh (docs/scaling.md).
 from fuseopt.kernels import sharding
-from fuseopt.kernels.ns.distributed import orthogonalize_sharded
+from fuseopt.kernels.newton_schulz.distributed import orthogonalize_sharded
 
-# Newton-Schulz.
-from fuseopt.kernels.ns.newton_schulz import coefficient_table
-from fuseopt.kernels.ns.newton_schulz import JORDAN
-from fuseopt.kernels.ns.newton_schulz import newton_schulz
-from fuseopt.kernels.ns.newton_schulz import newton_schulz_reference
-from fuseopt.kernels.ns.newton_schulz import ns_flops
-from fuseopt.kernels.ns.newton_schulz import POLAR_EXPRESS
-from fuseopt.kernels.ns.newton_schulz import singular_value_band
-from fuseopt.kernels.ns.newton_schulz import TiledConfig
-from fuseopt.kernels.ns.fused import MosaicConfig as FusedMosaicConfig
-from fuseopt.kernels.ns.fused import TritonConfig as FusedTritonConfig
-from fuseopt.kernels.ns.gram import MosaicConfig as GramMosaicConfig
-from fuseopt.kernels.ns.gram import TritonConfig as GramTritonConfig
-from fuseopt.kernels.ns.update import MosaicConfig as UpdateMosaicConfig
-from fuseopt.kernels.ns.update import TritonConfig as UpdateTritonConfig
+# Newton-Schulz and its pieces' configs.
+from fuseopt.kernels.newton_schulz import coefficient_table
+from fuseopt.kernels.newton_schulz import JORDAN
+from fuseopt.kernels.newton_schulz import newton_schulz
+from fuseopt.kernels.newton_schulz import newton_schulz_reference
+from fuseopt.kernels.newton_schulz import ns_flops
+from fuseopt.kernels.newton_schulz import POLAR_EXPRESS
+from fuseopt.kernels.newton_schulz import singular_value_band
+from fuseopt.kernels.newton_schulz import TiledConfig
+from fuseopt.kernels.newton_schulz.fused import MosaicTPUConfig as FusedMosaicTPUConfig
+from fuseopt.kernels.newton_schulz.fused import TritonConfig as FusedTritonConfig
+from fuseopt.kernels.newton_schulz.gemm import MosaicTPUConfig as GemmMosaicTPUConfig
+from fuseopt.kernels.newton_schulz.gemm import TritonConfig as GemmTritonConfig
+from fuseopt.kernels.newton_schulz.sym import MosaicTPUConfig as SymMosaicTPUConfig
+from fuseopt.kernels.newton_schulz.sym import TritonConfig as SymTritonConfig
+
+# The names the configs had before (aliases of the same classes).
+ElementwiseMosaicConfig = ElementwiseMosaicTPUConfig
+FusedMosaicConfig = FusedMosaicTPUConfig
+GramMosaicConfig = SymMosaicTPUConfig
+GramTritonConfig = SymTritonConfig
+UpdateMosaicConfig = GemmMosaicTPUConfig
+UpdateTritonConfig = GemmTritonConfig
 
 __all__ = (
+    "AdamMosaicGPUGroupConfig",
     "AdamTritonGroupConfig",
     "ElementwiseMosaicConfig",
     "ElementwiseMosaicGPUConfig",
+    "ElementwiseMosaicTPUConfig",
     "ElementwiseTritonConfig",
     "FusedMosaicConfig",
+    "FusedMosaicTPUConfig",
     "FusedTritonConfig",
+    "GemmMosaicTPUConfig",
+    "GemmTritonConfig",
     "GramMosaicConfig",
     "GramTritonConfig",
     "JORDAN",
@@ -63,6 +85,8 @@ __all__ = (
     "STREAM_MU",
     "STREAM_NU",
     "STREAM_PARAM",
+    "SymMosaicTPUConfig",
+    "SymTritonConfig",
     "TiledConfig",
     "sharding",
     "UpdateMosaicConfig",

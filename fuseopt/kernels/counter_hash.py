@@ -130,20 +130,15 @@ def bf16_from_bits(half: jax.Array) -> jax.Array:
 
 
 def stochastic_round_values(x: jax.Array, index: jax.Array, seed: jax.Array) -> jax.Array:
-  """fp32 ``x`` → bf16, rounded with the hash of (``index``, ``seed``)."""
+  """fp32 ``x`` → bf16, rounded with the hash of (``index``, ``seed``).
+
+  Every backend's kernel calls this. All the arithmetic is on 32-bit lanes;
+  the rounded half-word is narrowed by an integer truncation (uint32 ->
+  uint16) and a same-width bitcast, never by a float conversion: widening the
+  pattern to fp32 and converting it to bf16 is exact for numbers, but a float
+  conversion may canonicalise a NaN (jax 0.11.2's TPU interpreter turns the
+  pattern 0xFFFFFFFF into 0xFFC0 where the other backends keep 0xFFFF), and
+  NaN bits must agree on every backend too.
+  """
   bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
   return bf16_from_bits(round_fp32_bits_to_bf16(bits, hash_bits(index, seed)))
-
-
-def stochastic_round_values_32bit(x: jax.Array, index: jax.Array, seed: jax.Array) -> jax.Array:
-  """The bits of :func:`stochastic_round_values`, for the Mosaic kernels.
-
-  All the arithmetic is on 32-bit lanes; the rounded half-word is narrowed
-  by an integer truncation (uint32 -> uint16) and a same-width bitcast, never
-  by a float conversion: widening the pattern to fp32 and converting it to
-  bf16 is exact for numbers, but a float conversion may canonicalise a NaN
-  (jax 0.11.2's TPU interpreter turns the pattern 0xFFFFFFFF into 0xFFC0
-  where the other backends keep 0xFFFF), and NaN bits must agree on every
-  backend too.
-  """
-  return stochastic_round_values(x, index, seed)

@@ -54,11 +54,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 IndexMap = tuple[tuple[int, int], ...]
 
 
-def contiguous_map(size: int) -> IndexMap:
-  """The index map of an unsharded (or first-axis-sharded) block of ``size`` elements."""
-  return ((int(size), 1),)
-
-
 def is_contiguous(index_map: IndexMap | None) -> bool:
   return index_map is None or (len(index_map) <= 1 and all(s == 1 for _, s in index_map))
 
@@ -148,9 +143,6 @@ class Placement:
   def is_even(self, shape) -> bool:
     return all(d % self.shards(a) == 0 for a, d in enumerate(shape))
 
-  def is_replicated(self) -> bool:
-    return all(e is None for e in self.spec)
-
   def base(self, shape) -> jax.Array:
     """The global flat index of the local shard's first element (inside shard_map)."""
     strides = _strides(shape)
@@ -218,9 +210,13 @@ def placement_of(x, sharding=None, *, what: str = "array"):
   Args:
     x: an array or tracer.
     sharding: ``None`` (read the type), a ``NamedSharding`` or a
-      ``PartitionSpec`` (mesh from :func:`jax.set_mesh` or ``x``'s type).
+      ``PartitionSpec`` (mesh from :func:`jax.set_mesh` or ``x``'s type), or
+      an answer of this function (a placement resolved before: returned as
+      it is).
     what: the leaf's name, for error messages.
   """
+  if _is_resolved(sharding):
+    return sharding
   aval_sharding = getattr(jax.typeof(x), "sharding", None)
   type_mesh = getattr(aval_sharding, "mesh", None)
   if isinstance(sharding, NamedSharding):
@@ -314,12 +310,24 @@ def like(y, x):
   return jax.sharding.reshard(y, spec)
 
 
+def longest_prefix(table, key: tuple):
+  """The longest prefix of ``key`` (a leaf's key path, as a tuple) that
+  ``table`` has an entry for, or None: how a tree given as a prefix of
+  another applies an entry to every leaf below it (optax's prefix rule)."""
+  return next((key[:k] for k in range(len(key), -1, -1) if key[:k] in table), None)
+
+
+def _is_resolved(x) -> bool:
+  """An answer of :func:`placement_of`."""
+  return isinstance(x, Placement) or (isinstance(x, str) and x in (UNSHARDED, UNKNOWN))
+
+
 def _is_sharding_leaf(x) -> bool:
-  return x is None or isinstance(x, (PartitionSpec, NamedSharding))
+  return x is None or isinstance(x, (PartitionSpec, NamedSharding)) or _is_resolved(x)
 
 
 def flatten_shardings(shardings, tree, *, owner: str, argument: str = "shardings",
-                      strict: bool = False) -> list | None:
+                      strict: bool = False, resolve: bool = False) -> list | None:
   """One sharding per leaf of ``tree`` from a tree of shardings.
 
   ``shardings`` is ``None``, one ``NamedSharding``/``PartitionSpec`` for every
@@ -330,7 +338,11 @@ def flatten_shardings(shardings, tree, *, owner: str, argument: str = "shardings
   ``strict``: also reject entries that match no leaf of ``tree`` and no
   leafless position of it (a ``MaskedNode``: a parameter another transform
   owns; a ``None`` parameter), so a misspelt key raises instead of being
-  ignored.
+  ignored. ``resolve``: return each entry of a tree resolved against its
+  leaf (:func:`placement_of`'s answer; ``None`` entries stay ``None``; one
+  entry for every leaf is returned as it is), so that later stages take the
+  placement as it is instead of resolving it again. Entries may themselves
+  be such answers.
 
   Raises:
     ValueError: naming the leaf that has no entry (or the entry with no leaf).
@@ -350,18 +362,18 @@ def flatten_shardings(shardings, tree, *, owner: str, argument: str = "shardings
   out = []
   for path, leaf in leaves_with_paths:
     path = tuple(path)
-    for k in range(len(path), -1, -1):
-      if path[:k] in by_path:
-        out.append(by_path[path[:k]])
-        used.add(path[:k])
-        if out[-1] is not None:   # validates the rank and the axis names, naming the leaf
-          placement_of(leaf, out[-1], what=f"{owner}: {argument} of the leaf at "
-                                           f"{jax.tree_util.keystr(path)!r}")
-        break
-    else:
+    prefix = longest_prefix(by_path, path)
+    if prefix is None:
       raise ValueError(f"{owner}: {argument} has no entry for the leaf at "
                        f"{jax.tree_util.keystr(path)!r}; give it a tree shaped like the "
                        f"parameters (or a prefix of them)")
+    entry = by_path[prefix]
+    used.add(prefix)
+    if entry is not None:   # validates the rank and the axis names, naming the leaf
+      placed = placement_of(leaf, entry, what=f"{owner}: {argument} of the leaf at "
+                                              f"{jax.tree_util.keystr(path)!r}")
+      entry = placed if resolve else entry
+    out.append(entry)
   if strict:
     unused = [path for path in by_path if path not in used]
     if unused:

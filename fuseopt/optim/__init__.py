@@ -17,9 +17,9 @@ from fuseopt.optim.fused_adam import scale_by_adam
 from fuseopt.optim.step import step
 
 # Muon, its matrix views and its split from logical axes; QK-Clip.
-from fuseopt.optim.fused_muon import muon
-from fuseopt.optim.fused_muon import MuonDimensionNumbers
-from fuseopt.optim.fused_muon import scale_by_muon
+from fuseopt.optim.muon_transforms import muon
+from fuseopt.optim.muon_transforms import MuonDimensionNumbers
+from fuseopt.optim.muon_transforms import scale_by_muon
 from fuseopt.optim.matrix_views import MatrixViews
 from fuseopt.optim.matrix_views import mla_kv_b_proj_views
 from fuseopt.optim.muon_axes import BATCH_AXES

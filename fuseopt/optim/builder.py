@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 
 from fuseopt.optim import fused_adam
-from fuseopt.optim import fused_muon
+from fuseopt.optim import muon_transforms
 from fuseopt.optim import fusion
 from fuseopt.optim import groups as groups_lib
 from fuseopt.optim import muon_axes
@@ -123,7 +123,7 @@ def pattern_dimension_numbers(patterns):
       ndim = len(getattr(x, "shape", ()))
       if ndim < 2 or not groups_lib.matches_any(groups_lib.path_str(kp), patterns):
         return None
-      return fused_muon.MuonDimensionNumbers(reduction_axis=ndim - 2, output_axis=ndim - 1)
+      return muon_transforms.MuonDimensionNumbers(reduction_axis=ndim - 2, output_axis=ndim - 1)
     return jax.tree_util.tree_map_with_path(one, params,
                                             is_leaf=lambda x: isinstance(x, optax.MaskedNode))
 
@@ -147,7 +147,7 @@ def _muon_kwargs(config, weight_decay, adam_rate):
 
 
 def _muon(config, rate, weight_decay, adam_rate=None):
-  return fused_muon.muon(rate, **_muon_kwargs(config, weight_decay, adam_rate))
+  return muon_transforms.muon(rate, **_muon_kwargs(config, weight_decay, adam_rate))
 
 
 def _muonclip(config, rate, weight_decay, adam_rate=None):

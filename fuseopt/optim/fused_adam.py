@@ -1,5 +1,9 @@
 """Adam and AdamW with bf16-stored moments, as drop-in optax transforms.
 
+(The module's name is historical: it holds the drop-in transforms, whose
+``update`` runs the unfused Adam kernels, and the in-place rule through which
+:func:`fuseopt.optim.step` fuses the whole step.)
+
 The moments are stored in ``moment_dtype`` (bf16 by default) and widened to
 fp32 inside :func:`fuseopt.kernels.adam_update`, which writes them back with
 the counter-hash stochastic rounding. The state is optax's
@@ -8,8 +12,9 @@ structure as :func:`optax.adamw`'s), so checkpoints, sharding rules and
 ``optax.tree_map_params`` read it as they read fp32 state.
 
 :func:`adam` and :func:`adamw` carry their hyperparameters (attribute
-``fuseopt_adam``) and an in-place rule (:mod:`fuseopt.optim.fusion`), which
-lets :func:`fuseopt.optim.step` run the whole update (clip factor, moments,
+``fuseopt_adam``, for inspection) and an in-place rule (``fuseopt_in_place``,
+:mod:`fuseopt.optim.fusion`), which lets :func:`fuseopt.optim.step` run the
+whole update (clip factor, moments,
 weight decay, learning rate, parameter write) as one fused pass, alone or
 inside the wrappers the builder puts around it.
 """
@@ -52,8 +57,9 @@ class FusedAdamTransformation(fusion.FusedTransformation):
   """An optax transformation that also carries its Adam hyperparameters.
 
   It behaves exactly like the ``GradientTransformationExtraArgs`` it wraps
-  (``init``/``update``); ``fuseopt_adam`` is read by
-  :func:`fuseopt.optim.step` to run the fused kernel.
+  (``init``/``update``). ``fuseopt_adam`` holds its hyperparameters for
+  inspection; :func:`fuseopt.optim.step` runs the fused kernel through its
+  in-place rule (``fuseopt_in_place``), not through this attribute.
   """
 
 

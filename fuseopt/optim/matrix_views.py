@@ -39,6 +39,8 @@ import jax.numpy as jnp
 
 import optax
 
+from fuseopt.kernels.newton_schulz import layout
+
 
 # optax's own class, re-exported: a tree of dimension numbers then plugs into
 # optax.contrib.muon (which checks isinstance) and fuseopt's Muon alike. For
@@ -117,13 +119,13 @@ class Piece(NamedTuple):
 
 
 def _flatten(x, red, out) -> Piece:
-  batch = tuple(a for a in range(x.ndim) if a not in red and a not in out)
-  perm = batch + red + out
+  batch = layout.batch_axes(x.ndim, red, out)
+  perm = layout.permutation(x.ndim, red, out)
   size = lambda axes: math.prod(x.shape[a] for a in axes)
   flat_shape = (size(batch), size(red), size(out))
   perm_shape = tuple(x.shape[a] for a in perm)
-  inv = tuple(sorted(range(x.ndim), key=lambda i: perm[i]))
-  identity = perm == tuple(range(x.ndim))
+  inv = layout.inverse(perm)
+  identity = layout.is_identity(perm)
   matrix = jnp.reshape(x if identity else jnp.transpose(x, perm), flat_shape)
 
   def unflatten(y):

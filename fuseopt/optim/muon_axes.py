@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from fuseopt.kernels.sharding import longest_prefix
 from fuseopt.optim import groups as groups_lib
 # optax's class (fuseopt re-exports it), so the result plugs into
 # optax.contrib.muon and fuseopt.optim.muon alike.
@@ -179,7 +180,7 @@ def align_to(specs, tree, is_leaf: Callable[[Any], bool]):
       out.append(leaf)
       continue
     key = _path_key(kp)
-    prefix = next((key[:i] for i in range(len(key), -1, -1) if key[:i] in table), None)
+    prefix = longest_prefix(table, key)
     if prefix is None:
       raise ValueError(f"no entry for parameter {'/'.join(key) or '<root>'}")
     used.add(prefix)

@@ -15,7 +15,7 @@ import optax
 
 from fuseopt.optim import groups as groups_lib
 from fuseopt.optim import fusion
-from fuseopt.optim import fused_muon
+from fuseopt.optim import muon_transforms
 
 __all__ = [
     "QK_PROJECTIONS",
@@ -385,7 +385,7 @@ def muonclip(learning_rate, *, tau: float = 100.0,
   hyperparameters as into ``muon`` (and ``tau``).
   """
   clip = scale_by_qk_clip(tau, projections, mla=mla)
-  return fusion.chain(fused_muon.muon(learning_rate, **muon_kwargs), clip)
+  return fusion.chain(muon_transforms.muon(learning_rate, **muon_kwargs), clip)
 
 
 def _muonclip_signature(muon) -> inspect.Signature:
@@ -400,4 +400,4 @@ def _muonclip_signature(muon) -> inspect.Signature:
   return inspect.signature(muonclip).replace(parameters=params)
 
 
-muonclip.__signature__ = _muonclip_signature(fused_muon.muon)
+muonclip.__signature__ = _muonclip_signature(muon_transforms.muon)

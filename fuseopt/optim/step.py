@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import optax
 
 from fuseopt.kernels import sharding as kernel_sharding
@@ -78,8 +79,12 @@ def step(tx: Any, grads: Any, state: Any, params: Any, *, group: bool = True,
   buffer to the new parameter and XLA would copy every such leaf.
   """
   _checks.check_state("step", tx, state, params)
-  if shardings is not None:   # the whole tree: every entry must name a parameter
-    kernel_sharding.flatten_shardings(shardings, params, owner="step", strict=True)
+  if shardings is not None:
+    # The whole tree: every entry must name a parameter. Each leaf's placement
+    # is resolved here, once; the rules below take it as it is.
+    leaves = kernel_sharding.flatten_shardings(shardings, params, owner="step", strict=True,
+                                               resolve=True)
+    shardings = jax.tree.structure(params).unflatten(leaves)
   rule = fusion.in_place_rule(tx)
   reason = None
   if rule is None or rule.apply is None:

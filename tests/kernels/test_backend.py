@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from fuseopt.kernels import _backend
+from fuseopt.kernels import dispatch as _backend
 from tests.kernels import harness
 
 

@@ -7,7 +7,7 @@ import pytest
 from jax.experimental import pallas as pl
 
 from fuseopt import kernels
-from fuseopt.kernels import _backend
+from fuseopt.kernels.adam import math as _backend
 
 IMPLS = ("triton", "mosaic_tpu")
 

@@ -18,15 +18,15 @@ from jax.sharding import PartitionSpec as P
 import fuseopt.optim as fo
 from fuseopt import kernels
 from fuseopt import targets
-from fuseopt.kernels import _backend
+from fuseopt.kernels import dispatch as _backend
 from fuseopt.kernels import adam as A
-from fuseopt.kernels import adam_mosaic_gpu
+from fuseopt.kernels.adam import mosaic_gpu as adam_mosaic_gpu
 from fuseopt.kernels import adam_update, adam_update_reference, adam_update_tree
 from fuseopt.kernels import counter_hash
 from fuseopt.kernels import stochastic_round as sr
 from fuseopt.kernels import stochastic_round_bf16
-from fuseopt.kernels import stochastic_round_mosaic_gpu as sr_mgpu
-from fuseopt.kernels._elementwise import MosaicGPUConfig
+from fuseopt.kernels.stochastic_round import mosaic_gpu as sr_mgpu
+from fuseopt.kernels.elementwise_tiling import MosaicGPUConfig
 from tests.kernels import harness
 from tests.kernels.test_adam_kernel import CASES, HYPER, _case_id, _compare, _inputs
 from tests.kernels.test_stochastic_round import SPECIALS, _from_bits

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from fuseopt.kernels import _elementwise as E
+from fuseopt.kernels import elementwise_tiling as E
 from fuseopt.kernels import adam as A
 from fuseopt.kernels import adam_update, stochastic_round_bf16
 from fuseopt.kernels import stochastic_round as sr

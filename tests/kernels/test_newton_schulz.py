@@ -10,11 +10,14 @@ import numpy as np
 import optax
 import pytest
 
-from fuseopt.kernels import _backend
-from fuseopt.kernels.ns import fused, gram, poly, update
+from fuseopt.kernels import dispatch as _backend
+from fuseopt.kernels.newton_schulz import fused
+from fuseopt.kernels.newton_schulz import gemm as update
+from fuseopt.kernels.newton_schulz import sym as gram
+from fuseopt.kernels.newton_schulz import sym as poly
 from tests.kernels import harness
 
-from fuseopt.kernels.ns import newton_schulz as ns  # noqa: E402
+from fuseopt.kernels.newton_schulz import api as ns  # noqa: E402
 S = jax.ShapeDtypeStruct
 BACKENDS = ("triton", "mosaic_tpu")
 

@@ -17,7 +17,7 @@ from fuseopt.kernels import adam as A
 from fuseopt.kernels import adam_update, newton_schulz, newton_schulz_reference
 from fuseopt.kernels import stochastic_round as sr
 from fuseopt.kernels import stochastic_round_bf16
-from fuseopt.kernels._elementwise import MosaicConfig, TritonConfig
+from fuseopt.kernels.elementwise_tiling import MosaicConfig, TritonConfig
 from tests.kernels import harness
 from tests.kernels.test_adam_kernel import _compare
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fuseopt.optim.fused_muon import MuonDimensionNumbers as MDN
+from fuseopt.optim.muon_transforms import MuonDimensionNumbers as MDN
 
 D, H, HD, FF, V, L = 32, 4, 4, 48, 64, 2
 

@@ -7,8 +7,8 @@ import optax
 import pytest
 
 from fuseopt.optim.matrix_views import MatrixViews, mla_kv_b_proj_views
-from fuseopt.optim.fused_muon import MuonDimensionNumbers as MDN
-from fuseopt.optim.fused_muon import muon, scale_by_muon
+from fuseopt.optim.muon_transforms import MuonDimensionNumbers as MDN
+from fuseopt.optim.muon_transforms import muon, scale_by_muon
 
 F32 = dict(ns_dtype=jnp.float32, implementation="xla", coeffs="jordan")
 

@@ -7,13 +7,13 @@ import numpy as np
 import optax
 import pytest
 
-from fuseopt.optim.fused_muon import MuonDimensionNumbers as MDN
-from fuseopt.optim.fused_muon import muon, scale_by_muon
+from fuseopt.optim.muon_transforms import MuonDimensionNumbers as MDN
+from fuseopt.optim.muon_transforms import muon, scale_by_muon
 from tests.optim import _muon_trees as T
 
 JORDAN = (3.4445, -4.7750, 2.0315)
 import fuseopt.kernels
-from fuseopt.kernels.ns import newton_schulz as ns_kernel
+from fuseopt.kernels.newton_schulz import api as ns_kernel
 
 
 def _rel(a, b):
@@ -224,7 +224,7 @@ def test_pallas_backends_in_interpret_mode_match_xla():
 
 
 def test_call_plan_never_leaves_a_batched_family_a_lone_matrix():
-  from fuseopt.optim.fused_muon import _call_plan
+  from fuseopt.optim.muon_transforms import _call_plan
   sizes = lambda batches, cap: [sum(b - a for _, a, b in call) for call in _call_plan(batches, 1, cap)]
   assert sizes([3, 3], 5) == [4, 2]         # not [5, 1]
   assert sizes([3], 2) == [3]               # not [2, 1]: two a call can only take three

@@ -34,7 +34,7 @@ def test_result_type_plugs_into_optax_and_fuseopt():
   dn = _one((4, 6), ("embed", "mlp"))
   assert isinstance(dn, MDN)  # optax.contrib.muon checks isinstance
   assert dn == MDN(0, 1)
-  from fuseopt.optim import fused_muon as fmuon
+  from fuseopt.optim import muon_transforms as fmuon
   assert isinstance(dn, getattr(fmuon, "DIMENSION_NUMBER_TYPES", (MDN,)))
   assert dn == fmuon.MuonDimensionNumbers(0, 1)
 
@@ -252,7 +252,7 @@ def test_heads_update_equals_flat_matrix_update_optax():
 
 
 def test_fuseopt_muon_accepts_the_tree():
-  from fuseopt.optim import fused_muon as fmuon
+  from fuseopt.optim import muon_transforms as fmuon
   rng = np.random.default_rng(1)
   e, h, d = 16, 4, 8
   w = jnp.asarray(rng.standard_normal((e, h, d)), jnp.float32)

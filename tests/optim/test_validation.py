@@ -19,8 +19,8 @@ from fuseopt.optim import safeguards
 from fuseopt.optim import schedules as S
 from fuseopt.optim.builder import build_optimizer
 from fuseopt.optim.config import OptimConfig
-from fuseopt.optim.fused_muon import MuonDimensionNumbers as MDN
-from fuseopt.optim.fused_muon import scale_by_muon
+from fuseopt.optim.muon_transforms import MuonDimensionNumbers as MDN
+from fuseopt.optim.muon_transforms import scale_by_muon
 from fuseopt.optim.groups import ParamGroup, mup_param_groups
 
 INF, NAN = float("inf"), float("nan")

@@ -12,7 +12,7 @@ from jax.sharding import (AbstractDevice, AbstractMesh, AxisType, NamedSharding,
 import fuseopt.optim as fo
 from fuseopt.kernels import newton_schulz
 from fuseopt.kernels import sharding as sharding_lib
-from fuseopt.kernels.ns import distributed
+from fuseopt.kernels.newton_schulz import distributed
 
 DIMS = {"layers": fo.MuonDimensionNumbers(1, 2), "head": fo.MuonDimensionNumbers(0, 1),
         "bias": None}

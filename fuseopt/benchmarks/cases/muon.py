@@ -36,7 +36,7 @@ import optax
 
 from fuseopt.benchmarks import core, workloads
 from fuseopt.benchmarks.core import Case
-from fuseopt.optim import fused_muon as fmuon
+from fuseopt.optim import muon_transforms as fmuon
 
 LR = 0.02
 WD = 0.1

@@ -36,7 +36,7 @@ import numpy as np
 from fuseopt.benchmarks import workloads
 from fuseopt.benchmarks.core import Case
 
-from fuseopt.kernels.ns import newton_schulz as ns  # noqa: E402
+from fuseopt.kernels.newton_schulz import api as ns  # noqa: E402
 
 STEPS = 5
 COEFFS = "jordan"
@@ -59,11 +59,11 @@ def flops(shape) -> float:
 
 def optax_ns(x):
   """optax.contrib's NS on x (bf16 in, bf16 iterates), a stack vmapped: optax
-  0.2.8's expressions as fuseopt.optim.fused_muon carries them (optax has no
+  0.2.8's expressions as fuseopt.optim.muon_transforms carries them (optax has no
   public function for the iteration alone)."""
-  from fuseopt.optim import fused_muon
+  from fuseopt.optim import muon_transforms
   table = jnp.tile(jnp.asarray(ns.JORDAN, x.dtype), (STEPS, 1))
-  f = functools.partial(fused_muon._optax_newton_schulz, table=table,
+  f = functools.partial(muon_transforms._optax_newton_schulz, table=table,
                         preconditioning="frobenius", eps=1e-8)
   for _ in range(x.ndim - 2):
     f = jax.vmap(f)
@@ -109,9 +109,9 @@ def variant_fns(shape, platform: str) -> dict:
   if wide and not _impls(platform):  # on an accelerator the kernel Gram row stands for it
     fns["fuseopt[xla,gram]"] = fuse("xla", gram=True)
   for impl in _impls(platform):
-    from fuseopt.kernels.ns import update
+    from fuseopt.kernels.newton_schulz import gemm
     fns[f"fuseopt[{impl}]"] = fuse(impl)
-    config = ns.TiledConfig(matmul=update.heuristic(impl, math.prod(batch), min(m, n), max(m, n)))
+    config = ns.TiledConfig(matmul=gemm.heuristic(impl, math.prod(batch), min(m, n), max(m, n)))
     fns[f"fuseopt[{impl}+pallas_update]"] = fuse(impl, config=config)
     if wide:
       fns[f"fuseopt[{impl},gram]"] = fuse(impl, gram=True)

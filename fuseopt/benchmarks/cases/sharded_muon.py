@@ -29,7 +29,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from fuseopt.benchmarks import core
 from fuseopt.benchmarks.core import Case
-from fuseopt.optim import fused_muon as fmuon
+from fuseopt.optim import muon_transforms as fmuon
 
 LR = 0.02
 FAMILY = 16

@@ -157,35 +157,12 @@ def compiled_figures(recipe: str, label: str, struct, *, grads_dtype=None) -> di
   fn = step_fn(tx, fused)
   stats = core.stats_of(core.compile_fn(fn, (struct, state, grads), regression.FAST_COMPILE))
   n = workloads.tree_params(struct)
-  text = _h200_text(fn, (struct, state, grads))
+  text = regression.h200_lowering_text(fn, (struct, state, grads))
   calls = [line for line in text.splitlines() if re.search(regression._TRITON_CALL, line)]  # pylint: disable=protected-access
   return {"params": n, "cost_bytes_per_param": stats["cost_bytes"] / n,
           "temp_bytes": stats["temp_bytes"], "alias_bytes": stats["alias_bytes"],
           "h200_kernels": len(calls),
           "h200_aliased_outputs": sum(c.count("output_operand_alias<") for c in calls)}
-
-
-def _h200_text(fn, args) -> str:
-  """StableHLO of ``fn(*args)`` lowered for an H200 with the Triton kernels
-  (as :func:`fuseopt.benchmarks.regression.h200_kernels` lowers it)."""
-  import os
-
-  from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
-
-  from fuseopt.benchmarks import regression
-  t = regression.CROSS_TARGET
-  mesh = AbstractMesh((), (), abstract_device=AbstractDevice(
-      device_kind=t["device_kind"], num_cores=t["num_cores"], platform=t["platform"]))
-  old = os.environ.get("FUSEOPT_IMPLEMENTATION")
-  os.environ["FUSEOPT_IMPLEMENTATION"] = t["implementation"]
-  try:
-    with use_abstract_mesh(mesh):
-      return fn.trace(*args).lower(lowering_platforms=(t["lowering_platform"],)).as_text()
-  finally:
-    if old is None:
-      del os.environ["FUSEOPT_IMPLEMENTATION"]
-    else:
-      os.environ["FUSEOPT_IMPLEMENTATION"] = old
 
 
 if __name__ == "__main__":  # python -m fuseopt.benchmarks.cases.step

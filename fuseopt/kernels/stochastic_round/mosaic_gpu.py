@@ -1,9 +1,9 @@
-"""Counter-hash stochastic rounding fp32 → bf16 with Pallas's Mosaic GPU lowering (sm_90).
+"""Counter-hash stochastic rounding fp32 → bf16: the Mosaic GPU backend (sm_90).
 
 The ``mosaic_gpu`` backend of :func:`fuseopt.kernels.stochastic_round_bf16`:
 a ``plgpu.kernel`` over a 1-D grid of the flattened array's first
 ``128 * (size // 128)`` elements, ``block`` elements a program
-(:func:`fuseopt.kernels._elementwise.mosaic_gpu_blocks`), each block loaded
+(:func:`fuseopt.kernels.elementwise_tiling.mosaic_gpu_blocks`), each block loaded
 from and stored to global memory directly as one warpgroup's register array.
 Not through shared memory: a TMA copy moves at most 256 elements along a
 dimension, and a flat view of more dims would not fit ragged sizes. The last
@@ -12,8 +12,8 @@ reference and written into the kernel's output in place. The random bits
 depend only on ``(seed, global flat index)``, so the result is bitwise the
 reference's, whatever the block, vmap or sharding.
 
-Compiles for sm_90 only (:func:`fuseopt.kernels._backend.check_mosaic_gpu_target`
-refuses other GPUs before lowering); runs anywhere in interpret mode.
+Compiles for sm_90 only (:func:`supports` refuses other GPUs before
+lowering); runs anywhere in interpret mode.
 """
 
 from __future__ import annotations
@@ -24,18 +24,27 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from fuseopt.kernels import _elementwise
 from fuseopt.kernels import counter_hash
+from fuseopt.kernels import dispatch
+from fuseopt.kernels import elementwise_tiling
 from fuseopt.kernels import sharding as sharding_lib
-from fuseopt.kernels._elementwise import MosaicGPUConfig
+from fuseopt.kernels.elementwise_tiling import MosaicGPUConfig
+from fuseopt.kernels.stochastic_round import reference
+
+Config = MosaicGPUConfig
 
 # Not measured on hardware: the whole range a warpgroup holds in registers
 # (4096 fp32 in, bf16 out: 48 registers a thread).
-SEARCH_SPACE = tuple(MosaicGPUConfig(b) for b in (256, 512, 1024, 2048, 4096))
+SEARCH_SPACE = elementwise_tiling.MOSAIC_GPU_SEARCH_SPACE
 
 
 def heuristic(size: int) -> MosaicGPUConfig:
-  return _elementwise.mosaic_gpu_heuristic(size)
+  return elementwise_tiling.mosaic_gpu_heuristic(size)
+
+
+def supports(call) -> str | None:
+  """An sm_90 GPU, or any machine in interpret mode."""
+  return dispatch.mosaic_gpu_reason(call)
 
 
 def _kernel(scalars_ref, x_ref, o_ref, *, main, block, index_map):
@@ -44,11 +53,11 @@ def _kernel(scalars_ref, x_ref, o_ref, *, main, block, index_map):
 
   def one(start, size):
     rows = pl.ds(start, size)
-    index = sharding_lib.global_index(_elementwise.mosaic_gpu_flat_index(start, size),
+    index = sharding_lib.global_index(elementwise_tiling.mosaic_gpu_flat_index(start, size),
                                       index_map, offset)
     o_ref.at[rows][...] = counter_hash.stochastic_round_values(x_ref.at[rows][...], index, seed)
 
-  _elementwise.mosaic_gpu_blocks(main, block, one)
+  elementwise_tiling.mosaic_gpu_blocks(main, block, one)
 
 
 def round_flat(flat, scalars, *, config: MosaicGPUConfig, interpret, index_map=None):
@@ -56,23 +65,27 @@ def round_flat(flat, scalars, *, config: MosaicGPUConfig, interpret, index_map=N
   ``interpret``: ``False`` or ``plgpu.InterpretGPUParams()``."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   (n,) = flat.shape
-  main = _elementwise.mosaic_gpu_split(n)
+  main = elementwise_tiling.mosaic_gpu_split(n)
   seed, offset = scalars[0], scalars[1]
   if not main:
-    return counter_hash.stochastic_round_values(
-        flat, sharding_lib.global_index(jax.lax.iota(jnp.uint32, n), index_map, offset), seed)
+    return reference.round_tail(flat, 0, seed, offset, index_map)
   out = plgpu.kernel(
       functools.partial(_kernel, main=main, block=config.block, index_map=index_map),
       out_type=jax.ShapeDtypeStruct((n,), jnp.bfloat16),
-      grid=(_elementwise.mosaic_gpu_programs(main, config.block),),
-      grid_names=(_elementwise.MOSAIC_GPU_AXIS,),
+      grid=(elementwise_tiling.mosaic_gpu_programs(main, config.block),),
+      grid_names=(elementwise_tiling.MOSAIC_GPU_AXIS,),
       interpret=interpret or None,
       kernel_name="fuseopt_stochastic_round",
   )(scalars, flat)
   if main < n:
     # The kernel leaves the tail unwritten; the reference fills it in place
     # (a dynamic update of the kernel's output, no copy).
-    tail = jax.lax.iota(jnp.uint32, n - main) + jnp.uint32(main)
-    out = out.at[main:].set(counter_hash.stochastic_round_values(
-        flat[main:], sharding_lib.global_index(tail, index_map, offset), seed))
+    out = out.at[main:].set(reference.round_tail(flat, main, seed, offset, index_map))
   return out
+
+
+def round_leaf(x, seed, offset, scalars, *, config, interpret, index_map):
+  """Rounds one local array (any shape)."""
+  out = round_flat(x.reshape(-1), scalars, config=config or heuristic(x.size),
+                   interpret=interpret, index_map=index_map)
+  return out.reshape(x.shape)

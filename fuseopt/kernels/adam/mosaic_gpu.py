@@ -1,10 +1,10 @@
-"""Fused Adam/AdamW update of one leaf with Pallas's Mosaic GPU lowering (sm_90).
+"""Fused Adam/AdamW update: the Mosaic GPU backend (sm_90), per leaf and grouped.
 
 The ``mosaic_gpu`` backend of :func:`fuseopt.kernels.adam_update`: the math
-and the bf16 roundings of :mod:`fuseopt.kernels.adam` (``_adam_math``,
-``_store``: the same counter hash on the same global flat index), tiled as
+and the bf16 roundings of :mod:`fuseopt.kernels.adam.math` (``adam_math``,
+``store``: the same counter hash on the same global flat index), tiled as
 the Mosaic GPU stochastic rounding is
-(:mod:`fuseopt.kernels.stochastic_round_mosaic_gpu`): a ``plgpu.kernel``
+(:mod:`fuseopt.kernels.stochastic_round.mosaic_gpu`): a ``plgpu.kernel``
 over a 1-D grid of the flattened leaf's first ``128 * (size // 128)``
 elements, ``block`` elements a program, loaded from and stored to global
 memory as one warpgroup's register arrays.
@@ -19,14 +19,14 @@ leaves as they were, are updated by the same math in XLA from the kernel's
 results and written into them in place.
 
 Grouped launches (:func:`update_group`; ``adam_update_tree`` with a
-:class:`GroupConfig`, as lowering them is slow: ``GROUP_SEARCH_SPACE``):
+:class:`MosaicGPUGroupConfig`, as lowering them is slow: ``GROUP_SEARCH_SPACE``):
 the leaves of one dtype signature in one kernel, a 1-D grid over the sum of
 their block counts, program ``i`` updating leaf ``k``'s block ``i -
 starts[k]`` with that leaf's own flat index, so the bits are the per-leaf
 kernel's. Safe here where Mosaic TPU is not: a program touches only the
 global memory it loads and stores, nothing is written back behind it.
 Compiles for sm_90 only
-(:func:`fuseopt.kernels._backend.check_mosaic_gpu_target`); runs anywhere in
+(:func:`supports` refuses other targets before lowering); runs anywhere in
 interpret mode.
 """
 
@@ -39,22 +39,30 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from fuseopt.kernels import _elementwise
-from fuseopt.kernels import adam as adam_lib
+from fuseopt.kernels import dispatch
+from fuseopt.kernels import elementwise_tiling
 from fuseopt.kernels import sharding as sharding_lib
-from fuseopt.kernels._elementwise import MosaicGPUConfig
+from fuseopt.kernels.adam import math as adam_lib
+from fuseopt.kernels.elementwise_tiling import MosaicGPUConfig
+
+Config = MosaicGPUConfig
 
 # Not measured on hardware. Seven streams of up to 4 bytes in registers:
 # block 4096 is 224 registers a thread for fp32 p, g, mu, nu (ptxas decides).
-SEARCH_SPACE = tuple(MosaicGPUConfig(b) for b in (256, 512, 1024, 2048, 4096))
+SEARCH_SPACE = elementwise_tiling.MOSAIC_GPU_SEARCH_SPACE
 
 
 def heuristic(size: int) -> MosaicGPUConfig:
-  return _elementwise.mosaic_gpu_heuristic(size)
+  return elementwise_tiling.mosaic_gpu_heuristic(size)
+
+
+def supports(call) -> str | None:
+  """An sm_90 GPU, or any machine in interpret mode."""
+  return dispatch.mosaic_gpu_reason(call)
 
 
 @dataclasses.dataclass(frozen=True)
-class GroupConfig:
+class MosaicGPUGroupConfig:
   """A grouped launch: ``block`` elements a program and at most
   ``max_leaves_per_launch`` leaves a launch (the kernel holds one unrolled
   branch per leaf: this bounds its code size)."""
@@ -73,7 +81,10 @@ class GroupConfig:
 # 0.3 s a per-leaf kernel), so the space stops at 8 and no heuristic groups:
 # adam_update_tree runs Mosaic GPU leaves one launch each unless given a
 # GroupConfig.
-GROUP_SEARCH_SPACE = tuple(GroupConfig(b, k) for b in (256, 1024, 4096) for k in (4, 8))
+# The name this config had before the backends had modules of their own.
+GroupConfig = MosaicGPUGroupConfig
+
+GROUP_SEARCH_SPACE = tuple(MosaicGPUGroupConfig(b, k) for b in (256, 1024, 4096) for k in (4, 8))
 
 
 def _leaf(scalar, seed, g_ref, mu_ref, nu_ref, o_ref, p_ref, *, main, block, nesterov, apply,
@@ -90,16 +101,16 @@ def _leaf(scalar, seed, g_ref, mu_ref, nu_ref, o_ref, p_ref, *, main, block, nes
     # select with a scalar predicate (an implicit broadcast).
     s = lambda k: (jnp.broadcast_to(scalars[k], (size,)) if k == adam_lib.APPLY
                    else scalars[k])
-    out, mu_new, nu_new = adam_lib._adam_math(
+    out, mu_new, nu_new = adam_lib.adam_math(
         s, f32(p_ref) if apply else None, f32(g_ref), f32(mu_ref),
         f32(nu_ref), nesterov=nesterov, apply=apply)
-    index = sharding_lib.global_index(_elementwise.mosaic_gpu_flat_index(start, size),
+    index = sharding_lib.global_index(elementwise_tiling.mosaic_gpu_flat_index(start, size),
                                       index_map, seeds[adam_lib.SEED_BASE])
-    o_ref.at[rows][...] = adam_lib._store(out, o_ref.dtype, index, seeds[0])
-    mu_ref.at[rows][...] = adam_lib._store(mu_new, mu_ref.dtype, index, seeds[1])
-    nu_ref.at[rows][...] = adam_lib._store(nu_new, nu_ref.dtype, index, seeds[2])
+    o_ref.at[rows][...] = adam_lib.store(out, o_ref.dtype, index, seeds[0])
+    mu_ref.at[rows][...] = adam_lib.store(mu_new, mu_ref.dtype, index, seeds[1])
+    nu_ref.at[rows][...] = adam_lib.store(nu_new, nu_ref.dtype, index, seeds[2])
 
-  _elementwise.mosaic_gpu_blocks(main, block, one, program)
+  elementwise_tiling.mosaic_gpu_blocks(main, block, one, program)
 
 
 def _split_refs(refs, apply):
@@ -124,7 +135,7 @@ def _group_kernel(s_ref, seed_ref, *refs, mains, starts, block, nesterov, apply,
   gs = refs[:k_leaves]
   inout = refs[k_leaves:k_leaves + n_ref * k_leaves]
   outs = refs[k_leaves + n_ref * k_leaves:]   # the directions
-  b = jax.lax.axis_index(_elementwise.MOSAIC_GPU_AXIS)
+  b = jax.lax.axis_index(elementwise_tiling.MOSAIC_GPU_AXIS)
   for k in range(k_leaves):
     lo, hi = starts[k], starts[k + 1]
     mine = inout[n_ref * k:n_ref * (k + 1)] + (() if apply else (outs[k],))
@@ -143,14 +154,14 @@ def _tail(scalars, seeds, p, g, mu, nu, *, main, nesterov, out_dtype, index_map)
   """The last ``size - main`` elements, in XLA, with their own flat indices."""
   f32 = lambda a: a[main:].astype(jnp.float32)
   apply = p is not None
-  out, mu_new, nu_new = adam_lib._adam_math(
+  out, mu_new, nu_new = adam_lib.adam_math(
       lambda k: scalars[k], f32(p) if apply else None, f32(g), f32(mu), f32(nu),
       nesterov=nesterov, apply=apply)
   local = jax.lax.iota(jnp.uint32, g.shape[0] - main) + jnp.uint32(main)
   index = lambda: sharding_lib.global_index(local, index_map, seeds[adam_lib.SEED_BASE])
-  return (adam_lib._store(out, out_dtype, index(), seeds[0]),
-          adam_lib._store(mu_new, mu.dtype, index(), seeds[1]),
-          adam_lib._store(nu_new, nu.dtype, index(), seeds[2]))
+  return (adam_lib.store(out, out_dtype, index(), seeds[0]),
+          adam_lib.store(mu_new, mu.dtype, index(), seeds[1]),
+          adam_lib.store(nu_new, nu.dtype, index(), seeds[2]))
 
 
 def update_flat(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config: MosaicGPUConfig,
@@ -162,14 +173,14 @@ def update_flat(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config: Mo
   hide its refs from the state discharge of the enclosing jit)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   (n,) = g.shape
-  main = _elementwise.mosaic_gpu_split(n)
+  main = elementwise_tiling.mosaic_gpu_split(n)
   apply = p is not None
   kernel = plgpu.kernel(
       functools.partial(_kernel, main=main, block=config.block, nesterov=nesterov,
                         apply=apply, index_map=index_map),
       out_type=() if apply else (jax.ShapeDtypeStruct((n,), out_dtype),),
-      grid=(_elementwise.mosaic_gpu_programs(main, config.block),),
-      grid_names=(_elementwise.MOSAIC_GPU_AXIS,),
+      grid=(elementwise_tiling.mosaic_gpu_programs(main, config.block),),
+      grid_names=(elementwise_tiling.MOSAIC_GPU_AXIS,),
       interpret=interpret or None,
       kernel_name="fuseopt_adam_update",
   )
@@ -191,8 +202,8 @@ def update_flat(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config: Mo
   return outs
 
 
-def update_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config: GroupConfig, interpret,
-                 index_maps=None):
+def update_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config: MosaicGPUGroupConfig,
+                 interpret, index_maps=None):
   """One launch over flat leaves of one dtype signature, each of at least
   128 elements; ``scalars`` ``(K, N_SCALARS)``, ``seeds`` ``(K, N_SEEDS)``
   rows, ``ps`` None for the direction. Returns ``[(out, mu, nu)]`` per leaf.
@@ -202,17 +213,17 @@ def update_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config: GroupCon
   apply = ps is not None
   index_maps = tuple(index_maps or (None,) * k_leaves)
   sizes = [g.shape[0] for g in gs]
-  mains = tuple(_elementwise.mosaic_gpu_split(n) for n in sizes)
+  mains = tuple(elementwise_tiling.mosaic_gpu_split(n) for n in sizes)
   starts = [0]
   for m in mains:
-    starts.append(starts[-1] + _elementwise.mosaic_gpu_programs(m, config.block))
+    starts.append(starts[-1] + elementwise_tiling.mosaic_gpu_programs(m, config.block))
   kernel = plgpu.kernel(
       functools.partial(_group_kernel, mains=mains, starts=tuple(starts), block=config.block,
                         nesterov=nesterov, apply=apply, index_maps=index_maps),
       out_type=() if apply else tuple(jax.ShapeDtypeStruct((n,), g.dtype)
                                       for n, g in zip(sizes, gs)),
       grid=(starts[-1],),
-      grid_names=(_elementwise.MOSAIC_GPU_AXIS,),
+      grid_names=(elementwise_tiling.MOSAIC_GPU_AXIS,),
       interpret=interpret or None,
       kernel_name="fuseopt_adam_update_group",
   )

@@ -1,4 +1,5 @@
-"""Tiling shared by fuseopt's elementwise kernels (stochastic rounding, Adam).
+"""Tiling shared by fuseopt's elementwise kernels (stochastic rounding, Adam):
+the block configs of their three Pallas backends and how each steps over a leaf.
 
 Both tile a leaf so that the counter hash sees each element's row-major flat
 index in the whole leaf, whatever the block:
@@ -44,7 +45,7 @@ class TritonConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class MosaicConfig:
+class MosaicTPUConfig:
   """Mosaic TPU tiling budget: a grid step holds at most ``block_rows * 128``
   elements of each operand, columns counted padded to 128 as in VMEM (a
   minimal block may exceed it, within VMEM). The block's shape follows the
@@ -58,6 +59,10 @@ class MosaicConfig:
   @property
   def block_elements(self) -> int:
     return self.block_rows * LANES
+
+
+# The name this config had before the Mosaic GPU backend existed.
+MosaicConfig = MosaicTPUConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +80,15 @@ class MosaicGPUConfig:
 MOSAIC_GPU_LANES = 128
 # The grid axis of the Mosaic GPU elementwise kernels.
 MOSAIC_GPU_AXIS = "fuseopt_blocks"
+
+
+# The search spaces of the elementwise kernels (stochastic rounding, Adam).
+# Block 4096 failed at run time inside XLA's CUDA graph on the H200
+# (docs/pallas_notes.md, "CUDA graphs"): it stays in the Triton space, to be
+# measured on the device, never in the heuristic. Mosaic GPU: not measured on
+# hardware, the whole range a warpgroup holds in registers (ptxas decides).
+TRITON_SEARCH_SPACE = tuple(TritonConfig(b, w) for b in (512, 1024, 2048, 4096) for w in (4, 8))
+MOSAIC_GPU_SEARCH_SPACE = tuple(MosaicGPUConfig(b) for b in (256, 512, 1024, 2048, 4096))
 
 
 def mosaic_gpu_heuristic(size: int) -> MosaicGPUConfig:
@@ -209,7 +223,7 @@ def _row_block(extent: int, most: int, ragged_edge: bool) -> int:
   return most if ragged_edge else extent
 
 
-def mosaic_tiling(shape, config: MosaicConfig, *, stream_bytes: int,
+def mosaic_tiling(shape, config: MosaicTPUConfig, *, stream_bytes: int,
                   ragged_edge: bool = False) -> MosaicTiling | None:
   """The tiling of a leaf of ``shape`` for a kernel whose operands and
   results together take ``stream_bytes`` bytes an element (Adam with fp32 p

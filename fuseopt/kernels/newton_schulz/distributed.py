@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from fuseopt.kernels import sharding as sharding_lib
+from fuseopt.kernels.newton_schulz import layout
 
 
 def supported(shape: Sequence[int], placement: sharding_lib.Placement,
@@ -131,93 +132,16 @@ def orthogonalize_sharded(leaves: Sequence[jax.Array],
   for p in placements[1:]:
     if not sharding_lib.same_mesh(p.mesh, mesh):
       raise ValueError("orthogonalize_sharded: all leaves must live on one mesh")
-  all_names = tuple(mesh.axis_names)
-
-  plans = []   # per leaf: perm, local perm shape, group key
-  groups: dict[tuple, list[int]] = {}
-  for i, (x, p, (red, out)) in enumerate(zip(leaves, placements, axes)):
-    batch = tuple(a for a in range(x.ndim) if a not in red and a not in out)
-    perm = batch + tuple(red) + tuple(out)
-    local = p.local_shape(x.shape)
-    used = {n for a in range(x.ndim) for n in p.axis_names(a)}
-    free = tuple(n for n in all_names if n not in used and mesh.shape[n] > 1)
-    R = math.prod(x.shape[a] for a in red)
-    O = math.prod(x.shape[a] for a in out)
-    key = (R, O, jnp.dtype(x.dtype).name, _names(p, red[:1]), _names(p, out[:1]), free)
-    plans.append((perm, tuple(local[a] for a in perm), len(batch)))
-    groups.setdefault(key, []).append(i)
+  plans, families = _plan(leaves, placements, axes, mesh)
 
   def body(*locals_):
     results = [None] * len(locals_)
     placed = 0   # matrices placed so far, for round-robin padding
-    for (R, O, _, red_names, out_names, free), members in groups.items():
-      n_red, n_out, n_free = (_size(mesh, red_names), _size(mesh, out_names),
-                              _size(mesh, free))
-      mats, counts = [], []
-      for i in members:
-        perm, pshape, nb = plans[i]
-        y = locals_[i]
-        if perm != tuple(range(y.ndim)):
-          y = jnp.transpose(y, perm)
-        b = math.prod(pshape[:nb])
-        mats.append(y.reshape(b, R // n_red, O // n_out))
-        counts.append(b)
-      x = mats[0] if len(mats) == 1 else jnp.concatenate(mats, axis=0)
-      B = x.shape[0]
-      share = n_red * n_out * n_free
-      # Slots per device: a family of two or more matrices runs batched on
-      # every device, never as a lone matrix, because the unsharded step runs
-      # it batched and a compiler may lower a batch of one differently (XLA's
-      # CPU backend drops the unit batch axis and picks another dot, whose
-      # rounding differs). The result then stays bitwise the unsharded one.
-      min_batch = 2 if max_elements is None or max_elements // (R * O) >= 2 else 1
-      k = max(-(-B // share), min(B, min_batch))
-      padded = k * share
-      shift = placed % padded
-      placed += B
-      if padded != B:
-        x = jnp.concatenate([x, jnp.zeros((padded - B,) + x.shape[1:], x.dtype)])
-        if shift:
-          x = jnp.roll(x, shift, axis=0)
-      per_free = padded // n_free
-      f_idx = jax.lax.axis_index(_axis(free)) if free else 0
-      if free:
-        x = jax.lax.dynamic_slice_in_dim(x, f_idx * per_free, per_free, axis=0)
-      if red_names:
-        x = jax.lax.all_to_all(x, _axis(red_names), 0, 1, tiled=True)
-      if out_names:
-        x = jax.lax.all_to_all(x, _axis(out_names), 0, 2, tiled=True)
-      # Device (f, r, o) holds slots [k·d, k·(d+1)), d = (f·n_red + r)·n_out + o.
-      real = [(pos - shift) % padded < B for pos in range(padded)]
-      busy = [any(real[d * k:(d + 1) * k]) for d in range(share)]
-      if not all(busy):
-        # Skip the NS where all of this device's slots are padding.
-        r_idx = jax.lax.axis_index(_axis(red_names)) if red_names else 0
-        o_idx = jax.lax.axis_index(_axis(out_names)) if out_names else 0
-        d = (f_idx * n_red + r_idx) * n_out + o_idx
-        shaped = jax.eval_shape(ns, x)
-        y = jax.lax.cond(jnp.asarray(busy)[d], ns,
-                         lambda v: jnp.zeros(shaped.shape, shaped.dtype), x)
-      else:
-        y = ns(x)
-      if out_names:
-        y = jax.lax.all_to_all(y, _axis(out_names), 2, 0, tiled=True)
-      if red_names:
-        y = jax.lax.all_to_all(y, _axis(red_names), 1, 0, tiled=True)
-      if free:
-        y = jax.lax.all_gather(y, _axis(free), axis=0, tiled=True)
-      if padded != B:
-        if shift:
-          y = jnp.roll(y, -shift, axis=0)
-        y = y[:B]
-      start = 0
-      for i, b in zip(members, counts):
-        perm, pshape, _ = plans[i]
-        part = y if len(members) == 1 else jax.lax.slice_in_dim(y, start, start + b)
-        start += b
-        part = part.reshape(pshape)
-        if perm != tuple(range(len(perm))):
-          part = jnp.transpose(part, tuple(sorted(range(len(perm)), key=perm.__getitem__)))
+    for key, members in families.items():
+      family = _Family(mesh, key, [plans[i] for i in members], max_elements, placed)
+      placed += family.size()
+      y = family.run(family.gather(locals_, members), ns)
+      for i, part in zip(members, family.scatter(y)):
         results[i] = part
     return tuple(results)
 
@@ -226,3 +150,109 @@ def orthogonalize_sharded(leaves: Sequence[jax.Array],
   outs = sharding_lib.shard_local(body, mesh, specs, specs)(*fitted)
   return [sharding_lib.like(y, x) for y, x in zip(outs, leaves)]
 
+
+def _plan(leaves, placements, axes, mesh):
+  """Per leaf ``(perm, local shape in perm order, batch axes)``, and the
+  families: ``{family key: leaf indices}``."""
+  plans = []
+  families: dict[tuple, list[int]] = {}
+  for i, (x, p, (red, out)) in enumerate(zip(leaves, placements, axes)):
+    perm = layout.permutation(x.ndim, red, out)
+    local = p.local_shape(x.shape)
+    plans.append((perm, tuple(local[a] for a in perm), len(layout.batch_axes(x.ndim, red, out))))
+    families.setdefault(_family_key(x.shape, x.dtype, p, red, out, mesh), []).append(i)
+  return plans, families
+
+
+class _Family:
+  """One family of same-shaped matrices inside ``shard_map``: its local
+  blocks gathered into whole matrices on their devices (:meth:`gather`),
+  Newton–Schulz run on them (:meth:`run`), and the results laid back
+  (:meth:`scatter`)."""
+
+  def __init__(self, mesh, key, plans, max_elements, placed):
+    R, O, _, self.red_names, self.out_names, self.free = key
+    self.R, self.O, self.plans, self.max_elements, self.placed = R, O, plans, max_elements, placed
+    self.n_red, self.n_out, self.n_free = (_size(mesh, self.red_names),
+                                           _size(mesh, self.out_names), _size(mesh, self.free))
+
+  def size(self) -> int:
+    """Matrices in the family."""
+    return sum(math.prod(pshape[:nb]) for (_, pshape, nb) in self.plans)
+
+  def gather(self, locals_, members):
+    """The family's local blocks as one ``(b, R_loc, O_loc)`` stack, padded
+    to the devices that share it, re-laid out so that every device holds
+    ``k`` whole matrices."""
+    mats, self.counts = [], []
+    for i, (perm, pshape, nb) in zip(members, self.plans):
+      y = locals_[i]
+      if not layout.is_identity(perm):
+        y = jnp.transpose(y, perm)
+      b = math.prod(pshape[:nb])
+      mats.append(y.reshape(b, self.R // self.n_red, self.O // self.n_out))
+      self.counts.append(b)
+    x = mats[0] if len(mats) == 1 else jnp.concatenate(mats, axis=0)
+    B = self.B = x.shape[0]
+    share = self.share = self.n_red * self.n_out * self.n_free
+    # Slots per device: a family of two or more matrices runs batched on
+    # every device, never as a lone matrix, because the unsharded step runs
+    # it batched and a compiler may lower a batch of one differently (XLA's
+    # CPU backend drops the unit batch axis and picks another dot, whose
+    # rounding differs). The result then stays bitwise the unsharded one.
+    min_batch = 2 if self.max_elements is None or self.max_elements // (self.R * self.O) >= 2 else 1
+    k = self.k = max(-(-B // share), min(B, min_batch))
+    padded = self.padded = k * share
+    shift = self.shift = self.placed % padded
+    if padded != B:
+      x = jnp.concatenate([x, jnp.zeros((padded - B,) + x.shape[1:], x.dtype)])
+      if shift:
+        x = jnp.roll(x, shift, axis=0)
+    per_free = padded // self.n_free
+    self.f_idx = jax.lax.axis_index(_axis(self.free)) if self.free else 0
+    if self.free:
+      x = jax.lax.dynamic_slice_in_dim(x, self.f_idx * per_free, per_free, axis=0)
+    if self.red_names:
+      x = jax.lax.all_to_all(x, _axis(self.red_names), 0, 1, tiled=True)
+    if self.out_names:
+      x = jax.lax.all_to_all(x, _axis(self.out_names), 0, 2, tiled=True)
+    return x
+
+  def run(self, x, ns):
+    """``ns`` on this device's whole matrices, skipped where all of them are
+    padding."""
+    # Device (f, r, o) holds slots [k·d, k·(d+1)), d = (f·n_red + r)·n_out + o.
+    k, padded, shift, B = self.k, self.padded, self.shift, self.B
+    real = [(pos - shift) % padded < B for pos in range(padded)]
+    busy = [any(real[d * k:(d + 1) * k]) for d in range(self.share)]
+    if all(busy):
+      return ns(x)
+    r_idx = jax.lax.axis_index(_axis(self.red_names)) if self.red_names else 0
+    o_idx = jax.lax.axis_index(_axis(self.out_names)) if self.out_names else 0
+    d = (self.f_idx * self.n_red + r_idx) * self.n_out + o_idx
+    shaped = jax.eval_shape(ns, x)
+    return jax.lax.cond(jnp.asarray(busy)[d], ns,
+                        lambda v: jnp.zeros(shaped.shape, shaped.dtype), x)
+
+  def scatter(self, y):
+    """The results back in each leaf's local layout (the collectives of
+    :meth:`gather` in reverse, and an ``all_gather`` over the replica axes)."""
+    if self.out_names:
+      y = jax.lax.all_to_all(y, _axis(self.out_names), 2, 0, tiled=True)
+    if self.red_names:
+      y = jax.lax.all_to_all(y, _axis(self.red_names), 1, 0, tiled=True)
+    if self.free:
+      y = jax.lax.all_gather(y, _axis(self.free), axis=0, tiled=True)
+    if self.padded != self.B:
+      if self.shift:
+        y = jnp.roll(y, -self.shift, axis=0)
+      y = y[:self.B]
+    parts, start = [], 0
+    for (perm, pshape, _), b in zip(self.plans, self.counts):
+      part = y if len(self.plans) == 1 else jax.lax.slice_in_dim(y, start, start + b)
+      start += b
+      part = part.reshape(pshape)
+      if not layout.is_identity(perm):
+        part = jnp.transpose(part, layout.inverse(perm))
+      parts.append(part)
+    return parts

@@ -1,0 +1,252 @@
+"""Fused Adam/AdamW update: the public functions.
+
+One pass over a leaf reads ``p, g, mu, nu`` once and writes ``mu, nu`` and
+either the new parameter (``p`` given: the whole AdamW step) or the Adam
+direction (``p=None``: :func:`optax.scale_by_adam`'s output) once. All
+arithmetic is fp32 whatever the storage dtypes (:mod:`.math`, shared by every
+backend); the fp32 scalars travel as one small fp32 array (SMEM on TPU), so
+the step count and a scheduled learning rate may be traced.
+
+bf16 outputs (moments, and parameters stored in bf16) are written with the
+counter-hash stochastic rounding of :mod:`fuseopt.kernels.counter_hash`: the
+random bits of element ``i`` of a leaf are ``hash_bits(i, seed_stream)`` with
+``i`` the row-major flat index in the whole leaf and one seed per stream
+(param, mu, nu) from :func:`derive_seed(seed, step, leaf_index, stream)
+<fuseopt.kernels.counter_hash.derive_seed>`. The rounded mu is therefore
+bitwise ``stochastic_round_bf16(mu_fp32_new, seed_mu)``, and every backend,
+block size and grid gives the same bits.
+
+Backends (one module each, chosen by :mod:`fuseopt.kernels.dispatch`):
+``xla`` (:mod:`.reference`), ``triton`` (:mod:`.triton`, per leaf and
+grouped), ``mosaic_tpu`` (:mod:`.mosaic_tpu`, per leaf) and ``mosaic_gpu``
+(:mod:`.mosaic_gpu`, sm_90 only, per leaf or grouped with a config). How a
+tree's leaves are placed and grouped: :mod:`.tree`.
+
+Non-finite gradients propagate as in optax: an element whose gradient is NaN
+gets NaN mu, nu and parameter; ``+-Inf`` gives ``mu = +-Inf``, ``nu = +Inf``
+and a NaN update (Inf/Inf). Other elements are unaffected. The rounding keeps
+NaN and Inf (never turns a finite value into Inf). Skipping such steps is the
+builder's job.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from fuseopt.kernels import counter_hash
+from fuseopt.kernels import dispatch
+from fuseopt.kernels import sharding as sharding_lib
+from fuseopt.kernels.adam import mosaic_tpu as _mosaic_tpu
+from fuseopt.kernels.adam import tree as _tree
+from fuseopt.kernels.adam import triton as _triton
+from fuseopt.kernels.adam.math import adam_scalars
+from fuseopt.kernels.adam.math import adam_seeds
+from fuseopt.kernels.adam.math import check_leaf as _check
+from fuseopt.kernels.adam.math import optax_safe_increment
+from fuseopt.kernels.adam.triton import TritonGroupConfig
+from fuseopt.kernels.elementwise_tiling import MosaicConfig
+from fuseopt.kernels.elementwise_tiling import MosaicGPUConfig
+from fuseopt.kernels.elementwise_tiling import MosaicTPUConfig
+from fuseopt.kernels.elementwise_tiling import TritonConfig
+
+OP_NAME = "adam_update"
+
+# The grouped launch's config is part of the op's public API: this package
+# is its home.
+TritonGroupConfig.__module__ = __name__
+
+# Each backend's search space and heuristic, by the names they had before the
+# backends had modules of their own (fuseopt.kernels.adam.<backend> holds them
+# as SEARCH_SPACE and heuristic; the grouped Triton launch's as
+# GROUP_SEARCH_SPACE and group_heuristic).
+TRITON_SEARCH_SPACE = _triton.SEARCH_SPACE
+TRITON_GROUP_SEARCH_SPACE = _triton.GROUP_SEARCH_SPACE
+MOSAIC_SEARCH_SPACE = _mosaic_tpu.SEARCH_SPACE
+mosaic_heuristic = _mosaic_tpu.heuristic
+triton_heuristic = _triton.heuristic
+triton_group_heuristic = _triton.group_heuristic
+
+__all__ = ["MosaicConfig", "MosaicGPUConfig", "MosaicTPUConfig", "TritonConfig",
+           "TritonGroupConfig", "adam_scalars", "adam_seeds", "adam_update",
+           "adam_update_reference", "adam_update_tree", "optax_safe_increment"]
+
+
+def adam_update(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0.999,
+                eps=1e-8, eps_root=0.0, weight_decay=0.0, nesterov=False, seed=0,
+                leaf_index=0, sharding=None, implementation=None, interpret=False, config=None,
+                grad_scale=1.0, apply=True):
+  r"""One fused Adam/AdamW step of one leaf.
+
+  With :math:`t` = ``count`` (the step number after increment, 1 first) and
+  everything in fp32:
+
+  .. math::
+    m_t = \beta_1 m_{t-1} + (1-\beta_1) g_t,\quad
+    v_t = \beta_2 v_{t-1} + (1-\beta_2) g_t^2,\\
+    \hat m_t = m_t / (1-\beta_1^t)\ \ (\text{nesterov: }
+      \beta_1 m_t/(1-\beta_1^{t+1}) + (1-\beta_1) g_t/(1-\beta_1^t)),\quad
+    \hat v_t = v_t / (1-\beta_2^t),\\
+    u_t = \hat m_t / (\sqrt{\hat v_t + \bar\varepsilon} + \varepsilon),\quad
+    p_t = p_{t-1} - \alpha_t (u_t + \lambda p_{t-1})
+
+  (Kingma & Ba 2014, "Adam"; Loshchilov & Hutter 2019, "Decoupled Weight
+  Decay Regularization"; Dozat 2016 for Nesterov), exactly optax's
+  ``scale_by_adam`` → ``add_decayed_weights`` → ``scale_by_learning_rate`` →
+  ``apply_updates``. bf16 outputs are stochastically rounded with seeds
+  :func:`adam_seeds` ``(seed, count, leaf_index)``.
+
+  Args:
+    params: the leaf's parameters (fp32 or bf16), or ``None`` to return the
+      Adam direction :math:`u_t` (no weight decay, no learning rate) in the
+      gradient's dtype instead of new parameters.
+    grads: the gradient, fp32 or bf16, same shape.
+    mu, nu: the moments, fp32 or bf16, same shape.
+    count: integer scalar (may be traced), the step number after increment;
+      a concrete count must be >= 1.
+    learning_rate, weight_decay: scalars (may be traced, e.g. a schedule's
+      value); ignored when ``params`` is ``None``.
+    b1, b2, eps, eps_root, nesterov: as in :func:`optax.scale_by_adam`:
+      b1, b2 in [0, 1), eps, eps_root >= 0. Concrete values (numbers or
+      arrays) are checked and must be finite, as must a concrete learning
+      rate and weight decay; traced ones are used as they are.
+    seed: integer scalar in [0, 2**32) mixed into the rounding seeds.
+    leaf_index: the leaf's index in its tree (another seed input), an
+      integer in [0, 2**32).
+    sharding: the leaf's placement on an Auto mesh (``NamedSharding`` or
+      ``PartitionSpec``); ``None`` reads it from the type (Explicit axes).
+      On a multi-device mesh the kernel runs shard-local with global
+      indices (:mod:`fuseopt.kernels.sharding`), bitwise the unsharded
+      result; on an Auto mesh without it the reference runs and a warning
+      says so.
+    implementation: ``None`` (chosen by :mod:`fuseopt.kernels.dispatch`),
+      ``"xla"``, ``"triton"``,
+      ``"mosaic_tpu"`` or ``"mosaic_gpu"`` (sm_90 GPUs only: on any other
+      target a ValueError names the device and its compute capability
+      before anything is lowered; any machine in interpret mode).
+    interpret: run a Pallas backend in interpret mode (CPU debugging).
+    config: a :class:`TritonConfig` / :class:`MosaicTPUConfig` /
+      :class:`MosaicGPUConfig`.
+    grad_scale: fp32 scalar (may be traced) the gradient is multiplied by as
+      it is read, before everything above (a global-norm clip factor).
+    apply: bool scalar (may be traced); False returns ``params``, ``mu`` and
+      ``nu`` bit for bit (a zero direction when ``params`` is ``None``), in
+      the same single pass (a skipped non-finite step).
+
+  Returns:
+    ``(new_params or update, new_mu, new_nu)`` in the dtypes of
+    ``params`` (or ``grads``), ``mu`` and ``nu``. Pallas backends write them
+    in place of their inputs (``input_output_aliases``): donate the inputs to
+    the enclosing ``jit`` to avoid copies. Only the ``xla`` implementation
+    has a derivative; differentiating through a kernel raises a TypeError.
+  """
+  _check(params, grads, mu, nu)
+  seed = counter_hash.uint32_scalar(seed, name="seed", owner="adam_update")
+  leaf_index = counter_hash.uint32_scalar(leaf_index, name="leaf_index", owner="adam_update")
+  grads = jnp.asarray(grads)
+  if params is not None:
+    params = jnp.asarray(params)
+  scalars = adam_scalars(count=count, learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
+                         eps_root=eps_root,
+                         weight_decay=weight_decay if params is not None else 0.0,
+                         nesterov=nesterov, grad_scale=grad_scale, apply=apply)
+  seeds = adam_seeds(seed, count, leaf_index)
+  impl = dispatch.select(OP_NAME, implementation, (grads,), interpret=interpret)
+  if config is not None and impl == "triton" and not isinstance(config, TritonConfig):
+    raise TypeError(f"adam_update: config must be a TritonConfig for triton, got {config!r}")
+  placements = sharding_lib.resolve_placements(
+      [grads if params is None else params], [sharding], op="adam_update", argument="sharding=")
+  outs = _tree.update_leaves(impl, [scalars], [seeds], None if params is None else [params],
+                             [grads], [jnp.asarray(mu)], [jnp.asarray(nu)], placements,
+                             nesterov=nesterov, interpret=interpret, config=config, group=False)
+  return tuple(o[0] for o in outs)
+
+
+def adam_update_reference(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9,
+                          b2=0.999, eps=1e-8, eps_root=0.0, weight_decay=0.0, nesterov=False,
+                          seed=0, leaf_index=0):
+  """The specification of :func:`adam_update`: plain jnp, any platform."""
+  return adam_update(params, grads, mu, nu, count=count, learning_rate=learning_rate, b1=b1,
+                     b2=b2, eps=eps, eps_root=eps_root, weight_decay=weight_decay,
+                     nesterov=nesterov, seed=seed, leaf_index=leaf_index, implementation="xla")
+
+
+def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0.999,
+                     eps=1e-8, eps_root=0.0, weight_decay=0.0, nesterov=False, seed=0,
+                     shardings=None, implementation=None, interpret=False, config=None,
+                     group=True, grad_scale=1.0, apply=True):
+  """:func:`adam_update` over lists of leaves sharing one step's scalars.
+
+  ``params`` is a list of arrays or ``None`` (direction only);
+  ``weight_decay`` a scalar or a list with one value per leaf (0 where masked).
+  ``grad_scale`` and ``apply`` (see :func:`adam_update`) hold for every leaf.
+  Leaf ``i`` rounds with ``adam_seeds(seed, count, i)``.
+
+  Launches: with the ``triton`` implementation and ``group=True`` (the
+  default) the leaves of one dtype signature (params, grads, mu, nu) share one
+  kernel launch, at most ``config.max_leaves_per_launch`` leaves a launch
+  (``config``: a :class:`TritonGroupConfig`), each leaf read and written in
+  place where it lies; per-leaf launches cost about 15% over one flat buffer
+  on the 1.2 B tree (147 leaves, docs/measurements.md). The bits are those of
+  the per-leaf kernels. ``mosaic_gpu`` groups the same way, but only when
+  ``config`` is an :class:`~fuseopt.kernels.adam.mosaic_gpu.MosaicGPUGroupConfig`
+  (lowering a grouped Mosaic GPU launch takes tens of seconds).
+  ``group=False`` (for measurement) and the other implementations run one
+  kernel per leaf (``config``: a :class:`TritonConfig` /
+  :class:`MosaicTPUConfig` / :class:`MosaicGPUConfig`). Mosaic TPU stays per leaf
+  (:mod:`.mosaic_tpu`): its pipeline writes back the output blocks it holds,
+  written or not, so another leaf's clamped, unwritten block would overwrite
+  that leaf's memory.
+
+  Sharding: ``shardings`` is ``None`` (placements read from the types:
+  Explicit mesh axes) or a list with one ``NamedSharding`` /
+  ``PartitionSpec`` / ``None`` per leaf (Auto axes). Evenly sharded leaves
+  run shard-local inside one ``shard_map`` per mesh (grouped launches still
+  apply, per device), with global indices: bitwise the unsharded result.
+
+  Returns:
+    Three lists: new params (or updates), new mu, new nu.
+  """
+  n = len(grads)
+  if params is not None and len(params) != n:
+    raise ValueError(f"adam_update: params has {len(params)} leaves, grads has {n}")
+  if len(mu) != n or len(nu) != n:
+    raise ValueError(f"adam_update: mu/nu have {len(mu)}/{len(nu)} leaves, grads has {n}")
+  wds = weight_decay if isinstance(weight_decay, (list, tuple)) else [weight_decay] * n
+  if len(wds) != n:
+    raise ValueError(f"adam_update: weight_decay has {len(wds)} values, grads has {n} leaves")
+  seed = counter_hash.uint32_scalar(seed, name="seed", owner="adam_update")
+  applies = apply  # the step's flag; `apply` below says whether params are given
+  apply = params is not None
+  grads = [jnp.asarray(g) for g in grads]
+  impl = dispatch.select(OP_NAME, implementation, grads, interpret=interpret)
+  if impl == "triton" and group and config is not None and not isinstance(config,
+                                                                          TritonGroupConfig):
+    raise TypeError(f"adam_update: config must be a TritonGroupConfig for grouped triton "
+                    f"launches (or pass group=False), got {config!r}")
+  if impl == "mosaic_gpu" and config is not None:
+    group_config = dispatch.backend_module(OP_NAME, impl).MosaicGPUGroupConfig
+    if not isinstance(config, (MosaicGPUConfig, group_config)) or (
+        not group and isinstance(config, group_config)):
+      raise TypeError(f"adam_update: config must be a MosaicGPUConfig (one launch per leaf) "
+                      f"or, with group=True, an adam.mosaic_gpu.GroupConfig for mosaic_gpu, "
+                      f"got {config!r}")
+  ps = [jnp.asarray(p) for p in params] if apply else None
+  mus, nus = [jnp.asarray(m) for m in mu], [jnp.asarray(v) for v in nu]
+  # The step's scalars, packed once per distinct weight decay (a masked tree
+  # has two: its value and 0) and shared by the leaves that have it.
+  packed: dict = {}
+  scalars, seeds = [], []
+  for i in range(n):
+    _check(ps[i] if apply else None, grads[i], mus[i], nus[i])
+    key = wds[i] if isinstance(wds[i], (int, float)) else id(wds[i])
+    if key not in packed:
+      packed[key] = adam_scalars(count=count, learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
+                                 eps_root=eps_root, weight_decay=wds[i] if apply else 0.0,
+                                 nesterov=nesterov, grad_scale=grad_scale, apply=applies)
+    scalars.append(packed[key])
+    seeds.append(adam_seeds(seed, count, i))
+  placements = sharding_lib.resolve_placements(ps if apply else grads, shardings,
+                                               op="adam_update_tree", argument="shardings=")
+  return tuple(list(o) for o in _tree.update_leaves(
+      impl, scalars, seeds, ps, grads, mus, nus, placements, nesterov=nesterov,
+      interpret=interpret, config=config, group=group))

@@ -1,0 +1,200 @@
+"""The fp32 Adam/AdamW step shared by every backend, and its packed scalars.
+
+Every backend (:mod:`.reference`, :mod:`.triton`, :mod:`.mosaic_tpu`,
+:mod:`.mosaic_gpu`) runs :func:`adam_math` on its blocks and stores the
+results with :func:`store`. The fp32 scalars of a step (learning rate, b1,
+b2, eps, eps_root, bias corrections, weight decay, gradient scale, apply
+flag) travel as one small fp32 vector (:func:`adam_scalars`, laid out by the
+index constants below; SMEM on TPU), the rounding seeds of a leaf as one
+uint32 vector (:func:`adam_seeds`), so the step count and a scheduled
+learning rate may be traced.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from fuseopt.kernels import _validate
+from fuseopt.kernels import counter_hash
+from fuseopt.kernels import pallas_common
+
+# Layout of the fp32 scalar vector handed to every backend. GRAD_SCALE
+# multiplies g as it is loaded (a global-norm clip factor, 1.0 otherwise);
+# APPLY is 1.0, or 0.0 to keep p, mu and nu as they are (a skipped step).
+NEG_LR, B1, OMB1, B2, OMB2, EPS, EPS_ROOT, BC1, BC2, BC1_NEXT, WD, GRAD_SCALE, APPLY = range(13)
+N_SCALARS = 16   # padded to a power of two (Triton block shapes)
+N_SEEDS = 4      # uint32s: the param, mu and nu seeds, then the leaf's global index base
+SEED_BASE = 3    # (sharding: the shard's first element's global flat index)
+
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+# Per-element work of the kernels, for their cost estimates (XLA's cost
+# analysis, and a TPU's optimal_seconds, count a Pallas kernel only by what
+# it declares): the two moment updates (3 + 4), the bias-corrected step
+# (sqrt, eps, divide, lr: 4), the weight decay and the parameter write (3);
+# one square root. Integer hashing of the stochastic rounding is not
+# floating-point work.
+ADAM_FLOPS_PER_ELEMENT = 14
+ADAM_TRANSCENDENTALS_PER_ELEMENT = 1
+
+
+def adam_math(s, p32, g32, mu32, nu32, *, nesterov: bool, apply: bool):
+  """fp32 math of one element block; ``s`` indexes the scalar vector.
+
+  The operation order follows optax (clip's ``g * scale``, scale_by_adam,
+  add_decayed_weights, scale_by_learning_rate, apply_updates), so fp32
+  moments match optax to the last bit wherever the compiler keeps that order.
+  Where ``APPLY`` is 0 the outputs are the inputs (the direction is 0): a
+  select, so a skipped step costs no second pass; a stored bf16 value comes
+  back bit for bit through the stochastic rounding, which leaves values that
+  are already bf16 unchanged.
+  """
+  keep_old = s(APPLY) == 0
+  g32 = g32 * s(GRAD_SCALE)
+  mu_new = s(OMB1) * g32 + s(B1) * mu32
+  nu_new = s(OMB2) * (g32 * g32) + s(B2) * nu32
+  if nesterov:
+    mu_hat = s(B1) * (mu_new / s(BC1_NEXT)) + s(OMB1) * (g32 / s(BC1))
+  else:
+    mu_hat = mu_new / s(BC1)
+  nu_hat = nu_new / s(BC2)
+  u = mu_hat / (jnp.sqrt(nu_hat + s(EPS_ROOT)) + s(EPS))
+  if apply:
+    u = u + s(WD) * p32
+    out = jnp.where(keep_old, p32, p32 + s(NEG_LR) * u)
+  else:
+    out = jnp.where(keep_old, jnp.zeros_like(u), u)
+  return out, jnp.where(keep_old, mu32, mu_new), jnp.where(keep_old, nu32, nu_new)
+
+
+def store(x32, dtype, index, seed):
+  """fp32 → ``dtype``; bf16 with the counter-hash stochastic rounding."""
+  if dtype == jnp.bfloat16:
+    return counter_hash.stochastic_round_values(x32, index, seed)
+  return x32.astype(dtype)
+
+
+def kernel_body(s_ref, refs, *, nesterov, apply):
+  """The math of the Triton and Mosaic TPU kernels on one block; returns
+  the outputs' refs too."""
+  if apply:
+    p_ref, *refs = refs
+    p32 = p_ref[...].astype(jnp.float32)
+  else:
+    p32 = None
+  g_ref, mu_ref, nu_ref, *out_refs = refs
+  f32 = lambda r: r[...].astype(jnp.float32)
+  out, mu_new, nu_new = adam_math(lambda k: s_ref[k], p32, f32(g_ref), f32(mu_ref), f32(nu_ref),
+                                  nesterov=nesterov, apply=apply)
+  return out, mu_new, nu_new, out_refs
+
+
+def adam_cost(arrays, out_shape):
+  """Adam's work per element (:data:`ADAM_FLOPS_PER_ELEMENT`, one square
+  root) and its compulsory traffic: every stream read once, p, mu, nu
+  written once (20 B per parameter for fp32 p/g with bf16 moments)."""
+  n = sum(o.size for o in out_shape) // 3
+  return pallas_common.cost_estimate(
+      flops=n * ADAM_FLOPS_PER_ELEMENT,
+      transcendentals=n * ADAM_TRANSCENDENTALS_PER_ELEMENT,
+      bytes_accessed=pallas_common.nbytes(*arrays, *out_shape))
+
+
+# ----------------------------------------------------------------- scalars --
+def _f32(x) -> jax.Array:
+  return jnp.asarray(x, jnp.float32)
+
+
+@functools.partial(jax.jit, inline=True)
+def _bias_correction(decay, count):
+  """``1 - decay**count`` inside a jit, as optax.tree.bias_correction computes
+  it: called eagerly, ``decay ** count`` with a concrete integer ``count``
+  takes ``lax.integer_pow`` (repeated multiplication), which rounds
+  differently (1e-5 relative for b2 = 0.999) from the ``pow`` of a jitted
+  call."""
+  return 1 - decay ** count
+
+
+def adam_scalars(*, count, learning_rate=0.0, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0,
+                 weight_decay=0.0, nesterov=False, grad_scale=1.0, apply=True) -> jax.Array:
+  """The fp32 scalar vector of one step (shared by all leaves of a tree).
+
+  ``grad_scale`` (fp32, may be traced) multiplies the gradient inside the
+  kernel; ``apply`` (bool, may be traced) False returns p, mu and nu unchanged.
+
+  ``count`` is the step number after increment (1 on the first step), as in
+  optax; bias corrections are ``1 - b**count`` computed in fp32 as optax does
+  (a bf16 ``0.999`` would be 1.0 and nu would never decay).
+  """
+  if isinstance(count, (bool, float)):
+    raise TypeError(f"adam_update: count must be an integer scalar, got {count!r}")
+  if isinstance(count, int) and not 1 <= count < 2**31:
+    # (a Python int past int32 would otherwise fail inside jnp.asarray)
+    raise ValueError(f"adam_update: count must be >= 1 (the step number after increment, "
+                     f"1 on the first step) and < 2**31, got {count}")
+  count = jnp.asarray(count)
+  if count.ndim or not jnp.issubdtype(count.dtype, jnp.integer):
+    raise TypeError(f"adam_update: count must be an integer scalar, got "
+                    f"{count.dtype}{list(count.shape)}")
+  if not isinstance(count, jax.core.Tracer) and int(count) < 1:
+    # 1 - b ** 0 = 0: the bias corrections would divide by zero.
+    raise ValueError(f"adam_update: count must be >= 1 (the step number after increment, "
+                     f"1 on the first step), got {int(count)}")
+  _validate.check_real("adam_update", "b1", b1, lo=0.0, hi=1.0, hi_open=True)
+  _validate.check_real("adam_update", "b2", b2, lo=0.0, hi=1.0, hi_open=True)
+  _validate.check_real("adam_update", "eps", eps, lo=0.0)
+  _validate.check_real("adam_update", "eps_root", eps_root, lo=0.0)
+  _validate.check_real("adam_update", "learning_rate", learning_rate)
+  _validate.check_real("adam_update", "weight_decay", weight_decay)
+  # Same expressions as optax.tree.bias_correction / update_moment, so the
+  # fp32 values agree bit for bit with optax's (python floats stay exact
+  # until they meet the fp32 operand).
+  bc1 = _bias_correction(b1, count)
+  bc2 = _bias_correction(b2, count)
+  bc1_next = _bias_correction(b1, optax_safe_increment(count)) if nesterov else bc1
+  vals = [-learning_rate if not isinstance(learning_rate, (int, float)) else -float(learning_rate),
+          b1, 1 - b1, b2, 1 - b2, eps, eps_root, bc1, bc2, bc1_next, weight_decay, grad_scale,
+          jnp.where(apply, 1.0, 0.0) if isinstance(apply, jax.Array) else float(bool(apply))]
+  vals = [_f32(v) for v in vals]
+  return jnp.stack(vals + [jnp.float32(0)] * (N_SCALARS - len(vals)))
+
+
+def optax_safe_increment(count):
+  """``count + 1`` saturating at the dtype's maximum (optax.safe_increment)."""
+  count = jnp.asarray(count)
+  max_value = jnp.iinfo(count.dtype).max
+  return jnp.where(count < max_value, count + 1, max_value).astype(count.dtype)
+
+
+def adam_seeds(seed, step, leaf_index) -> jax.Array:
+  """uint32 seeds ``[param, mu, nu, 0]`` of one leaf at one step."""
+  return jnp.stack([counter_hash.derive_seed(seed, step, leaf_index, counter_hash.STREAM_PARAM),
+                    counter_hash.derive_seed(seed, step, leaf_index, counter_hash.STREAM_MU),
+                    counter_hash.derive_seed(seed, step, leaf_index, counter_hash.STREAM_NU),
+                    jnp.uint32(0)])
+
+
+def check_leaf(p, g, mu, nu):
+  g = jnp.asarray(g)
+  for name, a in (("grads", g), ("mu", mu), ("nu", nu)) + ((("params", p),) if p is not None else ()):
+    a = jnp.asarray(a)
+    if a.dtype not in FLOAT_DTYPES:
+      raise TypeError(f"adam_update: {name} must be float32 or bfloat16, got {a.dtype}")
+    if a.shape != g.shape:
+      raise ValueError(f"adam_update: {name} has shape {a.shape}, expected the gradient's {g.shape}")
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def no_derivative(impl, fn, *args):
+  return fn(*args)
+
+
+@no_derivative.defjvp
+def no_derivative_jvp(impl, fn, primals, tangents):
+  # pallas_call's own rule fails with "JVP with aliasing not supported".
+  raise TypeError(f"adam_update: implementation={impl!r} has no derivative (its kernels "
+                  "write their outputs in place of their inputs); differentiate through "
+                  "implementation='xla', the plain-jnp reference")

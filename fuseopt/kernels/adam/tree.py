@@ -1,0 +1,239 @@
+"""Running the Adam update over lists of leaves: backends per leaf or per
+group of leaves, and the leaves' placement on a mesh.
+
+:func:`update_leaves` places each leaf once (kernels on unsharded leaves,
+shard-local kernels in one ``shard_map`` per mesh on evenly sharded ones, the
+reference on the rest); :func:`run_local` runs leaves that are local to this
+device (or shard), grouping them where the backend groups; :func:`run_leaf`
+runs one leaf on one backend, or on the reference where that backend does not
+cover the leaf (logged at debug level).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from fuseopt.kernels import dispatch
+from fuseopt.kernels import elementwise_tiling
+from fuseopt.kernels import sharding as sharding_lib
+from fuseopt.kernels.adam import reference
+from fuseopt.kernels.adam.math import SEED_BASE, no_derivative
+
+OP_NAME = "adam_update"
+
+
+def _backend(impl):
+  return dispatch.backend_module(OP_NAME, impl)
+
+
+def _leaf_fallback(impl, p, g, mu, nu, out_dtype, config, index_map) -> str | None:
+  """Why backend ``impl`` leaves this leaf to the reference, or None."""
+  if impl == "mosaic_gpu" and g.size < elementwise_tiling.MOSAIC_GPU_LANES:
+    return f"a leaf of {g.size} elements has no warpgroup-wide block"
+  if impl == "mosaic_tpu":
+    return _backend(impl).leaf_reason(p, g, mu, nu, out_dtype, config, index_map)
+  return None
+
+
+def run_leaf(impl, scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, interpret, config,
+             index_map=None):
+  """One leaf on backend ``impl``; returns ``(out, mu, nu)`` in the leaf's shape."""
+  shape = g.shape
+  n = g.size
+  kw = dict(nesterov=nesterov, out_dtype=out_dtype, index_map=index_map)
+  if impl != "xla":
+    want = _backend(impl).Config
+    if config is not None and not isinstance(config, want):
+      raise TypeError(f"adam_update: config must be a {want.__name__} for {impl}, got {config!r}")
+    if impl == "mosaic_tpu":
+      config = config or _backend(impl).heuristic(n)
+    if n:
+      reason = _leaf_fallback(impl, p, g, mu, nu, out_dtype, config, index_map)
+      if reason is not None:
+        dispatch.log_fallback(OP_NAME, impl, reason, runs="the reference")
+        impl = "xla"
+  if n == 0 or impl == "xla":
+    # In the leaf's own shape: a reshape between a donated input and its
+    # in-place output makes XLA copy the leaf.
+    return reference.update(scalars, seeds, p, g, mu, nu,
+                            order_for_in_place=dispatch.current_platform((g,)) == "cpu", **kw)
+  interp = dispatch.interpret_arg(impl, interpret)
+  if impl == "mosaic_tpu":
+    # In the leaf's own shape too: the kernel picks a view that keeps the TPU layout.
+    return no_derivative(impl, functools.partial(
+        _backend(impl).update, config=config, interpret=interp, **kw),
+        scalars, seeds, p, g, mu, nu)
+  flat = lambda a: None if a is None else a.reshape(-1)
+  p, g, mu, nu = flat(p), flat(g), flat(mu), flat(nu)
+  config = config or _backend(impl).heuristic(n)
+  if impl == "mosaic_gpu":
+    # (the guard on the inputs, not around the kernel: jax cannot discharge
+    # the kernel's in-place refs inside a custom_jvp)
+    outs = _backend(impl).update_flat(
+        *no_derivative(impl, lambda *a: a, scalars, seeds, p, g, mu, nu),
+        config=config, interpret=interp, **kw)
+  else:
+    outs = no_derivative(impl, functools.partial(
+        _backend(impl).update_flat, config=config, interpret=interp, **kw),
+        scalars, seeds, p, g, mu, nu)
+  return tuple(o.reshape(shape) for o in outs)
+
+
+def _groups_leaves(impl, group, config) -> bool:
+  """Whether backend ``impl`` runs leaves of one dtype signature in one launch."""
+  if not group:
+    return False
+  if impl == "triton":
+    return True
+  return impl == "mosaic_gpu" and isinstance(config, _backend(impl).MosaicGPUGroupConfig)
+
+
+def _run_group(impl, members, scalars, seeds, ps, gs, mus, nus, *, nesterov, interpret, config,
+               index_maps):
+  """The leaves ``members`` (one dtype signature) in grouped launches;
+  returns ``{leaf: (out, mu, nu)}``."""
+  apply = ps is not None
+  backend = _backend(impl)
+  # (Mosaic GPU groups only with a config: its GROUP_SEARCH_SPACE)
+  cfg = config or backend.group_heuristic([gs[i].size for i in members])
+  step = cfg.max_leaves_per_launch
+  out = {}
+  for c in range(0, len(members), step):
+    chunk = members[c:c + step]
+    flat = lambda arrays: [arrays[i].reshape(-1) for i in chunk]
+    args = (jnp.stack([scalars[i] for i in chunk]), jnp.stack([seeds[i] for i in chunk]),
+            flat(ps) if apply else None, flat(gs), flat(mus), flat(nus))
+    kw = dict(nesterov=nesterov, config=cfg, interpret=dispatch.interpret_arg(impl, interpret),
+              index_maps=[index_maps[i] for i in chunk])
+    if impl == "mosaic_gpu":
+      # (the inputs guarded, as in run_leaf)
+      res = backend.update_group(*no_derivative(impl, lambda *a: a, *args), **kw)
+    else:
+      res = no_derivative(impl, functools.partial(backend.update_group, **kw), *args)
+    for i, r in zip(chunk, res):
+      out[i] = tuple(x.reshape(gs[i].shape) for x in r)
+  return out
+
+
+def run_local(impl, scalars, seeds, ps, gs, mus, nus, *, nesterov, interpret, config, group,
+              index_maps):
+  """Runs leaves that are local to this device (or shard): lists in, lists out."""
+  n = len(gs)
+  apply = ps is not None
+  grouped = _groups_leaves(impl, group, config)
+  # (a Mosaic GPU block spans at least one warpgroup's 128 elements)
+  smallest = elementwise_tiling.MOSAIC_GPU_LANES if impl == "mosaic_gpu" else 1
+  outs = ([None] * n, [None] * n, [None] * n)
+  signatures = {}  # dtype signature -> leaf positions, in tree order
+  for i in range(n):
+    p, g, m, v = (ps[i] if apply else None), gs[i], mus[i], nus[i]
+    if grouped and g.size >= smallest:
+      sig = (p.dtype if apply else None, g.dtype, m.dtype, v.dtype)
+      signatures.setdefault(sig, []).append(i)
+      continue
+    # (grouped: only empty (and, Mosaic GPU, tiny) leaves get here; the
+    # group config is not theirs)
+    r = run_leaf(impl, scalars[i], seeds[i], p, g, m, v, nesterov=nesterov,
+                 out_dtype=(p if apply else g).dtype, interpret=interpret,
+                 config=None if grouped else config, index_map=index_maps[i])
+    for lst, x in zip(outs, r):
+      lst[i] = x
+  for members in signatures.values():
+    done = _run_group(impl, members, scalars, seeds, ps, gs, mus, nus, nesterov=nesterov,
+                      interpret=interpret, config=config, index_maps=index_maps)
+    for i, r in done.items():
+      for lst, x in zip(outs, r):
+        lst[i] = x
+  return outs
+
+
+def update_leaves(impl, scalars, seeds, ps, gs, mus, nus, placements, *, nesterov, interpret,
+                  config, group):
+  """Places each leaf (``placements``: :func:`sharding_lib.resolve_placements`'
+  answers, one per leaf): kernels on unsharded leaves, shard-local kernels
+  (one ``shard_map`` per mesh) on evenly sharded ones, the reference on the
+  rest."""
+  n = len(gs)
+  apply = ps is not None
+  outs = ([None] * n, [None] * n, [None] * n)
+  run = functools.partial(run_local, nesterov=nesterov, interpret=interpret, config=config,
+                          group=group)
+
+  def assign(idx, res):
+    for lst, r in zip(outs, res):
+      for i, x in zip(idx, r):
+        lst[i] = x
+
+  def pick(arrays, idx):
+    return None if arrays is None else [arrays[i] for i in idx]
+
+  def run_here(idx, implementation):
+    if idx:
+      assign(idx, run(implementation, pick(scalars, idx), pick(seeds, idx), pick(ps, idx),
+                      pick(gs, idx), pick(mus, idx), pick(nus, idx),
+                      index_maps=[None] * len(idx)))
+
+  Placement = sharding_lib.Placement
+  run_here([i for i, p in enumerate(placements) if p is sharding_lib.UNSHARDED], impl)
+  # No placement on a multi-device mesh, or an uneven one: the reference, which
+  # XLA partitions (no kernel ever sees a sharded operand).
+  uneven = [i for i, p in enumerate(placements)
+            if isinstance(p, Placement) and not p.is_even(gs[i].shape)]
+  if uneven and impl != "xla":
+    dispatch.log_fallback(OP_NAME, impl, f"{len(uneven)} leaves do not divide evenly over "
+                          f"their mesh axes", runs="the reference, partitioned by XLA,")
+  run_here(sorted([i for i, p in enumerate(placements) if p is sharding_lib.UNKNOWN] + uneven),
+           "xla")
+  for mesh, idx in _by_mesh(placements, gs):
+    assign(idx, _run_sharded(run, impl, mesh, idx, placements, scalars, seeds, ps, gs, mus, nus))
+  return outs
+
+
+def _by_mesh(placements, gs):
+  """``[(mesh, leaf indices)]`` of the evenly sharded leaves, one entry a mesh."""
+  meshes = []
+  for i, p in enumerate(placements):
+    if isinstance(p, sharding_lib.Placement) and p.is_even(gs[i].shape):
+      for mesh, idx in meshes:
+        if sharding_lib.same_mesh(mesh, p.mesh):
+          idx.append(i)
+          break
+      else:
+        meshes.append((p.mesh, [i]))
+  return meshes
+
+
+def _run_sharded(run, impl, mesh, idx, placements, scalars, seeds, ps, gs, mus, nus):
+  """The leaves ``idx`` of one mesh, shard-local in one ``shard_map``, with
+  each shard's global index base in its seed row."""
+  apply = ps is not None
+  P = jax.sharding.PartitionSpec
+  pick = lambda arrays: [arrays[i] for i in idx]
+  specs = [placements[i].spec for i in idx]
+  shapes = [gs[i].shape for i in idx]
+  maps = [sharding_lib.index_map_of(s, placements[i].local_shape(s))
+          for i, s in zip(idx, shapes)]
+
+  def body(s_rows, seed_rows, *leaves):
+    bases = jnp.stack([placements[i].base(shape) for i, shape in zip(idx, shapes)])
+    seed_rows = seed_rows.at[:, SEED_BASE].set(bases)
+    k = len(idx)
+    lp = list(leaves[:k]) if apply else None
+    lg, lm, lv = (list(leaves[-3 * k:][j * k:(j + 1) * k]) for j in range(3))
+    return run(impl, list(s_rows), list(seed_rows), lp, lg, lm, lv, index_maps=maps)
+
+  fit = lambda arrays: [sharding_lib.to_spec(arrays[i], placements[i]) for i in idx]
+  leaves = (fit(ps) if apply else []) + fit(gs) + fit(mus) + fit(nus)
+  n_groups = 4 if apply else 3
+  res_p, res_mu, res_nu = sharding_lib.shard_local(
+      body, mesh, (P(), P()) + tuple(specs) * n_groups, (specs, specs, specs))(
+          jnp.stack(pick(scalars)), jnp.stack(pick(seeds)), *leaves)
+  # The moments keep their own placement (the direction follows the grads').
+  res_mu = [sharding_lib.like(y, mus[i]) for y, i in zip(res_mu, idx)]
+  res_nu = [sharding_lib.like(y, nus[i]) for y, i in zip(res_nu, idx)]
+  if not apply:
+    res_p = [sharding_lib.like(y, gs[i]) for y, i in zip(res_p, idx)]
+  return res_p, res_mu, res_nu

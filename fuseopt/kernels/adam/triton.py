@@ -1,0 +1,202 @@
+"""Fused Adam/AdamW update: the Triton backend (GPU), per leaf and grouped.
+
+Per leaf (:func:`update_flat`): a 1-D grid over the flattened leaf, ``block``
+elements a program (power of two), ragged tail masked. Grouped
+(:func:`update_group`, what :func:`fuseopt.kernels.adam_update_tree` runs):
+the leaves of one dtype signature in one launch (at most
+``TritonGroupConfig.max_leaves_per_launch``), each leaf its own operand and
+in-place output, a 1-D grid over the sum of their block counts, program
+``i`` updating leaf ``k``'s block ``i - starts[k]`` with that leaf's own
+flat index, so the bits are the per-leaf kernel's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from fuseopt.kernels import dispatch
+from fuseopt.kernels import elementwise_tiling
+from fuseopt.kernels import sharding as sharding_lib
+from fuseopt.kernels.adam.math import (N_SCALARS, N_SEEDS, SEED_BASE, adam_cost, adam_math,
+                                       kernel_body, store)
+from fuseopt.kernels.elementwise_tiling import TritonConfig
+
+Config = TritonConfig
+SEARCH_SPACE = elementwise_tiling.TRITON_SEARCH_SPACE
+heuristic = elementwise_tiling.triton_heuristic
+# Every float32/bfloat16 leaf (the public functions check the dtypes).
+supports = dispatch.supports_every_call
+
+
+def _kernel(s_ref, seed_ref, *refs, block, nesterov, apply, index_map):
+  out, mu_new, nu_new, (o_ref, mu_out, nu_out) = kernel_body(s_ref, refs, nesterov=nesterov,
+                                                             apply=apply)
+  index = sharding_lib.global_index(elementwise_tiling.triton_flat_index(block), index_map,
+                                    seed_ref[SEED_BASE])
+  o_ref[...] = store(out, o_ref.dtype, index, seed_ref[0])
+  mu_out[...] = store(mu_new, mu_out.dtype, index, seed_ref[1])
+  nu_out[...] = store(nu_new, nu_out.dtype, index, seed_ref[2])
+
+
+def update_flat(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpret,
+                index_map=None):
+  """One flat leaf (``p`` None: the direction); returns ``(out, mu, nu)``."""
+  from jax.experimental.pallas import triton as plgpu
+  (n,) = g.shape
+  block = config.block
+  apply = p is not None
+  spec = pl.BlockSpec((block,), lambda i: (i,))
+  arrays = (p, g, mu, nu) if apply else (g, mu, nu)
+  # In place: the new param overwrites p, the moments overwrite themselves.
+  # The Adam direction (p=None) gets a fresh buffer rather than aliasing g,
+  # which the caller usually still holds (XLA would copy it).
+  first = 2
+  aliases = ({first: 0, first + 2: 1, first + 3: 2} if apply
+             else {first + 1: 1, first + 2: 2})
+  return pl.pallas_call(
+      functools.partial(_kernel, block=block, nesterov=nesterov, apply=apply,
+                        index_map=index_map),
+      out_shape=(out_shape := (jax.ShapeDtypeStruct((n,), out_dtype),
+                               jax.ShapeDtypeStruct((n,), mu.dtype),
+                               jax.ShapeDtypeStruct((n,), nu.dtype))),
+      grid=(pl.cdiv(n, block),),
+      in_specs=[pl.BlockSpec((N_SCALARS,), lambda i: (0,)),
+                pl.BlockSpec((N_SEEDS,), lambda i: (0,))] + [spec] * len(arrays),
+      out_specs=(spec, spec, spec),
+      input_output_aliases=aliases,
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
+      interpret=interpret,
+      name="fuseopt_adam_update",
+      cost_estimate=adam_cost(arrays, out_shape),
+  )(scalars, seeds, *arrays)
+
+
+# ---------------------------------------------------------- triton, grouped --
+# One launch over a list of leaves (docs/measurements.md: 147 per-leaf launches
+# cost about 15% of the step on the 1.2 B tree, each kernel's ramp-up and
+# drain repeated). The leaves stay where they are: each is its own operand and
+# in-place output, the 1-D grid runs over the sum of their block counts, and
+# program ``i`` works on leaf ``k`` where ``starts[k] <= i < starts[k + 1]``.
+@dataclasses.dataclass(frozen=True)
+class TritonGroupConfig:
+  """Tiling of a grouped launch: ``block`` elements a program, ``num_warps``,
+  and at most ``max_leaves_per_launch`` leaves a launch (the kernel body holds
+  one unrolled branch per leaf, so this bounds the kernel's code size)."""
+  block: int = 1024
+  num_warps: int = 8
+  max_leaves_per_launch: int = 16
+
+  def __post_init__(self):
+    TritonConfig(self.block, self.num_warps)  # same checks
+    if not 1 <= self.max_leaves_per_launch <= 64:
+      raise ValueError(f"max_leaves_per_launch must be in [1, 64], got "
+                       f"{self.max_leaves_per_launch}")
+
+
+# Block 4096 failed at run time inside XLA's CUDA graph for per-leaf kernels
+# (docs/pallas_notes.md, "CUDA graphs"): in the space, to be measured on the device, never in
+# the heuristic.
+GROUP_SEARCH_SPACE = tuple(TritonGroupConfig(b, w, k) for b in (512, 1024, 2048, 4096)
+                           for w in (4, 8) for k in (8, 16))
+
+
+def group_heuristic(sizes) -> TritonGroupConfig:
+  # Block 1024 / 8 warps: the per-leaf kernel's measured best on the H200;
+  # a group of tiny leaves gets one small block, as triton_heuristic does.
+  c = elementwise_tiling.triton_heuristic(max(sizes, default=1))
+  return TritonGroupConfig(block=c.block, num_warps=c.num_warps, max_leaves_per_launch=16)
+
+
+def _group_kernel(s_ref, seed_ref, *refs, block, starts, nesterov, apply, index_maps):
+  n_leaves = len(starts) - 1
+  n_in = 4 if apply else 3
+  ins, outs = refs[:n_in * n_leaves], refs[n_in * n_leaves:]
+  i = pl.program_id(0)
+  for k in range(n_leaves):
+    lo, hi = starts[k], starts[k + 1]
+
+    # Unrolled branches: only leaf k's refs are touched in its programs; the
+    # other leaves' (clamped) blocks are neither loaded nor stored.
+    @pl.when((i >= lo) & (i < hi))
+    def _(k=k, lo=lo):
+      s = lambda j: s_ref[k * N_SCALARS + j]
+      f32 = lambda r: r[...].astype(jnp.float32)
+      leaf = ins[n_in * k:n_in * (k + 1)]
+      p32 = f32(leaf[0]) if apply else None
+      g_ref, mu_ref, nu_ref = leaf[-3:]
+      out, mu_new, nu_new = adam_math(s, p32, f32(g_ref), f32(mu_ref), f32(nu_ref),
+                                       nesterov=nesterov, apply=apply)
+      # The leaf's own flat index: the same bits as its per-leaf kernel.
+      seed = lambda j: seed_ref[k * N_SEEDS + j]
+      local = ((i - lo) * block).astype(jnp.uint32) + jax.lax.iota(jnp.uint32, block)
+      index = sharding_lib.global_index(local, index_maps[k], seed(SEED_BASE))
+      o_ref, mu_out, nu_out = outs[3 * k:3 * (k + 1)]
+      o_ref[...] = store(out, o_ref.dtype, index, seed(0))
+      mu_out[...] = store(mu_new, mu_out.dtype, index, seed(1))
+      nu_out[...] = store(nu_new, nu_out.dtype, index, seed(2))
+
+
+def update_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config, interpret,
+                 index_maps=None):
+  """One launch over flat leaves of one dtype signature.
+
+  ``scalars``: ``(K, N_SCALARS)`` fp32 rows, ``seeds``: ``(K, N_SEEDS)``
+  uint32 rows, one per leaf; ``ps`` is ``None`` for the direction-only mode.
+  """
+  from jax.experimental.pallas import triton as plgpu
+  block = config.block
+  apply = ps is not None
+  n_leaves = len(gs)
+  sizes = [g.shape[0] for g in gs]
+  starts = [0]
+  for n in sizes:
+    starts.append(starts[-1] + pl.cdiv(n, block))
+
+  def leaf_spec(lo, nblocks):
+    # Outside its own programs a leaf's block index is clamped into range, so
+    # every address the lowering forms stays inside the leaf.
+    return pl.BlockSpec((block,), lambda i: (jnp.clip(i - lo, 0, nblocks - 1),))
+
+  specs = [leaf_spec(starts[k], starts[k + 1] - starts[k]) for k in range(n_leaves)]
+  # Triton block shapes are powers of two: pad the per-leaf rows.
+  rows = pl.next_power_of_2(n_leaves)
+  pad = lambda a: jnp.pad(a, ((0, rows - n_leaves), (0, 0))).reshape(-1)
+  scalars, seeds = pad(scalars), pad(seeds)
+  n_in = 4 if apply else 3
+  arrays, in_specs, out_shape, out_specs, aliases = [], [], [], [], {}
+  for k in range(n_leaves):
+    leaf = (ps[k], gs[k], mus[k], nus[k]) if apply else (gs[k], mus[k], nus[k])
+    arrays += leaf
+    in_specs += [specs[k]] * n_in
+    first = 2 + n_in * k
+    out_dtype = leaf[0].dtype
+    out_shape += [jax.ShapeDtypeStruct((sizes[k],), out_dtype),
+                  jax.ShapeDtypeStruct((sizes[k],), mus[k].dtype),
+                  jax.ShapeDtypeStruct((sizes[k],), nus[k].dtype)]
+    out_specs += [specs[k]] * 3
+    # As in update_flat: params and moments in place, the direction fresh.
+    if apply:
+      aliases.update({first: 3 * k, first + 2: 3 * k + 1, first + 3: 3 * k + 2})
+    else:
+      aliases.update({first + 1: 3 * k + 1, first + 2: 3 * k + 2})
+  outs = pl.pallas_call(
+      functools.partial(_group_kernel, block=block, starts=tuple(starts),
+                        nesterov=nesterov, apply=apply,
+                        index_maps=tuple(index_maps or (None,) * n_leaves)),
+      out_shape=tuple(out_shape),
+      grid=(starts[-1],),
+      in_specs=[pl.BlockSpec((rows * N_SCALARS,), lambda i: (0,)),
+                pl.BlockSpec((rows * N_SEEDS,), lambda i: (0,))] + in_specs,
+      out_specs=tuple(out_specs),
+      input_output_aliases=aliases,
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
+      interpret=interpret,
+      name="fuseopt_adam_update_group",
+      cost_estimate=adam_cost(arrays, out_shape),
+  )(scalars, seeds, *arrays)
+  return [tuple(outs[3 * k:3 * (k + 1)]) for k in range(n_leaves)]

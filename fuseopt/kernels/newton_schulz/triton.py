@@ -1,0 +1,18 @@
+"""Newton–Schulz on the Triton kernels (GPU): the fused whole-NS kernel for a
+matrix that fits on chip, else the tiled symmetric-product and GEMM kernels
+(:mod:`.paths`). The kernels, configs, heuristics and search spaces live in
+the pieces' ``triton`` modules (:mod:`.sym.triton`, :mod:`.gemm.triton`,
+:mod:`.fused.triton`)."""
+
+from __future__ import annotations
+
+import functools
+
+from fuseopt.kernels import dispatch
+from fuseopt.kernels.newton_schulz import paths
+
+# Every floating batch of matrices (the public function checks them).
+supports = dispatch.supports_every_call
+# orthogonalize(y, *, table, restarts, ns_dtype, interpret, config): the
+# iteration on a normalised batch ``y`` (B, m, n), m <= n.
+orthogonalize = functools.partial(paths.orthogonalize, "triton")

@@ -1,0 +1,117 @@
+"""The one dispatch: backends per op and platform, fallbacks logged, forced
+backends refused with a reason, environment overrides read by one function."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from fuseopt.kernels import adam_update, dispatch, newton_schulz, stochastic_round_bf16
+from fuseopt.kernels.newton_schulz import paths
+from tests.kernels import harness
+
+
+def _gpu_mesh(kind):
+  return AbstractMesh((), (), abstract_device=AbstractDevice(device_kind=kind, num_cores=1,
+                                                             platform="gpu"))
+
+
+def test_every_backend_module_declares_what_it_supports():
+  for op, backends in dispatch.BACKENDS.items():
+    for name in backends:
+      assert name in dispatch.IMPLEMENTATIONS, (op, name)
+      assert callable(dispatch.backend_module(op, name).supports), (op, name)
+    for order in dispatch.PLATFORM_ORDER.values():
+      assert order[-1] == "xla"
+
+
+@pytest.mark.parametrize("target", harness.TARGETS, ids=harness.TARGET_IDS)
+def test_platform_order_picks_the_first_backend(target):
+  with jax.sharding.use_abstract_mesh(harness.abstract_mesh(target)):
+    for op in dispatch.BACKENDS:
+      assert dispatch.select(op, None) == target.implementation
+
+
+def test_cpu_and_unknown_platforms_run_the_reference(monkeypatch):
+  assert dispatch.select("adam_update", None, (jnp.ones(3),)) == "xla"
+  monkeypatch.setattr(dispatch, "current_platform", lambda arrays=(): "metal")
+  assert dispatch.resolve_implementation("adam_update", None) == "xla"
+
+
+def test_a_refused_default_falls_back_and_is_logged(monkeypatch, caplog):
+  module = dispatch.backend_module("stochastic_round", "triton")
+  monkeypatch.setattr(module, "supports", lambda call: "not today")
+  with caplog.at_level(logging.DEBUG, logger="fuseopt"):
+    with jax.sharding.use_abstract_mesh(_gpu_mesh("NVIDIA H200")):
+      assert dispatch.select("stochastic_round", None) == "xla"
+  assert any("stochastic_round" in r.getMessage() and "triton" in r.getMessage()
+             and "not today" in r.getMessage() for r in caplog.records), caplog.records
+
+
+def test_a_forced_backend_that_cannot_run_raises_with_op_backend_and_reason():
+  with jax.sharding.use_abstract_mesh(_gpu_mesh("NVIDIA L4")):
+    with pytest.raises(ValueError, match=r"adam_update: implementation='mosaic_gpu' cannot run"
+                                         r".*compute capability 8\.9"):
+      dispatch.select("adam_update", "mosaic_gpu")
+  with pytest.raises(ValueError, match="not available for newton_schulz"):
+    dispatch.select("newton_schulz", "mosaic_gpu")
+
+
+def test_an_untileable_leaf_falls_back_to_the_reference_and_is_logged(caplog):
+  p, g, mu, nu = (jnp.full((3, 5), v, jnp.float32) for v in (1.0, 0.5, 0.1, 0.2))
+  with caplog.at_level(logging.DEBUG, logger="fuseopt"):
+    got = adam_update(p, g, mu, nu, count=1, learning_rate=1e-3, implementation="mosaic_tpu",
+                      interpret=True)
+  want = adam_update(p, g, mu, nu, count=1, learning_rate=1e-3, implementation="xla")
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert any("mosaic_tpu" in r.getMessage() and "reference" in r.getMessage()
+             for r in caplog.records), caplog.records
+
+
+def test_environment_overrides_are_read_by_one_function(monkeypatch):
+  monkeypatch.setenv("FUSEOPT_IMPLEMENTATION", "triton")
+  monkeypatch.setenv("FUSEOPT_IMPLEMENTATION_ADAM_UPDATE", "xla")
+  monkeypatch.setenv("FUSEOPT_NS_PATH", "tiled")
+  o = dispatch.environment_overrides()
+  assert o.implementation_for("adam_update") == ("FUSEOPT_IMPLEMENTATION_ADAM_UPDATE", "xla")
+  assert o.implementation_for("newton_schulz") == ("FUSEOPT_IMPLEMENTATION", "triton")
+  assert o.ns_path == "tiled"
+  # never over an explicit argument
+  assert dispatch.select("newton_schulz", "xla") == "xla"
+
+
+def test_ns_path_never_overrides_gram_or_config(monkeypatch, caplog):
+  monkeypatch.setenv("FUSEOPT_NS_PATH", "fused")
+  assert paths.pick_path("triton", 64, 256, 1, None, False) == "fused"
+  with caplog.at_level(logging.WARNING, logger="fuseopt"):
+    assert paths.pick_path("triton", 64, 256, 1, None, True) == "tiled"
+  assert any("FUSEOPT_NS_PATH=fused ignored" in r.getMessage() for r in caplog.records)
+  assert paths.pick_path("triton", 64, 256, 1, paths.TiledConfig(), False) == "tiled"
+  monkeypatch.setenv("FUSEOPT_NS_PATH", "tiled")
+  from fuseopt.kernels.newton_schulz import fused
+  assert paths.pick_path("triton", 64, 256, 1, fused.TritonConfig(), False) == "fused"
+  monkeypatch.setenv("FUSEOPT_NS_PATH", "bogus")
+  with pytest.raises(ValueError, match="FUSEOPT_NS_PATH='bogus'"):
+    paths.pick_path("triton", 64, 256, 1, None, False)
+  x = jax.random.normal(jax.random.key(0), (32, 64))
+  with pytest.raises(ValueError, match="FUSEOPT_NS_PATH"):
+    newton_schulz(x, implementation="triton", interpret=True)
+
+
+def test_overrides_are_read_at_trace_time_and_jit_keeps_what_it_traced(monkeypatch):
+  """The documented rule: a function jitted before a variable changed keeps
+  its traced choice until jax's caches are cleared."""
+  monkeypatch.delenv("FUSEOPT_IMPLEMENTATION", raising=False)
+  monkeypatch.delenv("FUSEOPT_IMPLEMENTATION_STOCHASTIC_ROUND", raising=False)
+  f = jax.jit(lambda x: stochastic_round_bf16(x, 3))
+  x = jnp.linspace(0.0, 1.0, 256, dtype=jnp.float32)
+  want = f(x)
+  monkeypatch.setenv("FUSEOPT_IMPLEMENTATION", "bogus")
+  np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(want))   # the cached trace
+  jax.clear_caches()
+  with pytest.raises(ValueError, match="FUSEOPT_IMPLEMENTATION='bogus'"):
+    f(x)
