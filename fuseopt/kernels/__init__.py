@@ -37,6 +37,9 @@ from fuseopt.kernels.adam import adam_update_tree
 from fuseopt.kernels.adam.mosaic_gpu import MosaicGPUGroupConfig as AdamMosaicGPUGroupConfig
 from fuseopt.kernels.adam.triton import TritonGroupConfig as AdamTritonGroupConfig
 
+# The platform a computation on given arrays runs on (what implementation=None reads).
+from fuseopt.kernels.dispatch import current_platform
+
 # Running the kernels shard-local on a mesh (docs/scaling.md).
 from fuseopt.kernels import sharding
 from fuseopt.kernels.newton_schulz.distributed import orthogonalize_sharded
@@ -95,6 +98,7 @@ __all__ = (
     "adam_update_reference",
     "adam_update_tree",
     "coefficient_table",
+    "current_platform",
     "derive_seed",
     "newton_schulz",
     "newton_schulz_reference",

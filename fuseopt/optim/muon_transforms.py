@@ -61,11 +61,23 @@ __all__ = ["MuonDimensionNumbers", "MatrixViews", "MuonState", "scale_by_muon", 
 
 # Keller Jordan's triple, optax.contrib.muon's default ns_coeffs.
 JORDAN_COEFFS = kernels.JORDAN
-# Most matrix elements per Newton-Schulz call (see scale_by_muon): the fused
-# step holds one call's working set, about 8 bytes per element on an H200
-# (bf16 input and iterate, fp32 products), so 2^25 keeps the 1.2 B tree's
-# hybrid step near 0.5 GiB of temporaries there; 2^27 needed 2.3 GiB a call.
-DEFAULT_NS_MAX_ELEMENTS = 1 << 25
+# Most matrix elements per Newton-Schulz call (see scale_by_muon), by the
+# platform the step runs on. The fused step holds one call's working set.
+# GPU: 2^23 (8 Mi elements, 16 MiB of bf16 input: four 2048 x 2048 or one
+# 2048 x 8192 matrix a call) keeps the 1.2 B tree's hybrid step at 0.16 GiB
+# of temporaries on an H200 and 0.13 GiB a device on 8 (docs/fused_step.md).
+# TPU: 2^25: with smaller calls libtpu fuses the parameter update into the
+# last product of a one-matrix call, out of place (v6e: 0.97 -> 1.12 GiB).
+# Elsewhere (the CPU) 2^25 too.
+DEFAULT_NS_MAX_ELEMENTS = {"gpu": 1 << 23, "cuda": 1 << 23, "rocm": 1 << 23, "tpu": 1 << 25}
+DEFAULT_NS_MAX_ELEMENTS_ELSEWHERE = 1 << 25
+
+
+def default_ns_max_elements(platform: str) -> int:
+  """The default ``ns_max_elements`` for a step running on ``platform``."""
+  return DEFAULT_NS_MAX_ELEMENTS.get(platform, DEFAULT_NS_MAX_ELEMENTS_ELSEWHERE)
+
+
 _DION_COEFFS = (
     (4.0848, -6.8946, 2.9270),
     (3.9505, -6.3029, 2.6377),
@@ -366,7 +378,7 @@ class _MuonConfig:
   shape_scaling: bool
   consistent_rms: Any
   skip_inactive: bool
-  ns_max_elements: int
+  ns_max_elements: Optional[int]   # None: the platform's default
   shardings: Any
   ns: Callable[[jax.Array], jax.Array]   # Newton-Schulz on a (batch, rows, cols) array
 
@@ -380,6 +392,9 @@ class _MuonStep:
     self.config = config
     self.ns_input_dtype = ns_input_dtype
     self.g_leaves, self.treedef = jax.tree.flatten(updates)
+    # The most matrix elements one NS call takes, on this step's platform.
+    self.ns_budget = (config.ns_max_elements if config.ns_max_elements is not None else
+                      default_ns_max_elements(kernels.current_platform(self.g_leaves)))
     self.paths = [jax.tree_util.keystr(p)
                   for p, _ in jax.tree_util.tree_flatten_with_path(updates)[0]]
     self.specs = _leaf_specs(config.weight_dimension_numbers, updates, self.treedef)
@@ -522,12 +537,12 @@ def _unsequenced(step: _MuonStep, leaf_shardings):
     where = list(distributed.items())
     ys = distributed_ns.orthogonalize_sharded(
         [mu_hat[i] for i, _ in where], [p for _, (p, _) in where],
-        [ax for _, (_, ax) in where], config.ns, max_elements=config.ns_max_elements)
+        [ax for _, (_, ax) in where], config.ns, max_elements=step.ns_budget)
     for (i, _), y in zip(where, ys):
       results[(i, 0)] = y
   for members in groups.values():
     mats = [plans[i][0][j].matrix for i, j in members]
-    for k, parts in _chunked(mats, config.ns_max_elements, _replicated_ns(config.ns)):
+    for k, parts in _chunked(mats, step.ns_budget, _replicated_ns(config.ns)):
       results[members[k]] = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
 
   out = []
@@ -593,7 +608,7 @@ def _sequenced_distributed(seq: _Sequencer, distributed):
   where = list(distributed.items())
   for members in distributed_ns.rounds(
       [step.g_leaves[i] for i, _ in where], [p for _, (p, _) in where],
-      [ax for _, (_, ax) in where], step.config.ns_max_elements):
+      [ax for _, (_, ax) in where], step.ns_budget):
     leaves = [where[k][0] for k in members]
     started = {}
     for i, (g, m, p) in zip(leaves, seq.barrier(leaves)):
@@ -601,7 +616,7 @@ def _sequenced_distributed(seq: _Sequencer, distributed):
     ys = distributed_ns.orthogonalize_sharded(
         [started[i][1] for i in leaves], [distributed[i][0] for i in leaves],
         [distributed[i][1] for i in leaves], step.config.ns,
-        max_elements=step.config.ns_max_elements)
+        max_elements=step.ns_budget)
     for i, y in zip(leaves, ys):
       stored, h, a, p = started[i]
       seq.mu_leaves[i] = stored
@@ -624,7 +639,7 @@ def _ns_stages(step: _MuonStep, seq: _Sequencer, distributed):
         groups.setdefault(shape[1:] + (dtype,), []).append((i, j, shape[0]))
   stages = []
   for (rows, cols, _), members in groups.items():
-    for call in _call_plan([b for _, _, b in members], rows * cols, step.config.ns_max_elements):
+    for call in _call_plan([b for _, _, b in members], rows * cols, step.ns_budget):
       stages.append((members, call))
   return stages
 
@@ -733,8 +748,9 @@ def scale_by_muon(
     skip_inactive: a matrix whose gradient is all zero this step (an expert
       that no token reached) keeps its momentum and gets a zero update.
     ns_max_elements: the most matrix elements one NS call takes (``None``:
-      the default, 2^25 = 64 MiB of bf16 input, two of the 1.2 B Llama
-      tree's 2048x8192 matrices). Same-shaped matrices beyond it go into
+      the platform's default, :func:`default_ns_max_elements`: 2^23 = 16 MiB
+      of bf16 input on a GPU, one of the 1.2 B Llama tree's 2048x8192
+      matrices; 2^25 on a TPU and the CPU). Same-shaped matrices beyond it go into
       several calls, each still batched (never one lone matrix of a larger
       family), so XLA can free one call's temporaries before the next; in
       :func:`fuseopt.optim.step` the calls run one after the other, each with
@@ -801,7 +817,7 @@ def scale_by_muon(
   if ns_matmul not in ("xla", "pallas"):
     raise ValueError(f"scale_by_muon: ns_matmul must be 'xla' or 'pallas', got {ns_matmul!r}")
   if ns_max_elements is None:
-    ns_max_elements = DEFAULT_NS_MAX_ELEMENTS
+    pass   # the platform's default, read when the step is traced
   elif isinstance(ns_max_elements, bool) or not isinstance(ns_max_elements, (int, np.integer)) \
       or ns_max_elements < 1:
     raise TypeError(f"scale_by_muon: ns_max_elements must be a Python int >= 1 or None, got "
@@ -825,10 +841,12 @@ def scale_by_muon(
       weight_dimension_numbers=weight_dimension_numbers, beta=beta, nesterov=nesterov,
       adaptive=adaptive, shape_scaling=shape_scaling, consistent_rms=consistent_rms,
       skip_inactive=skip_inactive, ns_max_elements=ns_max_elements, shardings=shardings,
-      ns=functools.partial(_orthogonalize, coeffs=kernel_coeffs, steps=kernel_steps,
-                           ns_dtype=ns_dtype, eps=eps, preconditioning=preconditioning,
-                           gram=gram, implementation=implementation, interpret=interpret,
-                           ns_matmul=ns_matmul))
+      # Jitted: a step's NS calls of one shape (a model's layers repeat a
+      # handful) are traced and lowered once, and their kernels compiled once.
+      ns=jax.jit(functools.partial(_orthogonalize, coeffs=kernel_coeffs, steps=kernel_steps,
+                                   ns_dtype=ns_dtype, eps=eps, preconditioning=preconditioning,
+                                   gram=gram, implementation=implementation, interpret=interpret,
+                                   ns_matmul=ns_matmul)))
   direction = functools.partial(_direction, config)
 
   def update_fn(updates, state, params=None, **extra_args):

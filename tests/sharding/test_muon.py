@@ -188,6 +188,27 @@ def test_rounds_bound_each_devices_share_and_never_leave_a_lone_matrix():
   # Two matrices a device: rounds of 16; 33 = 16 + 16 + 1, the last one joins the round before.
   got = distributed.rounds(leaves, [where] * 33, axes, max_elements=2 * 64 * 32)
   assert [len(r) for r in got] == [16, 17] and sum(got, []) == list(range(33))
-  # A budget below two matrices still gives every device two (a batched NS).
-  assert [len(r) for r in distributed.rounds(leaves[:32], [where] * 32, axes, 64 * 32)] == [16, 16]
+  # A budget of one matrix gives every device one a round, as the unsharded
+  # step runs one a call; nothing is merged into the round before.
+  assert [len(r) for r in distributed.rounds(leaves, [where] * 33, axes, 64 * 32)] == [8] * 4 + [1]
+  assert [len(r) for r in distributed.rounds(leaves[:32], [where] * 32, axes, 64 * 32 - 1)] == [8] * 4
   assert distributed.rounds(leaves, [where] * 33, axes, None) == [list(range(33))]
+
+
+def test_sharded_muon_step_with_one_matrix_a_call_is_bitwise_the_unsharded_step():
+  """A budget of one matrix a call (the GPU default for the 1.2 B tree's MLP
+  matrices): the unsharded step runs the 512x128 pair one a call, the sharded
+  step one a device a round; both unbatched, bitwise the same."""
+  params = _tree(0, FAMILY_SHAPES)
+  grads = [_tree(10 + t, FAMILY_SHAPES) for t in range(3)]
+  budget = 512 * 128
+  want = _replay(fo.muon(1e-2, ns_max_elements=budget), params, grads)
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
+  sh = {n: NamedSharding(mesh, P("fsdp", None) if len(s) == 2 else P())
+        for n, s in FAMILY_SHAPES.items()}
+  put = lambda t: jax.tree.map(jax.device_put, t, sh)
+  got = _replay(fo.muon(1e-2, ns_max_elements=budget), put(params), [put(g) for g in grads])
+  for t, (w, g) in enumerate(zip(want, got)):
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(w)[0], jax.tree.leaves(g)):
+      np.testing.assert_array_equal(np.asarray(b), np.asarray(a),
+                                    err_msg=f"step {t} {jax.tree_util.keystr(path)}")

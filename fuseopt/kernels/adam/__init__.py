@@ -32,6 +32,7 @@ builder's job.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from fuseopt.kernels import counter_hash
 from fuseopt.kernels import dispatch
@@ -244,7 +245,10 @@ def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9,
                                  eps_root=eps_root, weight_decay=wds[i] if apply else 0.0,
                                  nesterov=nesterov, grad_scale=grad_scale, apply=applies)
     scalars.append(packed[key])
-    seeds.append(adam_seeds(seed, count, i))
+  # All leaves' seeds in one vector computation: per leaf, tracing the hash
+  # was about half the tracing time of a 147-leaf step.
+  seed_rows = adam_seeds(seed, count, np.arange(n, dtype=np.uint32))
+  seeds = [seed_rows[i] for i in range(n)]
   placements = sharding_lib.resolve_placements(ps if apply else grads, shardings,
                                                op="adam_update_tree", argument="shardings=")
   return tuple(list(o) for o in _tree.update_leaves(

@@ -25,6 +25,7 @@ from fuseopt.kernels import pallas_common
 # multiplies g as it is loaded (a global-norm clip factor, 1.0 otherwise);
 # APPLY is 1.0, or 0.0 to keep p, mu and nu as they are (a skipped step).
 NEG_LR, B1, OMB1, B2, OMB2, EPS, EPS_ROOT, BC1, BC2, BC1_NEXT, WD, GRAD_SCALE, APPLY = range(13)
+N_SCALARS_USED = APPLY + 1
 N_SCALARS = 16   # padded to a power of two (Triton block shapes)
 N_SEEDS = 4      # uint32s: the param, mu and nu seeds, then the leaf's global index base
 SEED_BASE = 3    # (sharding: the shard's first element's global flat index)
@@ -170,11 +171,13 @@ def optax_safe_increment(count):
 
 
 def adam_seeds(seed, step, leaf_index) -> jax.Array:
-  """uint32 seeds ``[param, mu, nu, 0]`` of one leaf at one step."""
-  return jnp.stack([counter_hash.derive_seed(seed, step, leaf_index, counter_hash.STREAM_PARAM),
-                    counter_hash.derive_seed(seed, step, leaf_index, counter_hash.STREAM_MU),
-                    counter_hash.derive_seed(seed, step, leaf_index, counter_hash.STREAM_NU),
-                    jnp.uint32(0)])
+  """uint32 seeds ``[param, mu, nu, 0]`` of one leaf at one step; with an
+  array of leaf indices, one such row per index (shape ``(*index, 4)``)."""
+  if not isinstance(leaf_index, int):
+    leaf_index = jnp.asarray(leaf_index, jnp.uint32)
+  streams = [counter_hash.derive_seed(seed, step, leaf_index, s)
+             for s in (counter_hash.STREAM_PARAM, counter_hash.STREAM_MU, counter_hash.STREAM_NU)]
+  return jnp.stack(streams + [jnp.zeros_like(streams[0])], axis=-1)
 
 
 def check_leaf(p, g, mu, nu):

@@ -91,6 +91,36 @@ def _groups_leaves(impl, group, config) -> bool:
   return impl == "mosaic_gpu" and isinstance(config, _backend(impl).MosaicGPUGroupConfig)
 
 
+def launch_chunks(sizes, max_leaves: int, *, by_size: bool = True) -> list[list[int]]:
+  """The positions of ``sizes`` (one dtype signature's leaves, tree order)
+  in grouped launches of at most ``max_leaves`` leaves.
+
+  ``by_size``: leaves of one size fill launches of their own first: such
+  launches are the same kernel (same sizes, same code), which jax traces and
+  lowers once and XLA compiles once (a model's layers repeat a handful of
+  shapes). What is left of each size, fewer than ``max_leaves``, shares
+  launches in tree order. Without it (the direction-only mode, whose outputs
+  are fresh buffers: a launch of the largest leaves alone would hold the most
+  of them live at once) launches follow the tree order. The bits do not
+  depend on the grouping (each leaf rounds with its own seeds on its own
+  flat index).
+  """
+  if not by_size:
+    order = list(range(len(sizes)))
+    return [order[c:c + max_leaves] for c in range(0, len(order), max_leaves)]
+  classes: dict[int, list[int]] = {}
+  for j, n in enumerate(sizes):
+    classes.setdefault(n, []).append(j)
+  chunks, rest = [], []
+  for members in classes.values():
+    full = len(members) - len(members) % max_leaves
+    chunks += [members[c:c + max_leaves] for c in range(0, full, max_leaves)]
+    rest += members[full:]
+  rest.sort()
+  chunks += [rest[c:c + max_leaves] for c in range(0, len(rest), max_leaves)]
+  return chunks
+
+
 def _run_group(impl, members, scalars, seeds, ps, gs, mus, nus, *, nesterov, interpret, config,
                index_maps):
   """The leaves ``members`` (one dtype signature) in grouped launches;
@@ -99,20 +129,20 @@ def _run_group(impl, members, scalars, seeds, ps, gs, mus, nus, *, nesterov, int
   backend = _backend(impl)
   # (Mosaic GPU groups only with a config: its GROUP_SEARCH_SPACE)
   cfg = config or backend.group_heuristic([gs[i].size for i in members])
-  step = cfg.max_leaves_per_launch
   out = {}
-  for c in range(0, len(members), step):
-    chunk = members[c:c + step]
+  for chunk in launch_chunks([gs[i].size for i in members], cfg.max_leaves_per_launch,
+                             by_size=apply):
+    chunk = [members[j] for j in chunk]
     flat = lambda arrays: [arrays[i].reshape(-1) for i in chunk]
     args = (jnp.stack([scalars[i] for i in chunk]), jnp.stack([seeds[i] for i in chunk]),
             flat(ps) if apply else None, flat(gs), flat(mus), flat(nus))
     kw = dict(nesterov=nesterov, config=cfg, interpret=dispatch.interpret_arg(impl, interpret),
-              index_maps=[index_maps[i] for i in chunk])
+              index_maps=tuple(index_maps[i] for i in chunk))
     if impl == "mosaic_gpu":
       # (the inputs guarded, as in run_leaf)
       res = backend.update_group(*no_derivative(impl, lambda *a: a, *args), **kw)
     else:
-      res = no_derivative(impl, functools.partial(backend.update_group, **kw), *args)
+      res = no_derivative(impl, functools.partial(backend.update_group_jit, **kw), *args)
     for i, r in zip(chunk, res):
       out[i] = tuple(x.reshape(gs[i].shape) for x in r)
   return out

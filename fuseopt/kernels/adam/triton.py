@@ -22,8 +22,8 @@ from jax.experimental import pallas as pl
 from fuseopt.kernels import dispatch
 from fuseopt.kernels import elementwise_tiling
 from fuseopt.kernels import sharding as sharding_lib
-from fuseopt.kernels.adam.math import (N_SCALARS, N_SEEDS, SEED_BASE, adam_cost, adam_math,
-                                       kernel_body, store)
+from fuseopt.kernels.adam.math import (N_SCALARS, N_SCALARS_USED, N_SEEDS, SEED_BASE, adam_cost,
+                                       adam_math, kernel_body, store)
 from fuseopt.kernels.elementwise_tiling import TritonConfig
 
 Config = TritonConfig
@@ -112,33 +112,67 @@ def group_heuristic(sizes) -> TritonGroupConfig:
   return TritonGroupConfig(block=c.block, num_warps=c.num_warps, max_leaves_per_launch=16)
 
 
+def _group_leaf(i, starts):
+  """``(k, first)``: the leaf of program ``i`` and its first program, from
+  ``starts`` (static): integer arithmetic, no table in memory. (Pallas's
+  Triton lowering cannot add a converted comparison to an integer: ``past``
+  is 1 where ``i >= starts[j]`` by a clamp instead.)"""
+  k = jnp.int32(0)
+  first = jnp.int32(0)
+  for j in range(1, len(starts) - 1):
+    past = jnp.clip(i - (starts[j] - 1), 0, 1)
+    k = k + past
+    first = first + past * (starts[j] - starts[j - 1])
+  return k, first
+
+
+def _bisect(k, lo: int, hi: int, branch):
+  """``branch(j)`` for the static ``j == k`` in ``[lo, hi)``, as a balanced
+  tree of two-way conds (Pallas's Triton lowering nests an n-way switch n
+  deep)."""
+  if hi - lo == 1:
+    return branch(lo)
+  mid = (lo + hi) // 2
+  return jax.lax.cond(k < mid, lambda: _bisect(k, lo, mid, branch),
+                      lambda: _bisect(k, mid, hi, branch))
+
+
 def _group_kernel(s_ref, seed_ref, *refs, block, starts, nesterov, apply, index_maps):
   n_leaves = len(starts) - 1
   n_in = 4 if apply else 3
   ins, outs = refs[:n_in * n_leaves], refs[n_in * n_leaves:]
   i = pl.program_id(0)
-  for k in range(n_leaves):
-    lo, hi = starts[k], starts[k + 1]
+  k, first = _group_leaf(i, starts)
+  local = ((i - first) * block).astype(jnp.uint32) + jax.lax.iota(jnp.uint32, block)
 
-    # Unrolled branches: only leaf k's refs are touched in its programs; the
-    # other leaves' (clamped) blocks are neither loaded nor stored.
-    @pl.when((i >= lo) & (i < hi))
-    def _(k=k, lo=lo):
-      s = lambda j: s_ref[k * N_SCALARS + j]
-      f32 = lambda r: r[...].astype(jnp.float32)
-      leaf = ins[n_in * k:n_in * (k + 1)]
-      p32 = f32(leaf[0]) if apply else None
-      g_ref, mu_ref, nu_ref = leaf[-3:]
-      out, mu_new, nu_new = adam_math(s, p32, f32(g_ref), f32(mu_ref), f32(nu_ref),
-                                       nesterov=nesterov, apply=apply)
-      # The leaf's own flat index: the same bits as its per-leaf kernel.
-      seed = lambda j: seed_ref[k * N_SEEDS + j]
-      local = ((i - lo) * block).astype(jnp.uint32) + jax.lax.iota(jnp.uint32, block)
-      index = sharding_lib.global_index(local, index_maps[k], seed(SEED_BASE))
-      o_ref, mu_out, nu_out = outs[3 * k:3 * (k + 1)]
-      o_ref[...] = store(out, o_ref.dtype, index, seed(0))
-      mu_out[...] = store(mu_new, mu_out.dtype, index, seed(1))
-      nu_out[...] = store(nu_new, nu_out.dtype, index, seed(2))
+  # Only what differs between the leaves is per leaf: which refs are read and
+  # written, and the leaf's global index (its sharding's index map). The math
+  # and the three roundings are emitted once, so the kernel's code (and its
+  # lowering and compile time) does not grow with the leaves' count
+  # (docs/fused_step.md, "Compile time").
+  def load(j):
+    leaf = ins[n_in * j:n_in * (j + 1)]
+    index = sharding_lib.global_index(local, index_maps[j], seed_ref[j * N_SEEDS + SEED_BASE])
+    return tuple(r[...] for r in leaf) + (index,)
+
+  *blocks, index = _bisect(k, 0, n_leaves, load)
+  scalars = {j: s_ref[k * N_SCALARS + j] for j in range(N_SCALARS_USED)}
+  f32 = lambda x: x.astype(jnp.float32)
+  p32 = f32(blocks[0]) if apply else None
+  g, mu, nu = blocks[-3:]
+  out, mu_new, nu_new = adam_math(scalars.__getitem__, p32, f32(g), f32(mu), f32(nu),
+                                  nesterov=nesterov, apply=apply)
+  seed = lambda j: seed_ref[k * N_SEEDS + j]
+  o_ref, mu_out, nu_out = outs[:3]   # every leaf of a launch has these dtypes
+  new = (store(out, o_ref.dtype, index, seed(0)),
+         store(mu_new, mu_out.dtype, index, seed(1)),
+         store(nu_new, nu_out.dtype, index, seed(2)))
+  for j in range(n_leaves):
+    # The other leaves' (clamped) blocks are neither loaded nor stored.
+    @pl.when(k == j)
+    def _(j=j):
+      for r, v in zip(outs[3 * j:3 * (j + 1)], new):
+        r[...] = v
 
 
 def update_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config, interpret,
@@ -200,3 +234,10 @@ def update_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config, interpre
       cost_estimate=adam_cost(arrays, out_shape),
   )(scalars, seeds, *arrays)
   return [tuple(outs[3 * k:3 * (k + 1)]) for k in range(n_leaves)]
+
+
+# A jitted launch: equal static arguments and operand shapes give the same
+# traced kernel, so repeated launches over the same leaf sizes are lowered to
+# Triton once and compiled once (see tree.launch_chunks).
+update_group_jit = jax.jit(update_group,
+                           static_argnames=("nesterov", "config", "interpret", "index_maps"))

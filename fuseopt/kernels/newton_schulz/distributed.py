@@ -85,7 +85,9 @@ def rounds(leaves: Sequence[jax.Array], placements: Sequence[sharding_lib.Placem
   out_rounds = []
   for (R, O, _, red_names, out_names, free), members in families.items():
     share = _size(mesh, red_names) * _size(mesh, out_names) * _size(mesh, free)
-    per_device = 2 if max_elements is None else max(2, max_elements // (R * O))
+    # Two a device at least, unless the budget holds one matrix alone: then
+    # the unsharded step too runs this family one matrix a call.
+    per_device = 2 if max_elements is None else max(1, max_elements // (R * O))
     room = per_device * share
     count = lambda i: math.prod(d for a, d in enumerate(leaves[i].shape)
                                 if a not in axes[i][0] and a not in axes[i][1])
@@ -98,7 +100,7 @@ def rounds(leaves: Sequence[jax.Array], placements: Sequence[sharding_lib.Placem
       current.append(i)
       used += count(i)
     family_rounds.append(current)
-    if len(family_rounds) > 1 and sum(count(i) for i in family_rounds[-1]) == 1:
+    if per_device > 1 and len(family_rounds) > 1 and sum(count(i) for i in family_rounds[-1]) == 1:
       family_rounds[-2:] = [family_rounds[-2] + family_rounds[-1]]
     out_rounds += family_rounds
   return out_rounds
