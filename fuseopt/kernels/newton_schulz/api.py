@@ -3,8 +3,9 @@
 What it computes: :mod:`.reference` (the specification and the CPU path).
 Backends, one module each, chosen by :mod:`fuseopt.kernels.dispatch`:
 ``xla`` (:mod:`.reference`), ``triton`` (:mod:`.triton`), ``mosaic_tpu``
-(:mod:`.mosaic_tpu`) and ``mosaic_gpu`` (:mod:`.mosaic_gpu`, opt-in, sm_90); a Pallas backend runs the fused whole-NS kernel or the
-tiled kernels (:mod:`.paths`).
+(:mod:`.mosaic_tpu`) and ``mosaic_gpu`` (:mod:`.mosaic_gpu`, opt-in, sm_90); a
+Pallas backend runs the fused whole-NS kernel or the tiled kernels
+(:mod:`.paths`).
 """
 
 from __future__ import annotations
