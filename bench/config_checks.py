@@ -14,8 +14,9 @@ reference.
 
 Families (``implementation`` of the default device: ``triton`` on a GPU,
 ``mosaic_tpu`` on a TPU; on an sm_90 GPU also ``stochastic_round_mosaic_gpu``,
-``adam_mosaic_gpu`` and ``adam_group_mosaic_gpu``, the same work through the
-Mosaic GPU kernels); each starts with ``<family>/heuristic`` (what
+``adam_mosaic_gpu``, ``adam_group_mosaic_gpu``, ``ns_poly_mosaic_gpu``,
+``ns_gram_mosaic_gpu``, ``ns_update_mosaic_gpu`` and ``ns_fused_mosaic_gpu``, the
+same work through the Mosaic GPU kernels); each starts with ``<family>/heuristic`` (what
 ``config=None`` picks), then every config of the search space, the last
 one first (the largest blocks, the likeliest to fail), ids
 ``<family>/<index in the search space>``:
@@ -335,6 +336,20 @@ def families(st: Settings) -> list[Family]:
     out.append(Family(f"ns_{name}", f"{mod.__name__}.{'gemm' if name == 'update' else 'sym'}"
                       + ("(alpha, beta: the polynomial)" if name == "poly" else ""),
                       space(mod), ns_setup, run, compare, {"flops": flops}))
+    if st.mosaic_gpu:
+      # The same products through the Mosaic GPU kernels, timed beside Triton's.
+      kw_mgpu = dict(implementation="mosaic_gpu",
+                     interpret=dispatch.interpret_arg("mosaic_gpu", st.interpret))
+      fn_mgpu = {
+          "poly": lambda a, cfg: gram.sym(a, **poly, config=cfg, **kw_mgpu),
+          "gram": lambda x, cfg: gram.sym(x, config=cfg, **kw_mgpu),
+          "update": lambda bm_, x, cfg: update.gemm(bm_, x, a=3.4445, config=cfg, **kw_mgpu),
+      }[name]
+      run, compare = ns_family(fn_mgpu, args_of, name)
+      out.append(Family(f"ns_{name}_mosaic_gpu", f"{mod.__name__}.mosaic_gpu."
+                        f"{'gemm' if name == 'update' else 'sym'} (via {mod.__name__})",
+                        mod.BACKENDS["mosaic_gpu"].SEARCH_SPACE,
+                        ns_setup, run, compare, {"flops": flops}))
 
   fb, fm, fn_ = st.fused_shape
   table = ns.coefficient_table("polar_express")[0]
@@ -349,6 +364,16 @@ def families(st: Settings) -> list[Family]:
   out.append(Family("ns_fused", "fuseopt.kernels.newton_schulz.fused.newton_schulz_fused", space(fused),
                     fused_setup, run, compare,
                     {"flops": fb * len(table) * (4 * fm * fm * fn_ + 2 * fm ** 3)}))
+  if st.mosaic_gpu:   # the same batch through the Mosaic GPU single kernel
+    run, compare = ns_family(
+        lambda x, cfg: fused.newton_schulz_fused(x, table, config=cfg, implementation="mosaic_gpu",
+                                                 interpret=dispatch.interpret_arg(
+                                                     "mosaic_gpu", st.interpret)),
+        lambda s: (s["x"],), None)
+    out.append(Family("ns_fused_mosaic_gpu",
+                      "fuseopt.kernels.newton_schulz.fused.mosaic_gpu.run (via newton_schulz_fused)",
+                      fused.BACKENDS["mosaic_gpu"].SEARCH_SPACE, fused_setup, run, compare,
+                      {"flops": fb * len(table) * (4 * fm * fm * fn_ + 2 * fm ** 3)}))
   return out
 
 

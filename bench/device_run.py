@@ -498,7 +498,8 @@ def main(argv=None) -> int:
   ap.add_argument("--families", nargs="+", default=None,
                   help="only these config families (stochastic_round adam adam_group ns_poly ns_gram "
                        "ns_update ns_fused; on an sm_90 GPU also stochastic_round_mosaic_gpu "
-                       "adam_mosaic_gpu adam_group_mosaic_gpu)")
+                       "adam_mosaic_gpu adam_group_mosaic_gpu ns_poly_mosaic_gpu "
+                       "ns_gram_mosaic_gpu ns_update_mosaic_gpu ns_fused_mosaic_gpu)")
   ap.add_argument("--resume", nargs="?", const="", default=None, metavar="DEVICE_RUN_JSON",
                   help="keep the finished config records (and the suite part) of an earlier run's "
                        "device_run.json (default: OUT_ROOT/<device>/device_run.json) and run only "

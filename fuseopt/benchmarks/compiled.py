@@ -136,19 +136,21 @@ def collectives(hlo: str) -> dict[str, dict[str, int]]:
 
 
 @contextlib.contextmanager
-def _captured_stderr() -> Iterator[list[str]]:
+def _captured_stderr(fd: int = 2) -> Iterator[list[str]]:
   """Collects what native code writes to file descriptor 2 (ptxas's warnings
-  reach the process's stderr from XLA, below Python's ``sys.stderr``)."""
+  reach the process's stderr from XLA, below Python's ``sys.stderr``), or to
+  ``fd`` (1: Mosaic GPU's ptxas report, ``MOSAIC_GPU_DUMP_PTXAS``)."""
   lines: list[str] = []
-  sys.stderr.flush()
-  saved = os.dup(2)
+  stream = sys.stderr if fd == 2 else sys.stdout
+  stream.flush()
+  saved = os.dup(fd)
   with tempfile.TemporaryFile(mode="w+b") as tmp:
-    os.dup2(tmp.fileno(), 2)
+    os.dup2(tmp.fileno(), fd)
     try:
       yield lines
     finally:
-      sys.stderr.flush()
-      os.dup2(saved, 2)
+      stream.flush()
+      os.dup2(saved, fd)
       os.close(saved)
       tmp.seek(0)
       text = tmp.read().decode("utf-8", "replace")
@@ -203,7 +205,7 @@ def compile_case(target, case: Case) -> dict[str, Any]:
       lowered = jax.jit(fn, donate_argnums=donate).trace(*args).lower(
           lowering_platforms=(t.lowering_platform,))
     t1 = time.perf_counter()
-    with _captured_stderr() as log:
+    with _captured_stderr() as log, _captured_stderr(1) as out_log:
       compiled = lowered.compile()
     t2 = time.perf_counter()
   except Exception as e:  # noqa: BLE001 - every compiler error becomes one clear failure
@@ -212,7 +214,7 @@ def compile_case(target, case: Case) -> dict[str, Any]:
                          f"{_short(msg)}") from e
   hlo = compiled.as_text()
   mem = compiled.memory_analysis()
-  spilled = spills(log)
+  spilled = sorted(set(spills(log)) | set(spills(out_log)))
   for line in log:   # the compilers' warnings and errors stay visible
     if re.match(r"\s*[WE]\d{4}|.*\b(warning|error)\b", line, re.I) and "ptxas info" not in line:
       print(line, file=sys.stderr)
@@ -403,12 +405,12 @@ def _ns_cases(impl: str) -> list[Case]:
       fn = lambda x: ns.newton_schulz(x, implementation=impl, config=cfg, gram=gram_)
       return fn, (_S(shape, dtype),), ()
     return Case(f"kernel/newton_schulz/{impl}/{tag}/{_cfg_name(cfg)}", build,
-                implementations=(impl,), full_only=full_only)
+                full_only=full_only, **_on(impl))
   # The benchmark shapes, each distinct choice of config=None once (the
   # single-kernel path or the tiled kernels' heuristic configs: shapes that
   # pick the same configs differ only in their grids), Gram NS, a ragged
   # shape and a small batch the single-kernel path takes.
-  small = 128 if impl == "triton" else 256
+  small = 128 if impl in ("triton", "mosaic_gpu") else 256
   seen = set()
   for shape in sorted(workloads.NS_SHAPES, key=lambda s: -len(s)):   # stacks first
     *batch, a, b = shape
@@ -420,11 +422,12 @@ def _ns_cases(impl: str) -> list[Case]:
   out.append(case("gram-2048x8192", (2048, 8192), gram_=True))
   out.append(case("ragged-1000x2900", (1000, 2900)))
   out.append(case(f"fused-8x{small}x{2 * small}", (8, small, 2 * small)))
-  out.append(case("f32-1024x1024", (1024, 1024), dtype=F32, full_only=True))
+  if impl != "mosaic_gpu":   # Mosaic GPU iterates in bf16/f16 only (refuses fp32)
+    out.append(case("f32-1024x1024", (1024, 1024), dtype=F32, full_only=True))
   # The full sweep: every config of each kernel's search space at 2048x8192.
-  sym_space = gram.TRITON_SEARCH_SPACE if impl == "triton" else gram.MOSAIC_SEARCH_SPACE
-  mm_space = update.TRITON_SEARCH_SPACE if impl == "triton" else update.MOSAIC_SEARCH_SPACE
-  fused_space = fused.TRITON_SEARCH_SPACE if impl == "triton" else fused.MOSAIC_SEARCH_SPACE
+  sym_space = gram.BACKENDS[impl].SEARCH_SPACE
+  mm_space = update.BACKENDS[impl].SEARCH_SPACE
+  fused_space = fused.BACKENDS[impl].SEARCH_SPACE
   out += [case("2048x8192", (2048, 8192), cfg=ns.TiledConfig(sym=c), full_only=True)
           for c in sym_space]
   out += [case("2048x8192", (2048, 8192), cfg=ns.TiledConfig(matmul=c), full_only=True)
@@ -438,7 +441,7 @@ def kernel_cases() -> list[Case]:
   out = []
   for impl in ("triton", "mosaic_tpu"):
     out += _sr_cases(impl) + _adam_cases(impl) + _ns_cases(impl)
-  return out + _sr_cases("mosaic_gpu") + _adam_cases("mosaic_gpu")
+  return out + _sr_cases("mosaic_gpu") + _adam_cases("mosaic_gpu") + _ns_cases("mosaic_gpu")
 
 
 # Recipes on the 1.2 B tree.

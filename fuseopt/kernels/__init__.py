@@ -1,5 +1,6 @@
 """Device ops: each a plain-jnp reference plus Pallas backends (Triton for
-GPU, Mosaic for TPU; Mosaic GPU, sm_90 only, for the elementwise ops) behind
+GPU, Mosaic for TPU; Mosaic GPU, sm_90 only, for the elementwise ops and
+Newton–Schulz) behind
 one public function taking ``implementation=`` and ``interpret=``.
 
 One folder per op (:mod:`.stochastic_round`, :mod:`.adam`,
@@ -53,10 +54,13 @@ from fuseopt.kernels.newton_schulz import ns_flops
 from fuseopt.kernels.newton_schulz import POLAR_EXPRESS
 from fuseopt.kernels.newton_schulz import singular_value_band
 from fuseopt.kernels.newton_schulz import TiledConfig
+from fuseopt.kernels.newton_schulz.fused import MosaicGPUConfig as FusedMosaicGPUConfig
 from fuseopt.kernels.newton_schulz.fused import MosaicTPUConfig as FusedMosaicTPUConfig
 from fuseopt.kernels.newton_schulz.fused import TritonConfig as FusedTritonConfig
+from fuseopt.kernels.newton_schulz.gemm import MosaicGPUConfig as GemmMosaicGPUConfig
 from fuseopt.kernels.newton_schulz.gemm import MosaicTPUConfig as GemmMosaicTPUConfig
 from fuseopt.kernels.newton_schulz.gemm import TritonConfig as GemmTritonConfig
+from fuseopt.kernels.newton_schulz.sym import MosaicGPUConfig as SymMosaicGPUConfig
 from fuseopt.kernels.newton_schulz.sym import MosaicTPUConfig as SymMosaicTPUConfig
 from fuseopt.kernels.newton_schulz.sym import TritonConfig as SymTritonConfig
 
@@ -76,8 +80,10 @@ __all__ = (
     "ElementwiseMosaicTPUConfig",
     "ElementwiseTritonConfig",
     "FusedMosaicConfig",
+    "FusedMosaicGPUConfig",
     "FusedMosaicTPUConfig",
     "FusedTritonConfig",
+    "GemmMosaicGPUConfig",
     "GemmMosaicTPUConfig",
     "GemmTritonConfig",
     "GramMosaicConfig",
@@ -88,6 +94,7 @@ __all__ = (
     "STREAM_MU",
     "STREAM_NU",
     "STREAM_PARAM",
+    "SymMosaicGPUConfig",
     "SymMosaicTPUConfig",
     "SymTritonConfig",
     "TiledConfig",

@@ -2,8 +2,8 @@
 
 Every op has a plain-``jnp`` reference (``"xla"``) and Pallas backends:
 ``"triton"`` (GPU, Pallas's Triton lowering), ``"mosaic_tpu"`` (TPU) and, for
-the elementwise ops, ``"mosaic_gpu"`` (Pallas's Mosaic GPU lowering, sm_90
-only). Each op lists its backends in :data:`BACKENDS`, one entry a backend:
+the elementwise ops and Newton–Schulz, ``"mosaic_gpu"`` (Pallas's Mosaic GPU
+lowering, sm_90 only). Each op lists its backends in :data:`BACKENDS`, one entry a backend:
 the module that holds its kernel, config, heuristic and search space, and a
 ``supports(call)`` function that returns ``None`` when the backend can run
 the :class:`Call` or a sentence saying why it cannot.
@@ -95,6 +95,7 @@ BACKENDS: Mapping[str, Mapping[str, str]] = {
         "xla": _K + "newton_schulz.reference",
         "triton": _K + "newton_schulz.triton",
         "mosaic_tpu": _K + "newton_schulz.mosaic_tpu",
+        "mosaic_gpu": _K + "newton_schulz.mosaic_gpu",
     },
 }
 

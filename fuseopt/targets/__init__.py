@@ -156,6 +156,9 @@ def report_ptxas() -> None:
   and ``fuseopt compile-check`` do). Variables already set are kept.
   """
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0")
+  # Mosaic GPU kernels are compiled by jax's own ptxas call, which prints the
+  # same report (to stdout) when asked.
+  os.environ.setdefault("MOSAIC_GPU_DUMP_PTXAS", "1")
   vmodule = os.environ.get("TF_CPP_VMODULE", "")
   if "subprocess_compilation" not in vmodule:
     os.environ["TF_CPP_VMODULE"] = ",".join(filter(None, [vmodule, "subprocess_compilation=2"]))

@@ -56,8 +56,11 @@ def test_a_forced_backend_that_cannot_run_raises_with_op_backend_and_reason():
     with pytest.raises(ValueError, match=r"adam_update: implementation='mosaic_gpu' cannot run"
                                          r".*compute capability 8\.9"):
       dispatch.select("adam_update", "mosaic_gpu")
+    with pytest.raises(ValueError, match=r"newton_schulz: implementation='mosaic_gpu' cannot run"
+                                         r".*compute capability 8\.9"):
+      dispatch.select("newton_schulz", "mosaic_gpu")
   with pytest.raises(ValueError, match="not available for newton_schulz"):
-    dispatch.select("newton_schulz", "mosaic_gpu")
+    dispatch.select("newton_schulz", "mosaic")
 
 
 def test_an_untileable_leaf_falls_back_to_the_reference_and_is_logged(caplog):

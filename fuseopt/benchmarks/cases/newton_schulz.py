@@ -13,7 +13,10 @@ with optax's; Polar Express costs the same FLOPs):
 - on a GPU / TPU: ``fuseopt[<impl>]`` (the default dispatch: fused kernel for
   small matrices, symmetric kernels + XLA dot otherwise),
   ``fuseopt[<impl>+pallas_update]`` (the update ``a·X + B X`` as the Pallas
-  GEMM with fused epilogue instead of XLA's dot) and ``fuseopt[<impl>,gram]``.
+  GEMM with fused epilogue instead of XLA's dot) and ``fuseopt[<impl>,gram]``;
+  on an sm_90 GPU also ``fuseopt[mosaic_gpu]`` (the Mosaic GPU kernels: the
+  single kernel for small matrices, else the symmetric products and the
+  update GEMM; :mod:`fuseopt.kernels.newton_schulz.mosaic_gpu`).
 
 ``flops`` is the standard count 5·(4m²n + 2m³) per matrix (m <= n), so a
 symmetric or Gram variant can exceed the matmul ceiling in effective
@@ -115,7 +118,18 @@ def variant_fns(shape, platform: str) -> dict:
     fns[f"fuseopt[{impl}+pallas_update]"] = fuse(impl, config=config)
     if wide:
       fns[f"fuseopt[{impl},gram]"] = fuse(impl, gram=True)
+  if platform == "gpu" and _sm90():   # Mosaic GPU's kernels beside Triton's, where they compile
+    fns["fuseopt[mosaic_gpu]"] = fuse("mosaic_gpu")
   return fns
+
+
+def _sm90() -> bool:
+  from fuseopt.kernels import dispatch
+  try:
+    dispatch.check_mosaic_gpu_target("newton_schulz", False)
+  except ValueError:
+    return False
+  return True
 
 
 def cases(size: str, platform: str):

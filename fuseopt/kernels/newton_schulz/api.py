@@ -2,9 +2,10 @@
 
 What it computes: :mod:`.reference` (the specification and the CPU path).
 Backends, one module each, chosen by :mod:`fuseopt.kernels.dispatch`:
-``xla`` (:mod:`.reference`), ``triton`` (:mod:`.triton`) and ``mosaic_tpu``
-(:mod:`.mosaic_tpu`); a Pallas backend runs the fused whole-NS kernel or the
-tiled kernels (:mod:`.paths`).
+``xla`` (:mod:`.reference`), ``triton`` (:mod:`.triton`), ``mosaic_tpu``
+(:mod:`.mosaic_tpu`) and ``mosaic_gpu`` (:mod:`.mosaic_gpu`, opt-in, sm_90); a
+Pallas backend runs the fused whole-NS kernel or the tiled kernels
+(:mod:`.paths`).
 """
 
 from __future__ import annotations
@@ -61,10 +62,12 @@ def newton_schulz(x, *, coeffs="polar_express", steps=None, ns_dtype=jnp.bfloat1
       aspect ratio 2; a tuple of step indices sets the restarts (``(2,)``:
       one restart, fewer FLOPs, less accurate on ill-conditioned inputs).
     implementation: ``None`` (chosen by :mod:`fuseopt.kernels.dispatch`),
-      ``"xla"``, ``"triton"`` or ``"mosaic_tpu"``.
+      ``"xla"``, ``"triton"``, ``"mosaic_tpu"`` or ``"mosaic_gpu"`` (sm_90 GPUs only,
+      bf16/f16 iterates: :mod:`.mosaic_gpu`; never chosen by ``None``).
     interpret: run a Pallas backend in interpret mode (CPU debugging).
     config: :class:`TiledConfig`, or a :mod:`fuseopt.kernels.newton_schulz.fused`
-      config to force the single-kernel path.
+      config (``mosaic_gpu``: :class:`.fused.mosaic_gpu.MosaicGPUConfig`) to force
+      the single-kernel path.
 
   Returns:
     An array of ``x``'s shape and dtype. Its derivative is the reference's
@@ -75,7 +78,7 @@ def newton_schulz(x, *, coeffs="polar_express", steps=None, ns_dtype=jnp.bfloat1
   _validate.check_real("newton_schulz", "eps", eps, lo=0.0)
   table, scale = coefficient_table(coeffs, steps)
   impl = dispatch.select(OP_NAME, implementation, (x,), interpret=interpret, shape=x.shape,
-                         dtype=x.dtype)
+                         dtype=x.dtype, ns_dtype=ns_dtype)
   xb, _ = as_batched(x)
   if impl == "xla" or xb.size == 0:
     return newton_schulz_reference(x, coeffs=coeffs, steps=steps, ns_dtype=ns_dtype,

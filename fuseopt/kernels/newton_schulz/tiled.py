@@ -28,7 +28,8 @@ class TiledConfig:
 
   ``sym``: :mod:`fuseopt.kernels.newton_schulz.sym` config for the symmetric products;
   ``matmul``: :mod:`fuseopt.kernels.newton_schulz.gemm` config, the string ``"xla"``
-  (the default) to run ``a·X + B X`` as an XLA dot with a fused add, or
+  (the default, except on ``mosaic_gpu``, whose default is ``"pallas"``) to run
+  ``a·X + B X`` as an XLA dot with a fused add, or
   ``"pallas"`` for the GEMM kernel with its shape heuristic. The Pallas
   kernel adds ``a·X`` in its epilogue and writes only the rounded result:
   XLA's dot keeps fp32 products and an fp32 copy of X (excess precision) per
@@ -54,7 +55,9 @@ class KernelOps:
   def run(self, x, iterate):
     batch, m, n = x.shape
     self.sym_config = self.config.sym or sym_k.heuristic(self.impl, batch, m, n)
-    self.matmul_config = self.config.matmul if self.config.matmul is not None else "xla"
+    # Mosaic GPU runs its own GEMM kernel by default (gemm.mosaic_gpu).
+    default = "pallas" if self.impl == "mosaic_gpu" else "xla"
+    self.matmul_config = self.config.matmul if self.config.matmul is not None else default
     if self.matmul_config == "pallas":
       self.matmul_config = gemm_k.heuristic(self.impl, batch, m, n)
     gm = max(self.sym_config.bm, self.sym_config.bk)

@@ -9,7 +9,9 @@ memory; the grid runs over the batch, one matrix per program.
 - ``mosaic_tpu`` (:mod:`.mosaic_tpu`): the matrix in VMEM, up to about
   1024 × 1024 in bf16;
 - ``triton`` (:mod:`.triton`): one CTA per matrix, so only for *small*
-  matrices (m <= 128 and m·n <= 16384 once padded to powers of two).
+  matrices (m <= 128 and m·n <= 16384 once padded to powers of two);
+- ``mosaic_gpu`` (:mod:`.mosaic_gpu`, sm_90): one CTA per matrix, X, A and B
+  in shared memory, warpgroup MMA; m <= 128, up to 128 × 512 or 64 × 1536.
 
 The coefficients are baked in (static), the steps unrolled. Padding with
 zero rows/columns is exact for NS (they stay zero).
@@ -20,8 +22,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from fuseopt.kernels import dispatch
+from fuseopt.kernels.newton_schulz.fused import mosaic_gpu
 from fuseopt.kernels.newton_schulz.fused import mosaic_tpu
 from fuseopt.kernels.newton_schulz.fused import triton
+from fuseopt.kernels.newton_schulz.fused.mosaic_gpu import MosaicGPUConfig
 from fuseopt.kernels.newton_schulz.fused.mosaic_tpu import MosaicTPUConfig
 from fuseopt.kernels.newton_schulz.fused.reference import ns_fused_reference
 from fuseopt.kernels.newton_schulz.fused.triton import TritonConfig
@@ -30,7 +34,7 @@ F32 = jnp.float32
 
 # The backends of this piece, by name: each module holds its kernel launch,
 # Config, heuristic, SEARCH_SPACE and ``fits``.
-BACKENDS = {"triton": triton, "mosaic_tpu": mosaic_tpu}
+BACKENDS = {"triton": triton, "mosaic_tpu": mosaic_tpu, "mosaic_gpu": mosaic_gpu}
 
 # The names these had before the backends had modules of their own.
 MosaicConfig = MosaicTPUConfig
@@ -54,8 +58,9 @@ def fits(implementation: str, m: int, n: int, itemsize: int = 2) -> bool:
   return BACKENDS[implementation].fits(m, n, itemsize)
 
 
-def heuristic(implementation: str):
-  return _backend(implementation).heuristic()
+def heuristic(implementation: str, m: int = 128, n: int = 0):
+  """The config backend ``implementation`` picks (Mosaic GPU's by the matrix's m)."""
+  return _backend(implementation).heuristic(m, n)
 
 
 def _backend(implementation: str):
@@ -68,7 +73,7 @@ def newton_schulz_fused(x, table, *, implementation, interpret=False, config=Non
   batch, m, n = x.shape
   mp, np_ = backend.padded_shape(m, n)
   xp = jnp.pad(x, ((0, 0), (0, mp - m), (0, np_ - n))) if (mp, np_) != (m, n) else x
-  config = config or backend.heuristic()
+  config = config or backend.heuristic(m, n)
   table = tuple(tuple(float(v) for v in row) for row in table)
   out = backend.run(xp, table, config=config, interpret=interpret)
   return out[:, :m, :n] if (mp, np_) != (m, n) else out

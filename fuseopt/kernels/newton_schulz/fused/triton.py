@@ -28,7 +28,8 @@ Config = TritonConfig
 SEARCH_SPACE = (TritonConfig(4), TritonConfig(8))
 
 
-def heuristic() -> TritonConfig:
+def heuristic(m: int = 0, n: int = 0) -> TritonConfig:
+  del m, n   # one config for every shape
   return TritonConfig()
 
 

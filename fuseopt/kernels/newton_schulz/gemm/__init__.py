@@ -14,8 +14,9 @@ measured Pallas-Triton GEMM prototype was only at parity (docs/measurements.md)
 (beats XLA at 2048³/4096³, loses at 8192³). The benchmark runs both
 (``fuseopt[triton+pallas_update]``) so the choice can be flipped on data.
 
-Backends, one module each: :mod:`.triton`, :mod:`.mosaic_tpu`; the
-reference in :mod:`.reference`.
+Backends, one module each: :mod:`.triton`, :mod:`.mosaic_tpu`, :mod:`.mosaic_gpu`
+(sm_90, bf16/f16, writes the input's dtype; the tiled NS path's default GEMM
+on that backend); the reference in :mod:`.reference`.
 
 Sizes that are not multiples of the blocks are zero-padded and sliced back
 (exact: zero rows/columns contribute nothing).
@@ -27,8 +28,10 @@ import jax
 import jax.numpy as jnp
 
 from fuseopt.kernels import dispatch
+from fuseopt.kernels.newton_schulz.gemm import mosaic_gpu
 from fuseopt.kernels.newton_schulz.gemm import mosaic_tpu
 from fuseopt.kernels.newton_schulz.gemm import triton
+from fuseopt.kernels.newton_schulz.gemm.mosaic_gpu import MosaicGPUConfig
 from fuseopt.kernels.newton_schulz.gemm.mosaic_tpu import MosaicTPUConfig
 from fuseopt.kernels.newton_schulz.gemm.reference import gemm_reference
 from fuseopt.kernels.newton_schulz.gemm.triton import TritonConfig
@@ -37,7 +40,7 @@ F32 = jnp.float32
 
 # The backends of this piece, by name: each module holds its kernel, Config,
 # heuristic and SEARCH_SPACE.
-BACKENDS = {"triton": triton, "mosaic_tpu": mosaic_tpu}
+BACKENDS = {"triton": triton, "mosaic_tpu": mosaic_tpu, "mosaic_gpu": mosaic_gpu}
 
 # The names these had before the GEMM had a folder of its own.
 MosaicConfig = MosaicTPUConfig

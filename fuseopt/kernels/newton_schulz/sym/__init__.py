@@ -16,8 +16,8 @@ every use): the mirror tile carries the transposed ``beta·X`` tile.
 Products accumulate in fp32; the epilogue runs in fp32 and the tile is
 rounded once to the output dtype.
 
-Backends, one module each: :mod:`.triton`, :mod:`.mosaic_tpu`; the
-reference in :mod:`.reference`.
+Backends, one module each: :mod:`.triton`, :mod:`.mosaic_tpu`, :mod:`.mosaic_gpu`
+(sm_90, bf16/f16, writes the input's dtype); the reference in :mod:`.reference`.
 
 Sizes that are not multiples of the blocks are zero-padded by the wrapper
 (zero rows and columns do not change X Xᵀ's valid part) and sliced back.
@@ -29,8 +29,10 @@ import jax
 import jax.numpy as jnp
 
 from fuseopt.kernels import dispatch
+from fuseopt.kernels.newton_schulz.sym import mosaic_gpu
 from fuseopt.kernels.newton_schulz.sym import mosaic_tpu
 from fuseopt.kernels.newton_schulz.sym import triton
+from fuseopt.kernels.newton_schulz.sym.mosaic_gpu import MosaicGPUConfig
 from fuseopt.kernels.newton_schulz.sym.mosaic_tpu import MosaicTPUConfig
 from fuseopt.kernels.newton_schulz.sym.mosaic_tpu import upper_pairs
 from fuseopt.kernels.newton_schulz.sym.reference import poly_reference
@@ -46,7 +48,7 @@ F32 = jnp.float32
 
 # The backends of this piece, by name: each module holds its kernel, Config,
 # heuristic and SEARCH_SPACE.
-BACKENDS = {"triton": triton, "mosaic_tpu": mosaic_tpu}
+BACKENDS = {"triton": triton, "mosaic_tpu": mosaic_tpu, "mosaic_gpu": mosaic_gpu}
 
 # The names these had before the backends had modules of their own.
 MosaicConfig = MosaicTPUConfig
