@@ -304,9 +304,11 @@ def test_never_the_default_but_selectable(monkeypatch):
   monkeypatch.setenv("FUSEOPT_IMPLEMENTATION_ADAM_UPDATE", MGPU)
   assert _backend.resolve_implementation("adam_update", None,
                                          available=_backend.IMPLEMENTATIONS) == MGPU
-  # an op without a Mosaic GPU backend refuses the name rather than guessing
+  # every op has a Mosaic GPU backend now (Newton-Schulz too); a name that is
+  # no backend of the op is refused rather than guessed
+  assert _backend.resolve_implementation("newton_schulz", MGPU) == MGPU
   with pytest.raises(ValueError, match="not available"):
-    _backend.resolve_implementation("newton_schulz", MGPU)
+    _backend.resolve_implementation("newton_schulz", MGPU + "_sm80")
   assert isinstance(_backend.interpret_arg(MGPU, True),
                     __import__("jax.experimental.pallas.mosaic_gpu",
                                fromlist=["x"]).InterpretGPUParams)
