@@ -225,9 +225,7 @@ def _call_plan(batches, matrix_elements, max_elements):
   ``k``) goes into NS calls of at most ``max_elements`` elements: a list of
   calls, each a list of ``(k, start, stop)`` batch ranges."""
   total = sum(batches)
-  per_call = total
-  if max_elements is not None:
-    per_call = max(1, int(max_elements) // matrix_elements)
+  per_call = distributed_ns.matrices_per_call(max_elements, matrix_elements) or total
   sizes = [per_call] * (total // per_call) + ([total % per_call] if total % per_call else [])
   if per_call > 1 and len(sizes) > 1 and sizes[-1] == 1:
     # No lone matrix in a batched family: the sharded step runs every

@@ -70,6 +70,14 @@ def _family_key(x_shape, dtype, placement, red, out, mesh):
           free)
 
 
+def matrices_per_call(max_elements: int | None, matrix_elements: int) -> int | None:
+  """How many matrices of ``matrix_elements`` one NS call holds under a
+  budget of ``max_elements`` (``None``: no budget); at least one. The
+  unsharded step's calls and this module's rounds and per-device batches
+  follow the same count, so both run a family in the same batch sizes."""
+  return None if max_elements is None else max(1, int(max_elements) // matrix_elements)
+
+
 def rounds(leaves: Sequence[jax.Array], placements: Sequence[sharding_lib.Placement],
            axes: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
            max_elements: int | None) -> list[list[int]]:
@@ -87,7 +95,8 @@ def rounds(leaves: Sequence[jax.Array], placements: Sequence[sharding_lib.Placem
     share = _size(mesh, red_names) * _size(mesh, out_names) * _size(mesh, free)
     # Two a device at least, unless the budget holds one matrix alone: then
     # the unsharded step too runs this family one matrix a call.
-    per_device = 2 if max_elements is None else max(1, max_elements // (R * O))
+    per_call = matrices_per_call(max_elements, R * O)
+    per_device = 2 if per_call is None else per_call
     room = per_device * share
     count = lambda i: math.prod(d for a, d in enumerate(leaves[i].shape)
                                 if a not in axes[i][0] and a not in axes[i][1])
@@ -202,7 +211,7 @@ class _Family:
     # it batched and a compiler may lower a batch of one differently (XLA's
     # CPU backend drops the unit batch axis and picks another dot, whose
     # rounding differs). The result then stays bitwise the unsharded one.
-    min_batch = 2 if self.max_elements is None or self.max_elements // (self.R * self.O) >= 2 else 1
+    min_batch = min(2, matrices_per_call(self.max_elements, self.R * self.O) or 2)
     k = self.k = max(-(-B // share), min(B, min_batch))
     padded = self.padded = k * share
     shift = self.shift = self.placed % padded

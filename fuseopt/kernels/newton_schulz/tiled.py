@@ -76,15 +76,13 @@ class KernelOps:
                      implementation=self.impl, interpret=self.interpret, config=self.sym_config)
 
   def matmul(self, b, x, *, a=0.0):
-    if self.matmul_config == "xla" and self.impl == "mosaic_tpu":
-      return gemm_k.gemm_reference(b, x, a=a, out_dtype=self.dtype)
     if self.matmul_config == "xla":
+      y = gemm_k.gemm_reference(b, x, a=a, out_dtype=self.dtype)
       # The barrier makes XLA write the iterate in ``dtype`` here: without it
       # XLA's GPU backend moves the epilogue and the rounding into the next
       # iteration's fusions, which then read the fp32 product, keeping up to
       # three fp32 products of a call live (docs/fused_step.md). On a TPU it
       # costs more than it saves (v6e's hybrid step: 0.97 -> 1.17 GiB).
-      return jax.lax.optimization_barrier(
-          gemm_k.gemm_reference(b, x, a=a, out_dtype=self.dtype))
+      return y if self.impl == "mosaic_tpu" else jax.lax.optimization_barrier(y)
     return gemm_k.gemm(b, x, a=a, out_dtype=self.dtype, implementation=self.impl,
                        interpret=self.interpret, config=self.matmul_config)
