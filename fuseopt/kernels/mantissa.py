@@ -1,0 +1,64 @@
+"""Exact bf16 parameters: an fp32 master split into a bf16 half and a uint16 half.
+
+An fp32 value's 32 bits are ``hi << 16 | lo``: ``hi`` (sign, exponent and the
+top 7 mantissa bits) is exactly a bfloat16 -- the parameter the model reads --
+and ``lo`` (the low 16 mantissa bits) is a uint16 companion kept in the
+optimizer state. Joined, they are the fp32 master bit for bit, so an update
+computed in fp32 and split again loses nothing: the parameters follow an fp32
+run of the same optimizer exactly, at 2 extra bytes per parameter instead of
+the 4 of a separate fp32 master copy ("mantissa tracking", modded-nanogpt
+speedrun record #57, 2025).
+
+The bf16 half is the fp32 master *truncated* toward zero (its low bits
+dropped), not rounded: the pair must be the master, so the model sees a
+value within one bf16 ulp of it, always on the side of zero. A stochastic or
+nearest rounding of the visible half would need a signed companion.
+
+Plain ``jnp`` on fp32/uint32 values (bit casts, shifts, masks), so the same
+functions run in XLA and inside the Pallas kernels.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+COMPANION_DTYPE = jnp.dtype(jnp.uint16)
+_HI_MASK = 0xFFFF0000
+_LO_MASK = 0x0000FFFF
+
+
+def join(hi, lo) -> jax.Array:
+  """The fp32 master of a bf16 half ``hi`` and its uint16 companion ``lo``.
+
+  ``hi`` widened to fp32 is exact (its bits become the top 16 of the fp32
+  word), so OR-ing ``lo`` into the low 16 bits restores the master.
+  """
+  hi_bits = jax.lax.bitcast_convert_type(hi.astype(jnp.float32), jnp.uint32)
+  return jax.lax.bitcast_convert_type(hi_bits | lo.astype(jnp.uint32), jnp.float32)
+
+
+def split(x32) -> tuple[jax.Array, jax.Array]:
+  """``x32`` (fp32) as ``(hi, lo)``: its truncation to bf16 and the uint16
+  of its low 16 bits. ``join(*split(x))`` is ``x`` bit for bit (NaN and
+  Inf included: their payload's top bits stay in ``hi``)."""
+  bits = jax.lax.bitcast_convert_type(x32.astype(jnp.float32), jnp.uint32)
+  # The high word as an fp32 whose low bits are zero is a bf16 value, so the
+  # conversion to bf16 is exact (no rounding happens).
+  hi = jax.lax.bitcast_convert_type(bits & jnp.uint32(_HI_MASK), jnp.float32)
+  return hi.astype(jnp.bfloat16), (bits & jnp.uint32(_LO_MASK)).astype(COMPANION_DTYPE)
+
+
+def split_bits(x32) -> tuple[jax.Array, jax.Array]:
+  """As :func:`split`, with the bf16 half still held as the fp32 value whose
+  low bits are zero and the companion as uint32: for kernels that convert
+  when they store."""
+  bits = jax.lax.bitcast_convert_type(x32.astype(jnp.float32), jnp.uint32)
+  hi = jax.lax.bitcast_convert_type(bits & jnp.uint32(_HI_MASK), jnp.float32)
+  return hi, bits & jnp.uint32(_LO_MASK)
+
+
+def companion_of(x32) -> jax.Array:
+  """The uint16 companion of fp32 values (their low 16 bits): the state a
+  mantissa-tracked parameter starts from when its fp32 master is known."""
+  return split(x32)[1]
