@@ -20,6 +20,15 @@ from fuseopt.optim.step import step
 from fuseopt.optim.muon_transforms import muon
 from fuseopt.optim.muon_transforms import MuonDimensionNumbers
 from fuseopt.optim.muon_transforms import scale_by_muon
+from fuseopt.optim.normuon import normuon
+from fuseopt.optim.normuon import NorMuonState
+from fuseopt.optim.normuon import scale_by_normuon
+
+# Cautious weight decay; exact bf16 parameters (a mantissa companion).
+from fuseopt.optim.weight_decay import add_cautious_decayed_weights
+from fuseopt.optim.mantissa import master_params
+from fuseopt.optim.mantissa import MantissaState
+from fuseopt.optim.mantissa import track_mantissa
 from fuseopt.optim.matrix_views import MatrixViews
 from fuseopt.optim.matrix_views import mla_kv_b_proj_views
 from fuseopt.optim.muon_axes import BATCH_AXES
@@ -61,7 +70,9 @@ __all__ = (
     "Linear",
     "MLAHeadDims",
     "MatrixViews",
+    "MantissaState",
     "MuonDimensionNumbers",
+    "NorMuonState",
     "NO_DECAY_PATTERNS",
     "OptimConfig",
     "PROJECTION_ROLES",
@@ -73,6 +84,7 @@ __all__ = (
     "WSD",
     "adam",
     "adamw",
+    "add_cautious_decayed_weights",
     "apply_updates",
     "bf16_moments",
     "build_optimizer",
@@ -80,16 +92,20 @@ __all__ = (
     "global_norm_of",
     "learning_rate_schedule",
     "logical_axes",
+    "master_params",
     "mla_kv_b_proj_views",
     "muon",
     "muon_weight_dimension_numbers",
     "muonclip",
     "mup_param_groups",
+    "normuon",
     "param_labels",
     "scale_by_adam",
     "scale_by_muon",
+    "scale_by_normuon",
     "scale_by_qk_clip",
     "schedules",
     "skip_nonfinite",
     "step",
+    "track_mantissa",
 )

@@ -7,14 +7,15 @@ The solver a config describes is, from the outside in::
         MultiSteps(                           # mean over accumulate_steps micro-steps
           chain(
             clip_by_global_norm(clip_norm),   # every trainable gradient, all groups
-            partition({group: optimizer(schedule * multiplier, group decay)}),
+            track_mantissa(                   # bf16_params="mantissa": exact bf16 params
+              partition({group: optimizer(schedule * multiplier, group decay)})),
           ))))
 
 Each layer is present only when the config asks for it, except the clip,
 which always records the global norm (``clip_norm=0`` does not clip). Every
 layer carries its in-place rule (:mod:`fuseopt.optim.fusion`), so
 :func:`fuseopt.optim.step` runs the whole solver as fused passes for the
-fuseopt optimizers (adam, adamw, muon, muonclip); optax's (lamb, lion,
+fuseopt optimizers (adam, adamw, muon, muonclip, normuon); optax's (lamb, lion,
 adafactor) fall back to ``update`` + ``apply_updates``.
 """
 
@@ -30,7 +31,9 @@ from fuseopt.optim import fused_adam
 from fuseopt.optim import muon_transforms
 from fuseopt.optim import fusion
 from fuseopt.optim import groups as groups_lib
+from fuseopt.optim import mantissa
 from fuseopt.optim import muon_axes
+from fuseopt.optim import normuon as normuon_lib
 from fuseopt.optim import qk_clip
 from fuseopt.optim import safeguards
 from fuseopt.optim.config import OptimConfig
@@ -75,7 +78,8 @@ def _adam(config, rate, weight_decay):
 def _adamw(config, rate, weight_decay):
   kw = {**_betas(config), **config.optimizer_kwargs}
   return fused_adam.adamw(rate, weight_decay=weight_decay,
-                          moment_dtype=_moments(config) or jnp.float32, **kw)
+                          moment_dtype=_moments(config) or jnp.float32,
+                          cautious_weight_decay=config.cautious_weight_decay, **kw)
 
 
 def _keep_state_dtypes(tx: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -133,6 +137,7 @@ def pattern_dimension_numbers(patterns):
 def _muon_kwargs(config, weight_decay, adam_rate):
   # Muon's b1/b2 are its AdamW side's; its own momentum is optimizer_kwargs["beta"].
   kw = dict(weight_decay=weight_decay, adam_weight_decay=weight_decay, mu_dtype=_moments(config),
+            cautious_weight_decay=config.cautious_weight_decay,
             **_betas(config, b1="adam_b1", b2="adam_b2"))
   if config.state_dtype == "bfloat16":
     kw["adam_moment_dtype"] = jnp.bfloat16  # both AdamW-side moments; optax's muon has mu only
@@ -150,6 +155,13 @@ def _muon(config, rate, weight_decay, adam_rate=None):
   return muon_transforms.muon(rate, **_muon_kwargs(config, weight_decay, adam_rate))
 
 
+def _normuon(config, rate, weight_decay, adam_rate=None):
+  kw = _muon_kwargs(config, weight_decay, adam_rate)
+  if config.normuon_b2 is not None:
+    kw["b2"] = config.normuon_b2
+  return normuon_lib.normuon(rate, **kw)
+
+
 def _muonclip(config, rate, weight_decay, adam_rate=None):
   return qk_clip.muonclip(rate, tau=config.qk_clip_tau, **_muon_kwargs(config, weight_decay, adam_rate))
 
@@ -163,6 +175,7 @@ OPTIMIZER_MAP: dict[str, Callable[..., optax.GradientTransformation]] = {
     "adafactor": _adafactor,
     "muon": _muon,
     "muonclip": _muonclip,
+    "normuon": _normuon,
 }
 
 
@@ -206,6 +219,10 @@ def build_optimizer(config: OptimConfig | dict, steps: int) -> optax.GradientTra
                           name="param_groups")
   else:
     tx = solver(1.0, config.weight_decay)
+  if config.bf16_params == "mantissa":
+    # One companion tree for the whole solver (every group), inside the
+    # clip and the safeguards so that they see the bf16 parameters.
+    tx = mantissa.track_mantissa(tx, owner="build_optimizer")
 
   tx = fusion.chain(safeguards.clip_by_global_norm(config.clip_norm), tx)
   if config.accumulate_steps > 1:

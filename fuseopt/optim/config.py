@@ -18,11 +18,17 @@ from typing import Any, Mapping, Sequence
 from fuseopt.optim import groups as groups_lib
 from fuseopt.optim import schedules as schedules_lib
 
-__all__ = ["OPTIMIZERS", "BF16_STATE_OPTIMIZERS", "STATE_DTYPES", "OptimConfig"]
+__all__ = ["OPTIMIZERS", "BF16_PARAMS", "BF16_STATE_OPTIMIZERS", "CAUTIOUS_OPTIMIZERS",
+           "MUON_OPTIMIZERS", "STATE_DTYPES", "OptimConfig"]
 
-OPTIMIZERS = ("adam", "adamw", "lamb", "lion", "adafactor", "muon", "muonclip")
+OPTIMIZERS = ("adam", "adamw", "lamb", "lion", "adafactor", "muon", "muonclip", "normuon")
 # Optimizers whose moments can be stored in bf16 (state_dtype="bfloat16").
-BF16_STATE_OPTIMIZERS = ("adam", "adamw", "lion", "muon", "muonclip")
+BF16_STATE_OPTIMIZERS = ("adam", "adamw", "lion", "muon", "muonclip", "normuon")
+# The Muon family: an AdamW side, Muon's parameter split.
+MUON_OPTIMIZERS = ("muon", "muonclip", "normuon")
+# Optimizers with cautious weight decay (their own kwarg, and in the fused step).
+CAUTIOUS_OPTIMIZERS = ("adamw", "muon", "muonclip", "normuon")
+BF16_PARAMS = ("stochastic", "mantissa")
 STATE_DTYPES = ("float32", "bfloat16")
 # Weight decay is part of these optimizers' own kwargs; plain Adam has none.
 _NO_DECAY_OPTIMIZERS = ("adam",)
@@ -104,6 +110,16 @@ class OptimConfig:
       whole ``'/'``-joined path (``*`` crosses ``'/'``); one that matches no
       parameter raises when the solver first sees the parameters.
     qk_clip_tau: MuonClip's logit threshold (``muonclip`` only).
+    normuon_b2: NorMuon's per-neuron second-moment decay, in [0, 1)
+      (``normuon`` only; None: 0.95). ``b1``/``b2`` are the AdamW side's.
+    cautious_weight_decay: decay only where the update and the parameter
+      have the same sign (Chen et al. 2025, arXiv 2510.12402), for
+      :data:`CAUTIOUS_OPTIMIZERS`.
+    bf16_params: how bf16 parameters are stored: ``"stochastic"`` (rounded
+      stochastically) or ``"mantissa"`` (exact, with a uint16 companion per
+      parameter in the state: :mod:`fuseopt.optim.mantissa`; every
+      parameter must be bfloat16). ``"mantissa"`` wraps the whole solver
+      (all groups), inside the clip and the safeguards.
     adam_learning_rate, adam_schedule: the AdamW side of ``muon`` /
       ``muonclip``: its own constant rate or schedule (at most one; neither:
       it shares ``learning_rate`` / ``schedule``). A group's
@@ -141,6 +157,9 @@ class OptimConfig:
   frozen: tuple[str, ...] = ()
   trainable: tuple[str, ...] | None = None
   qk_clip_tau: float = 100.0
+  normuon_b2: float | None = None
+  cautious_weight_decay: bool = False
+  bf16_params: str = "stochastic"
   optimizer_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   adam_learning_rate: float | None = None
   adam_schedule: schedules_lib.ScheduleBase | None = None
@@ -175,6 +194,26 @@ class OptimConfig:
     if not _is_number(v) or not v > 0:
       raise ValueError(f"OptimConfig.qk_clip_tau must be a number > 0 (inf: never clip), got {v!r}")
     set_("qk_clip_tau", float(v))
+    v = self.normuon_b2
+    if v is not None:
+      if self.optimizer != "normuon":
+        raise ValueError(f"OptimConfig.normuon_b2: only for optimizer 'normuon', got optimizer "
+                         f"{self.optimizer!r}")
+      if not _is_number(v) or not 0.0 <= v < 1.0:
+        raise ValueError(f"OptimConfig.normuon_b2 must be a number in [0, 1) or None, got {v!r}")
+      set_("normuon_b2", float(v))
+    if not isinstance(self.cautious_weight_decay, bool):
+      raise ValueError(f"OptimConfig.cautious_weight_decay must be a bool, got "
+                       f"{self.cautious_weight_decay!r}")
+    if self.cautious_weight_decay and self.optimizer not in CAUTIOUS_OPTIMIZERS:
+      raise ValueError(f"OptimConfig.cautious_weight_decay: optimizer {self.optimizer!r} has no "
+                       f"cautious weight decay; use one of {CAUTIOUS_OPTIMIZERS}")
+    if self.bf16_params not in BF16_PARAMS:
+      raise ValueError(f"OptimConfig.bf16_params must be one of {BF16_PARAMS}, got "
+                       f"{self.bf16_params!r}" + _suggest(str(self.bf16_params), BF16_PARAMS))
+    if self.bf16_params == "mantissa" and self.optimizer == "muonclip":
+      raise ValueError("OptimConfig.bf16_params='mantissa': not with optimizer 'muonclip' (QK-Clip "
+                       "rescales the parameters after the update); use 'stochastic'")
     for name in ("b1", "b2"):
       v = getattr(self, name)
       if v is not None and (not _is_number(v) or not 0.0 <= v < 1.0):
@@ -217,19 +256,20 @@ class OptimConfig:
       set_(name, tuple(v))
     if not isinstance(self.optimizer_kwargs, Mapping):
       raise ValueError(f"OptimConfig.optimizer_kwargs must be a mapping, got {self.optimizer_kwargs!r}")
-    reserved = {"learning_rate", "weight_decay", "b1", "b2", "eps", "mu_dtype", "moment_dtype"} & set(self.optimizer_kwargs)
+    reserved = {"learning_rate", "weight_decay", "b1", "b2", "eps", "mu_dtype", "moment_dtype",
+                "cautious_weight_decay", "bf16_params"} & set(self.optimizer_kwargs)
     if reserved:
       raise ValueError(f"OptimConfig.optimizer_kwargs: {sorted(reserved)} are OptimConfig fields; set them there")
     set_("optimizer_kwargs", dict(self.optimizer_kwargs))
     self._check_muon_fields(set_)
 
   def _check_muon_fields(self, set_):
-    muon = self.optimizer in ("muon", "muonclip")
+    muon = self.optimizer in MUON_OPTIMIZERS
     given = [n for n in ("adam_learning_rate", "adam_schedule", "muon_patterns")
              if getattr(self, n) is not None]
     given += [n for n in ("muon_logical_axes", "muon_axis_rules") if getattr(self, n)]
     if given and not muon:
-      raise ValueError(f"OptimConfig.{given[0]}: only for optimizer 'muon' or 'muonclip', "
+      raise ValueError(f"OptimConfig.{given[0]}: only for optimizers {MUON_OPTIMIZERS}, "
                        f"got optimizer {self.optimizer!r}")
     if self.adam_schedule is not None:
       set_("adam_schedule", schedules_lib.schedule_from_dict(self.adam_schedule))

@@ -32,6 +32,8 @@ from fuseopt import kernels
 from fuseopt.kernels import sharding as kernel_sharding
 from fuseopt.optim import _checks
 from fuseopt.optim import fusion
+from fuseopt.optim import mantissa
+from fuseopt.optim import weight_decay as weight_decay_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +53,7 @@ class AdamHyperparams:
   implementation: Optional[str]
   interpret: bool = False
   shardings: Any = None  # placement of the params (Auto mesh axes); see scale_by_adam
+  cautious: bool = False  # cautious weight decay (fuseopt.optim.weight_decay)
 
 
 class FusedAdamTransformation(fusion.FusedTransformation):
@@ -248,7 +251,8 @@ def _in_place(hp: AdamHyperparams, decay_at: Optional[int], lr_at: int):
     lr = hp.learning_rate
     if callable(lr):
       lr = lr(_schedule_count(state[lr_at]))
-    p_leaves, treedef = jax.tree.flatten(params)
+    p_leaves, treedef = jax.tree.flatten(params, is_leaf=mantissa.is_tracked)
+    p_leaves, lo_leaves = mantissa.halves(p_leaves)
     n = len(p_leaves)
     if decay_at is None:
       wds = [0.0] * n
@@ -257,7 +261,7 @@ def _in_place(hp: AdamHyperparams, decay_at: Optional[int], lr_at: int):
       if callable(wd):
         wd = wd(_schedule_count(state[decay_at]))
       skip = isinstance(wd, (int, float)) and wd == 0.0
-      wds = [wd if (m and not skip) else 0.0 for m in fusion.per_leaf_mask(hp.mask, params)]
+      wds = [wd if (m and not skip) else 0.0 for m in fusion.per_leaf_mask(hp.mask, mantissa.visible(params))]
     g_leaves = treedef.flatten_up_to(grads)
     mu_leaves = treedef.flatten_up_to(adam_state.mu)
     nu_leaves = treedef.flatten_up_to(adam_state.nu)
@@ -266,15 +270,25 @@ def _in_place(hp: AdamHyperparams, decay_at: Optional[int], lr_at: int):
         if jnp.result_type(x) not in KERNEL_DTYPES:
           raise fusion.NotFusable(f"a {jnp.result_type(x)} leaf: the kernels take float32 "
                                   f"and bfloat16 only")
-    new_p, mu, nu = kernels.adam_update_tree(
+    # Only variants in use are asked for, so the plain call is today's.
+    variants = {}
+    if hp.cautious:
+      variants["cautious_weight_decay"] = True
+    if any(lo is not None for lo in lo_leaves):
+      variants["params_lo"] = lo_leaves
+    outs = kernels.adam_update_tree(
         p_leaves, g_leaves, mu_leaves, nu_leaves, count=count, learning_rate=lr, b1=hp.b1,
         b2=hp.b2, eps=hp.eps, eps_root=hp.eps_root, weight_decay=wds, nesterov=hp.nesterov,
         seed=hp.seed, implementation=hp.implementation, interpret=hp.interpret,
         group=ctx.group, grad_scale=1.0 if ctx.grad_scale is None else ctx.grad_scale,
         apply=True if ctx.apply is None else ctx.apply,
         shardings=kernel_sharding.flatten_shardings(
-            hp.shardings if ctx.shardings is None else ctx.shardings, params,
-            owner=name if ctx.shardings is None else "step", strict=True))
+            hp.shardings if ctx.shardings is None else ctx.shardings, mantissa.visible(params),
+            owner=name if ctx.shardings is None else "step", strict=True),
+        **variants)
+    new_p, mu, nu = outs[:3]
+    if "params_lo" in variants:
+      new_p = mantissa.pair(new_p, outs[3])
     new_adam = optax.ScaleByAdamState(count=ctx.keep(count, adam_state.count),
                                       mu=treedef.unflatten(mu), nu=treedef.unflatten(nu))
     # The chain's other states (weight-decay and learning-rate schedules,
@@ -297,7 +311,7 @@ def adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9
          eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: Any = None, *,
          nesterov: bool = False, moment_dtype: Any = "bfloat16", seed: Optional[int] = None,
          implementation: Optional[str] = None, interpret: bool = False,
-         shardings: Any = None) -> FusedAdamTransformation:
+         shardings: Any = None, bf16_params: str = "stochastic") -> FusedAdamTransformation:
   r"""Adam (Kingma & Ba 2014) with bf16-stored moments: drop-in for :func:`optax.adam`.
 
   ``chain(scale_by_adam(...), scale_by_learning_rate(learning_rate))``, so
@@ -309,18 +323,24 @@ def adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9
     learning_rate: a scalar or an optax schedule.
     b1, b2, eps, eps_root, mu_dtype, nesterov: as in :func:`optax.adam`.
     moment_dtype, seed, implementation, interpret, shardings: see :func:`scale_by_adam`.
+    bf16_params: how :func:`fuseopt.optim.step` stores bf16 parameters:
+      ``"stochastic"`` (default: rounded with the counter-hash stochastic
+      rounding) or ``"mantissa"`` (exact: the state holds a uint16 companion
+      per parameter, :mod:`fuseopt.optim.mantissa`; every parameter must be
+      bfloat16).
   """
   _checks.check_rate("adam", "learning_rate", learning_rate)
+  mantissa.check_mode("adam", bf16_params)
   chain = optax.chain(
       scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov,
                     moment_dtype=moment_dtype, seed=seed, implementation=implementation,
                     interpret=interpret, shardings=shardings),
       optax.scale_by_learning_rate(learning_rate))
   nu_dtype = _canon_dtype(moment_dtype, "moment_dtype")
-  return _fused(chain, AdamHyperparams(
+  return mantissa.with_bf16_params(_fused(chain, AdamHyperparams(
       learning_rate, b1, b2, eps, eps_root, None, None, nesterov,
       _optax_dtype(mu_dtype) or nu_dtype, nu_dtype, 0 if seed is None else seed, implementation,
-      interpret, shardings))
+      interpret, shardings)), bf16_params, "adam")
 
 
 def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
@@ -329,7 +349,8 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
           mask: Optional[Any | Callable[[optax.Params], Any]] = None, *,
           nesterov: bool = False, moment_dtype: Any = "bfloat16", seed: Optional[int] = None,
           implementation: Optional[str] = None, interpret: bool = False,
-         shardings: Any = None) -> FusedAdamTransformation:
+          shardings: Any = None, cautious_weight_decay: bool = False,
+          bf16_params: str = "stochastic") -> FusedAdamTransformation:
   r"""AdamW (Loshchilov & Hutter 2019) with bf16 moments: drop-in for :func:`optax.adamw`.
 
   :math:`p_t = p_{t-1} - \alpha_t (u_t + \lambda p_{t-1})` with :math:`u_t`
@@ -344,19 +365,28 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
       one; True where weight decay applies.
     b1, b2, eps, eps_root, mu_dtype, nesterov: as in :func:`optax.adamw`.
     moment_dtype, seed, implementation, interpret, shardings: see :func:`scale_by_adam`.
+    cautious_weight_decay: decay only where the Adam direction and the
+      parameter have the same sign, :math:`p_t = p_{t-1} - \alpha_t (u_t +
+      \lambda\,1[u_t p_{t-1} \ge 0]\,p_{t-1})` (Chen et al. 2025, "Cautious
+      Weight Decay", arXiv 2510.12402); one select inside the fused kernel.
+    bf16_params: ``"stochastic"`` or ``"mantissa"``, see :func:`adam`.
   """
   _checks.check_rate("adamw", "learning_rate", learning_rate)
   _checks.check_rate("adamw", "weight_decay", weight_decay)
+  cautious = weight_decay_lib.check_cautious("adamw", cautious_weight_decay)
+  mantissa.check_mode("adamw", bf16_params)
+  decay = (weight_decay_lib.add_cautious_decayed_weights if cautious else
+           optax.add_decayed_weights)
   chain = optax.chain(
       scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov,
                     moment_dtype=moment_dtype, seed=seed, implementation=implementation,
                     interpret=interpret, shardings=shardings),
-      optax.add_decayed_weights(weight_decay, mask),
+      decay(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate))
   nu_dtype = _canon_dtype(moment_dtype, "moment_dtype")
-  return _fused(chain, AdamHyperparams(
+  return mantissa.with_bf16_params(_fused(chain, AdamHyperparams(
       learning_rate, b1, b2, eps, eps_root, weight_decay, mask, nesterov,
       _optax_dtype(mu_dtype) or nu_dtype, nu_dtype, 0 if seed is None else seed, implementation,
-      interpret, shardings),
-      decay_at=1, lr_at=2)
+      interpret, shardings, cautious),
+      decay_at=1, lr_at=2), bf16_params, "adamw")
 

@@ -37,7 +37,7 @@ its AdamW leaves go through the fused Adam kernel.
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -53,11 +53,15 @@ from fuseopt.optim import _checks
 from fuseopt.optim import fused_adam
 from fuseopt.optim import fusion
 from fuseopt.optim import groups as groups_lib
+from fuseopt.optim import mantissa
 from fuseopt.optim import matrix_views
 from fuseopt.optim import muon_axes
+from fuseopt.optim import neuron_norm
+from fuseopt.optim import weight_decay as weight_decay_lib
 from fuseopt.optim.matrix_views import DIMENSION_NUMBER_TYPES, MatrixViews, MuonDimensionNumbers
 
-__all__ = ["MuonDimensionNumbers", "MatrixViews", "MuonState", "scale_by_muon", "muon"]
+__all__ = ["MuonDimensionNumbers", "MatrixViews", "MuonState", "NorMuonState", "scale_by_muon",
+           "muon"]
 
 # Keller Jordan's triple, optax.contrib.muon's default ns_coeffs.
 JORDAN_COEFFS = kernels.JORDAN
@@ -124,6 +128,16 @@ def _is_spec_or_none(x) -> bool:
 # ``ns_coeffs`` (``jnp.asarray`` of the ``ns_coeffs`` argument, (3,) or
 # (steps, 3), kept for inspection: the update uses the static table).
 MuonState = optax.contrib.MuonState
+
+
+class NorMuonState(NamedTuple):
+  """NorMuon's state: Muon's fields and ``nu``, the per-neuron second
+  moments (per leaf, the leaf's shape without its reduction axes; an empty
+  array where Muon does not act)."""
+  count: jax.Array
+  mu: Any
+  nu: Any
+  ns_coeffs: jax.Array
 
 
 def _coeff_table(ns_coeffs, ns_steps) -> tuple[tuple[float, float, float], ...]:
@@ -250,6 +264,19 @@ def _call_plan(batches, matrix_elements, max_elements):
   return calls
 
 
+def _slice(y, a, b):
+  """Batch rows ``[a, b)`` of an NS result (or of a ``(result, column
+  sums)`` pair: both have the batch first)."""
+  return jax.tree.map(lambda t: jax.lax.slice_in_dim(t, a, b), y)
+
+
+def _concat(parts):
+  """NS results (or pairs) joined along the batch."""
+  if len(parts) == 1:
+    return parts[0]
+  return jax.tree.map(lambda *t: jnp.concatenate(t, axis=0), *parts)
+
+
 def _chunked(mats, max_elements, ns):
   """Runs ``ns`` over the matrices of ``mats`` (same (rows, cols), each a
   (batch, rows, cols) array), as few calls as ``max_elements`` per call
@@ -263,8 +290,7 @@ def _chunked(mats, max_elements, ns):
     y = ns(xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=0))
     offset = 0
     for k, a, b in call:
-      parts.setdefault(k, []).append(
-          y if len(call) == 1 else jax.lax.slice_in_dim(y, offset, offset + b - a))
+      parts.setdefault(k, []).append(y if len(call) == 1 else _slice(y, offset, offset + b - a))
       offset += b - a
   return list(parts.items())
 
@@ -349,8 +375,9 @@ def _replicated_ns(ns):
       return ns(x)
     replicated = kernel_sharding.Placement(where.mesh,
                                            jax.sharding.PartitionSpec(*[None] * x.ndim))
-    spec = replicated.spec
-    return kernel_sharding.shard_local(ns, where.mesh, spec, spec)(
+    out_specs = jax.tree.map(lambda t: jax.sharding.PartitionSpec(*[None] * t.ndim),
+                             jax.eval_shape(ns, x))
+    return kernel_sharding.shard_local(ns, where.mesh, replicated.spec, out_specs)(
         kernel_sharding.to_spec(x, replicated))
   return run
 
@@ -368,6 +395,9 @@ class _MuonConfig:
   ns_max_elements: Optional[int]   # None: the platform's default
   shardings: Any
   ns: Callable[[jax.Array], jax.Array]   # Newton-Schulz on a (batch, rows, cols) array
+  # NorMuon's (b2, eps, v dtype), or None for Muon; with it ``ns`` also
+  # returns the result's column sums of squares (neuron_norm.column_sums).
+  normuon: Any = None
 
 
 class _MuonStep:
@@ -375,7 +405,8 @@ class _MuonStep:
   leaves, their specs and paths, the step's bias corrections; and the
   per-leaf pieces of the direction (:meth:`momentum`, :meth:`assemble`)."""
 
-  def __init__(self, config: _MuonConfig, updates, mu, count, ns_input_dtype, grad_fn=None):
+  def __init__(self, config: _MuonConfig, updates, mu, count, ns_input_dtype, grad_fn=None,
+               nu=None):
     self.config = config
     self.ns_input_dtype = ns_input_dtype
     self.g_leaves, self.treedef = jax.tree.flatten(updates)
@@ -388,6 +419,9 @@ class _MuonStep:
     if config.weight_dimension_numbers is None:
       _check_matrices(self.paths, self.g_leaves)
     self.m_old = self.treedef.flatten_up_to(mu)
+    # NorMuon's per-neuron second moments (old, and new as leaves finish).
+    self.nu_old = None if nu is None else self.treedef.flatten_up_to(nu)
+    self.nu_new = None if nu is None else list(self.nu_old)
     if grad_fn is not None:   # (the sequenced path maps each leaf as its call starts)
       self.g_leaves = [grad_fn(g) for g in self.g_leaves]
     self.count_inc = optax.safe_increment(count)
@@ -441,19 +475,93 @@ class _MuonStep:
       u = jnp.where(a, u, jnp.zeros((), u.dtype))
     return u
 
-  def finish_distributed(self, i, h, y, red_out, a):
+  def neuron_scale(self, i, colsum, red, out, a, placement=None):
+    """NorMuon: leaf ``i``'s per-neuron factor ``(batch, cols)`` from the NS
+    result's column sums; records the leaf's new second moment. On a mesh
+    (``placement``) the small per-neuron arithmetic runs replicated, as the
+    unsharded step runs it."""
+    b2, eps, _ = self.config.normuon
+    shape = self.g_leaves[i].shape
+    rows = int(np.prod([shape[ax] for ax in red]))
+    cols = int(np.prod([shape[ax] for ax in out]))
+    v_old = neuron_norm.to_matrix(self.nu_old[i], shape, red, out)
+    fn = functools.partial(neuron_norm.normalize, rows=rows, cols=cols, b2=b2, eps=eps)
+    if isinstance(placement, kernel_sharding.Placement):
+      whole = kernel_sharding.Placement(placement.mesh, jax.sharding.PartitionSpec(None, None))
+      fn = kernel_sharding.shard_local(fn, placement.mesh, (whole.spec, whole.spec),
+                                       (whole.spec, whole.spec))
+      colsum, v_old = (kernel_sharding.to_spec(x, whole) for x in (colsum, v_old))
+    scale, v_new = fn(colsum, v_old)
+    if a is not None:   # a frozen matrix keeps its second moment too
+      kept = jnp.broadcast_to(a, tuple(1 if ax in red else d for ax, d in enumerate(shape)))
+      v_new = jnp.where(neuron_norm.to_matrix(kept, shape, red, out), v_new, v_old)
+    v_leaf = neuron_norm.from_matrix(v_new, shape, red, out, keepdims=False)
+    self.nu_new[i] = _store(v_leaf, self.nu_old[i].dtype, self.count_inc, i,
+                            counter_hash.STREAM_NU)
+    return scale
+
+  def finish_distributed(self, i, h, y, red_out, a, placement=None):
     """Leaf ``i``'s update from the distributed NS result ``y`` (already in
-    the leaf's layout: one family per leaf)."""
+    the leaf's layout: one family per leaf; NorMuon: ``(result, column sums
+    in the leaf's layout)``)."""
     red, outs = red_out
+    dtype = self.g_leaves[i].dtype
+    if self.config.normuon is not None:
+      y, stat = y
+      scale = self.neuron_scale(i, neuron_norm.to_matrix(stat, h.shape, red, outs), red, outs, a,
+                                placement)
+      scale = neuron_norm.from_matrix(scale, h.shape, red, outs, keepdims=True)
+      y = (y.astype(jnp.float32) * scale).astype(dtype)
     fan = lambda axes: int(np.prod([h.shape[ax] for ax in axes]))
     return self.assemble([matrix_views.Piece(h, lambda y: y)], lambda parts: parts[0],
-                         [y.astype(self.g_leaves[i].dtype)], [(fan(red), fan(outs))], a)
+                         [y.astype(dtype)], [(fan(red), fan(outs))], a)
 
   def finish_grouped(self, i, plan, results, a):
     """Leaf ``i``'s update from its pieces' results of the batched NS calls."""
     pieces, merge = plan
-    ys = [results[(i, j)].astype(self.g_leaves[i].dtype) for j in range(len(pieces))]
+    dtype = self.g_leaves[i].dtype
+    if self.config.normuon is not None:
+      (y, colsum), = [results[(i, j)] for j in range(len(pieces))]   # one piece: checked at init
+      red, out = matrix_views.normalize_dimension_numbers(self.specs[i], self.g_leaves[i].shape,
+                                                          self.paths[i])
+      scale = self.neuron_scale(i, colsum, red, out, a)
+      ys = [(y.astype(jnp.float32) * scale[:, None, :]).astype(dtype)]
+    else:
+      ys = [results[(i, j)].astype(dtype) for j in range(len(pieces))]
     return self.assemble(pieces, merge, ys, [y.shape[1:] for y in ys], a)
+
+
+def _with_column_sums(ns, on: bool):
+  """``ns``, returning NorMuon's column sums of squares of its result too
+  (computed where the matrices are whole: the same numbers on any sharding)."""
+  if not on:
+    return ns
+
+  def run(x):
+    y = ns(x)
+    return y, neuron_norm.column_sums(y)
+  return run
+
+
+def _normuon_nu_init(weight_dimension_numbers, params, dtype):
+  """NorMuon's ``nu``: per Muon leaf the leaf's shape without its reduction
+  axes (one entry per output neuron of each matrix), zeros; an empty array
+  for leaves Muon passes through."""
+  leaves, treedef = jax.tree.flatten(params)
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  specs = _leaf_specs(weight_dimension_numbers, params, treedef)
+  out = []
+  for x, s, path in zip(leaves, specs, paths):
+    if s is None:
+      out.append(jnp.zeros((0,), dtype or jnp.float32))
+      continue
+    if not isinstance(s, DIMENSION_NUMBER_TYPES):
+      raise ValueError(f"normuon: the leaf at {path or '<root>'} is declared with MatrixViews; "
+                       f"NorMuon's per-neuron statistics take MuonDimensionNumbers only")
+    red, _ = matrix_views.normalize_dimension_numbers(s, jnp.shape(x), path)
+    out.append(jnp.zeros(neuron_norm.state_shape(jnp.shape(x), red),
+                         dtype or jnp.float32))
+  return treedef.unflatten(out)
 
 
 def _check_matrices(paths, leaves):
@@ -470,10 +578,11 @@ def _check_matrices(paths, leaves):
 
 
 def _direction(config: _MuonConfig, updates, mu, count, ns_input_dtype=None, placement=None,
-               finish=None, grad_fn=None, param_leaves=None):
+               finish=None, grad_fn=None, param_leaves=None, nu=None):
   """The Muon direction of ``updates``: ``(u leaves, treedef, new mu
-  leaves, count + 1)``; the new mu leaves keep their stored dtype, the NS
-  input is in ``ns_input_dtype`` (None: the gradient's).
+  leaves, count + 1, new nu leaves or None)``; the new mu leaves keep their
+  stored dtype, the NS input is in ``ns_input_dtype`` (None: the gradient's).
+  ``nu``: NorMuon's per-neuron second moments (a tree like ``mu``).
 
   With ``finish`` (``(leaf index, u, parameter) -> new parameter``, and
   ``param_leaves``) the leaves are finished as their Newton-Schulz call
@@ -484,15 +593,15 @@ def _direction(config: _MuonConfig, updates, mu, count, ns_input_dtype=None, pla
   if grad_fn is None:
     grad_fn = lambda g: g
   step = _MuonStep(config, updates, mu, count, ns_input_dtype,
-                   grad_fn=grad_fn if finish is None else None)
+                   grad_fn=grad_fn if finish is None else None, nu=nu)
   leaf_shardings = kernel_sharding.flatten_shardings(
       config.shardings if placement is None else placement, mu, owner="scale_by_muon",
       strict=True)
   if finish is not None:
     new_p, mu_leaves = _sequenced(step, param_leaves, leaf_shardings, grad_fn, finish)
-    return new_p, step.treedef, mu_leaves, step.count_inc
+    return new_p, step.treedef, mu_leaves, step.count_inc, step.nu_new
   out, mu_leaves = _unsequenced(step, leaf_shardings)
-  return out, step.treedef, mu_leaves, step.count_inc
+  return out, step.treedef, mu_leaves, step.count_inc, step.nu_new
 
 
 def _unsequenced(step: _MuonStep, leaf_shardings):
@@ -530,14 +639,15 @@ def _unsequenced(step: _MuonStep, leaf_shardings):
   for members in groups.values():
     mats = [plans[i][0][j].matrix for i, j in members]
     for k, parts in _chunked(mats, step.ns_budget, _replicated_ns(config.ns)):
-      results[members[k]] = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+      results[members[k]] = _concat(parts)
 
   out = []
   for i, (h, s) in enumerate(zip(mu_hat, specs)):
     if s is None:
       out.append(h)
     elif i in distributed:
-      out.append(step.finish_distributed(i, h, results[(i, 0)], distributed[i][1], active[i]))
+      out.append(step.finish_distributed(i, h, results[(i, 0)], distributed[i][1], active[i],
+                                         distributed[i][0]))
     else:
       out.append(step.finish_grouped(i, plans[i], results, active[i]))
   return out, mu_leaves
@@ -607,7 +717,8 @@ def _sequenced_distributed(seq: _Sequencer, distributed):
     for i, y in zip(leaves, ys):
       stored, h, a, p = started[i]
       seq.mu_leaves[i] = stored
-      seq.new_p[i] = seq.finish(i, step.finish_distributed(i, h, y, distributed[i][1], a), p)
+      seq.new_p[i] = seq.finish(
+          i, step.finish_distributed(i, h, y, distributed[i][1], a, distributed[i][0]), p)
     seq.done = leaves
 
 
@@ -671,12 +782,11 @@ def _sequenced_grouped(seq: _Sequencer, distributed):
     for k, a, b in call:
       i, j, _ = members[k]
       parts.setdefault((i, j), []).append(
-          y if len(call) == 1 else jax.lax.slice_in_dim(y, offset, offset + b - a))
+          y if len(call) == 1 else _slice(y, offset, offset + b - a))
       offset += b - a
     seq.done = []
     for i in sorted({members[k][0] for k, _, _ in call if last[members[k][0]] == st}):
-      results = {(i, j): ps[0] if len(ps) == 1 else jnp.concatenate(ps, axis=0)
-                 for (ii, j), ps in parts.items() if ii == i}
+      results = {(i, j): _concat(ps) for (ii, j), ps in parts.items() if ii == i}
       seq.new_p[i] = seq.finish(i, step.finish_grouped(i, plans[i], results, active[i]), held[i])
       seq.done.append(i)
 
@@ -780,6 +890,41 @@ def scale_by_muon(
       whole, then laid back (:mod:`fuseopt.kernels.newton_schulz.distributed`,
       docs/scaling.md).
   """
+  return _scale_by_muon(
+      ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=beta, eps=eps, mu_dtype=mu_dtype,
+      nesterov=nesterov, adaptive=adaptive, preconditioning=preconditioning,
+      weight_dimension_numbers=weight_dimension_numbers, coeffs=coeffs, ns_dtype=ns_dtype,
+      shape_scaling=shape_scaling, consistent_rms=consistent_rms, skip_inactive=skip_inactive,
+      gram=gram, ns_max_elements=ns_max_elements, ns_matmul=ns_matmul,
+      implementation=implementation, interpret=interpret, shardings=shardings)
+
+
+def _scale_by_muon(
+    ns_coeffs=JORDAN_COEFFS,
+    ns_steps: int = _NS_STEPS,
+    beta: float = 0.95,
+    eps: float = 1e-8,
+    mu_dtype: Optional[Any] = None,
+    *,
+    nesterov: bool = True,
+    adaptive: bool = False,
+    preconditioning: str = "frobenius",
+    weight_dimension_numbers=None,
+    coeffs=None,
+    ns_dtype="bfloat16",
+    shape_scaling: bool = False,
+    consistent_rms: Optional[float] = None,
+    skip_inactive: bool = False,
+    gram: bool | str = False,
+    ns_max_elements: Optional[int] = None,
+    ns_matmul: str = "xla",
+    implementation: Optional[str] = None,
+    interpret: bool = False,
+    shardings: Any = None,
+    normuon: Any = None,
+) -> optax.GradientTransformation:
+  """:func:`scale_by_muon`, or NorMuon's direction with ``normuon`` (see
+  :func:`scale_by_normuon`)."""
   if preconditioning not in _PRECONDITIONINGS:
     raise ValueError(f"scale_by_muon: unknown preconditioning {preconditioning!r}; "
                      f"expected one of {_PRECONDITIONINGS}")
@@ -815,9 +960,12 @@ def scale_by_muon(
   state_coeffs = (_OPTAX_PRESETS[ns_coeffs] if isinstance(ns_coeffs, str) else ns_coeffs)
 
   def init_fn(params):
-    return MuonState(count=jnp.zeros([], jnp.int32),
-                     mu=optax.tree.zeros_like(params, dtype=mu_dtype),
-                     ns_coeffs=jnp.asarray(state_coeffs))
+    mu = optax.tree.zeros_like(params, dtype=mu_dtype)
+    if normuon is not None:
+      return NorMuonState(count=jnp.zeros([], jnp.int32), mu=mu,
+                          nu=_normuon_nu_init(weight_dimension_numbers, params, normuon[2]),
+                          ns_coeffs=jnp.asarray(state_coeffs))
+    return MuonState(count=jnp.zeros([], jnp.int32), mu=mu, ns_coeffs=jnp.asarray(state_coeffs))
 
   # The fused step's NS input in ns_dtype (half the bytes in bf16), straight
   # from the momentum pass; optax's other preconditionings and the adaptive
@@ -832,17 +980,22 @@ def scale_by_muon(
       skip_inactive=skip_inactive, ns_max_elements=ns_max_elements, shardings=shardings,
       # Jitted: a step's NS calls of one shape (a model's layers repeat a
       # handful) are traced and lowered once, and their kernels compiled once.
-      ns=jax.jit(functools.partial(_orthogonalize, coeffs=kernel_coeffs, steps=kernel_steps,
-                                   ns_dtype=ns_dtype, eps=eps, preconditioning=preconditioning,
-                                   gram=gram, implementation=implementation, interpret=interpret,
-                                   ns_matmul=ns_matmul)))
+      ns=jax.jit(_with_column_sums(functools.partial(
+          _orthogonalize, coeffs=kernel_coeffs, steps=kernel_steps, ns_dtype=ns_dtype, eps=eps,
+          preconditioning=preconditioning, gram=gram, implementation=implementation,
+          interpret=interpret, ns_matmul=ns_matmul), normuon is not None)),
+      normuon=normuon)
   direction = functools.partial(_direction, config)
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    out, treedef, mu_leaves, count_inc = direction(updates, state.mu, state.count)
-    return (treedef.unflatten(out),
-            MuonState(count=count_inc, mu=treedef.unflatten(mu_leaves), ns_coeffs=state.ns_coeffs))
+    nu = state.nu if normuon is not None else None
+    out, treedef, mu_leaves, count_inc, nu_leaves = direction(updates, state.mu, state.count,
+                                                              nu=nu)
+    new_state = state._replace(count=count_inc, mu=treedef.unflatten(mu_leaves))
+    if normuon is not None:
+      new_state = new_state._replace(nu=treedef.unflatten(nu_leaves))
+    return treedef.unflatten(out), new_state
 
   tx = fusion.FusedTransformation(init_fn, update_fn)
   # Not a rule (the direction alone moves no parameter): what muon()'s rule calls.
@@ -850,9 +1003,11 @@ def scale_by_muon(
   return tx
 
 
-def _add_decayed_weights_active(weight_decay, dims_fn) -> optax.GradientTransformation:
+def _add_decayed_weights_active(weight_decay, dims_fn,
+                                cautious=False) -> optax.GradientTransformation:
   """``u + wd * p`` except on matrices whose Muon update is exactly zero
-  (the ones :func:`scale_by_muon` froze with ``skip_inactive``)."""
+  (the ones :func:`scale_by_muon` froze with ``skip_inactive``); ``cautious``
+  as :func:`fuseopt.optim.weight_decay.add_cautious_decayed_weights`."""
   def update_fn(updates, state, params):
     if params is None:
       raise ValueError("muon: weight decay needs params; pass params= to update()")
@@ -861,16 +1016,17 @@ def _add_decayed_weights_active(weight_decay, dims_fn) -> optax.GradientTransfor
     p_leaves = treedef.flatten_up_to(params)
     out = []
     for u, p, s in zip(leaves, p_leaves, specs):
+      d = weight_decay_lib.decay_term(u, p, weight_decay, cautious)
       if s is None:
-        out.append(u + weight_decay * p)
+        out.append(u + d)
       else:
-        out.append(u + jnp.where(_active(u, s), weight_decay * p, jnp.zeros((), p.dtype)))
+        out.append(u + jnp.where(_active(u, s), d, jnp.zeros((), p.dtype)))
     return treedef.unflatten(out), state
   return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
 def _adamw(learning_rate, b1, b2, eps, eps_root, weight_decay, mu_dtype, moment_dtype, nesterov,
-           implementation=None, interpret=False, shardings=None):
+           implementation=None, interpret=False, shardings=None, cautious=False):
   """fuseopt's AdamW; ``moment_dtype=None`` keeps optax's dtypes (mu in
   ``mu_dtype`` or the parameter's, nu in the parameter's)."""
   if moment_dtype is not None:
@@ -878,17 +1034,19 @@ def _adamw(learning_rate, b1, b2, eps, eps_root, weight_decay, mu_dtype, moment_
   return fused_adam.adamw(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
                          weight_decay=weight_decay, nesterov=nesterov, moment_dtype=moment_dtype,
                          implementation=implementation, interpret=interpret,
-                         shardings=shardings)
+                         shardings=shardings, cautious_weight_decay=cautious)
 
 
 def _muon_branch(direction_tx, decay, learning_rate, weight_decay, weight_decay_mask, dims_fn,
-                 skip_inactive):
+                 skip_inactive, cautious=False):
   """``chain(scale_by_muon, decay, scale_by_learning_rate)`` with its in-place
   rule: after the momentum pass and Newton-Schulz of ``direction_tx``, one
   elementwise pass a leaf computes ``p + (-lr) * (u + wd * p)`` in fp32 (the
   fallback's operation order) and stores it in the parameter's dtype,
   stochastically rounded when bf16 (``derive_seed(MUON_SEED, t, i,
-  STREAM_PARAM)``); under a donating jit XLA writes it in place."""
+  STREAM_PARAM)``; a mantissa-tracked leaf is written as its two halves);
+  under a donating jit XLA writes it in place. ``cautious``: the decay term
+  is a select (:func:`fuseopt.optim.weight_decay.decay_term`)."""
   lr_tx = optax.scale_by_learning_rate(learning_rate)
   # optax.identity() where optax's chain has scale_by_shape (done inside
   # scale_by_muon here): its EmptyState, so the whole state has
@@ -911,23 +1069,35 @@ def _muon_branch(direction_tx, decay, learning_rate, weight_decay, weight_decay_
 
     def finish(i, u, p):
       d, s = decayed[i], specs[i]
-      p32 = p.astype(jnp.float32)
+      # A mantissa-tracked leaf is a (bf16, uint16) pair: its fp32 master.
+      p32 = mantissa.master_of(p)
       if d and s is not None:
-        u = u + jnp.where(_active(u, s), weight_decay * p32, 0.0)
+        u = u + jnp.where(_active(u, s), weight_decay_lib.decay_term(u, p32, weight_decay, cautious),
+                          0.0)
       elif d:
-        u = u + weight_decay * p32
-      new = _store(p32 + neg_lr * u, p.dtype, count_inc, i, counter_hash.STREAM_PARAM)
-      return new if ctx.apply is None else jnp.where(ctx.apply, new, p)
+        u = u + weight_decay_lib.decay_term(u, p32, weight_decay, cautious)
+      if mantissa.is_tracked(p):
+        new = mantissa.store(p32 + neg_lr * u, p)
+      else:
+        new = _store(p32 + neg_lr * u, p.dtype, count_inc, i, counter_hash.STREAM_PARAM)
+      if ctx.apply is None:
+        return new
+      return jax.tree.map(lambda n, o: jnp.where(ctx.apply, n, o), new, p)
 
     scale = ctx.grad_scale
-    new_p, _, mu_leaves, count_inc = direction_tx.fuseopt_muon_direction(
+    nu = getattr(muon_state, "nu", None)   # NorMuon's
+    new_p, _, mu_leaves, count_inc, nu_leaves = direction_tx.fuseopt_muon_direction(
         grads, muon_state.mu, muon_state.count, placement=ctx.shardings, finish=finish,
         grad_fn=None if scale is None else (lambda g: (g * scale).astype(g.dtype)),
-        param_leaves=p_leaves)
+        param_leaves=p_leaves, nu=nu)
     mu_old = treedef.flatten_up_to(muon_state.mu)
+    muon_state = muon_state._replace(count=ctx.keep(count_inc, muon_state.count),
+                                     mu=treedef.unflatten(ctx.keep(mu_leaves, mu_old)))
+    if nu is not None:
+      muon_state = muon_state._replace(
+          nu=treedef.unflatten(ctx.keep(nu_leaves, treedef.flatten_up_to(nu))))
     new_state = (
-        muon_state._replace(count=ctx.keep(count_inc, muon_state.count),
-                            mu=treedef.unflatten(ctx.keep(mu_leaves, mu_old))),
+        muon_state,
         shape_state,
         decay_state,
         ctx.keep(jax.tree.map(optax.safe_increment, lr_state), lr_state))
@@ -966,6 +1136,8 @@ def muon(
     implementation: Optional[str] = None,
     interpret: bool = False,
     shardings: Any = None,
+    cautious_weight_decay: bool = False,
+    bf16_params: str = "stochastic",
 ) -> optax.GradientTransformation:
   r"""Muon for the matrices, AdamW for everything else.
 
@@ -999,12 +1171,63 @@ def muon(
   gradient and it gets one optimizer state. Two leaves holding the same
   array are two parameters to optax and to fuseopt.
   """
+  return _muon(
+      learning_rate=learning_rate, ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=beta, eps=eps,
+      weight_decay=weight_decay, weight_decay_mask=weight_decay_mask, mu_dtype=mu_dtype,
+      nesterov=nesterov, adaptive=adaptive, preconditioning=preconditioning, adam_b1=adam_b1,
+      adam_b2=adam_b2, adam_eps_root=adam_eps_root, adam_weight_decay=adam_weight_decay,
+      adam_learning_rate=adam_learning_rate,
+      muon_weight_dimension_numbers=muon_weight_dimension_numbers, consistent_rms=consistent_rms,
+      coeffs=coeffs, ns_dtype=ns_dtype, adam_moment_dtype=adam_moment_dtype,
+      skip_inactive=skip_inactive, gram=gram, ns_max_elements=ns_max_elements, ns_matmul=ns_matmul,
+      implementation=implementation, interpret=interpret, shardings=shardings,
+      cautious_weight_decay=cautious_weight_decay, bf16_params=bf16_params)
+
+
+def _muon(
+    learning_rate: optax.ScalarOrSchedule,
+    ns_coeffs=JORDAN_COEFFS,
+    ns_steps: int = _NS_STEPS,
+    beta: float = 0.95,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    weight_decay_mask: Optional[Any] = None,
+    mu_dtype: Optional[Any] = None,
+    *,
+    nesterov: bool = True,
+    adaptive: bool = False,
+    preconditioning: str = "frobenius",
+    adam_b1: float = 0.9,
+    adam_b2: float = 0.999,
+    adam_eps_root: float = 0.0,
+    adam_weight_decay: float = 0.0,
+    adam_learning_rate: Optional[optax.ScalarOrSchedule] = None,
+    muon_weight_dimension_numbers=None,
+    consistent_rms: Optional[float] = None,
+    coeffs=None,
+    ns_dtype="bfloat16",
+    adam_moment_dtype: Optional[Any] = None,
+    skip_inactive: bool = False,
+    gram: bool | str = False,
+    ns_max_elements: Optional[int] = None,
+    ns_matmul: str = "xla",
+    implementation: Optional[str] = None,
+    interpret: bool = False,
+    shardings: Any = None,
+    cautious_weight_decay: bool = False,
+    bf16_params: str = "stochastic",
+    normuon: Any = None,
+    owner: str = "muon",
+) -> optax.GradientTransformation:
+  """:func:`muon`, or :func:`normuon` with ``normuon`` = NorMuon's (b2, eps, v dtype)."""
   for name, rate in (("learning_rate", learning_rate), ("adam_learning_rate", adam_learning_rate),
                      ("weight_decay", weight_decay), ("adam_weight_decay", adam_weight_decay)):
-    _checks.check_rate("muon", name, rate)
+    _checks.check_rate(owner, name, rate)
   for name, decay in (("beta", beta), ("adam_b1", adam_b1), ("adam_b2", adam_b2)):
-    _checks.check_decay("muon", name, decay)
-  _checks.check_nonnegative("muon", "eps", eps)
+    _checks.check_decay(owner, name, decay)
+  _checks.check_nonnegative(owner, "eps", eps)
+  cautious = weight_decay_lib.check_cautious(owner, cautious_weight_decay)
+  mantissa.check_mode(owner, bf16_params)
   if adam_learning_rate is None:
     adam_learning_rate = learning_rate
 
@@ -1031,16 +1254,18 @@ def muon(
     return _broadcast_specs(muon_axes.align_to(dims, tree, _is_spec_or_none), tree)
 
   if skip_inactive:
-    decay = _add_decayed_weights_active(weight_decay, dims_fn)
+    decay = _add_decayed_weights_active(weight_decay, dims_fn, cautious)
     if weight_decay_mask is not None:
       decay = optax.masked(decay, weight_decay_mask)
+  elif cautious:
+    decay = weight_decay_lib.add_cautious_decayed_weights(weight_decay, weight_decay_mask)
   else:
     decay = optax.add_decayed_weights(weight_decay, weight_decay_mask)
 
-  return fusion.partition(
+  tx = fusion.partition(
       transforms={
           "muon": _muon_branch(
-              scale_by_muon(
+              _scale_by_muon(
                   ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=beta, eps=eps, mu_dtype=mu_dtype,
                   nesterov=nesterov, adaptive=adaptive, preconditioning=preconditioning,
                   weight_dimension_numbers=dims_fn, coeffs=coeffs, ns_dtype=ns_dtype,
@@ -1048,15 +1273,17 @@ def muon(
                   skip_inactive=skip_inactive, gram=gram, ns_max_elements=ns_max_elements,
                   ns_matmul=ns_matmul,
                   implementation=implementation,
-                  interpret=interpret, shardings=shardings),
+                  interpret=interpret, shardings=shardings, normuon=normuon),
               decay, learning_rate, weight_decay, weight_decay_mask, dims_fn, skip_inactive,
+              cautious,
           ),
           "adam": _adamw(adam_learning_rate, adam_b1, adam_b2, eps, adam_eps_root,
                          adam_weight_decay, mu_dtype, adam_moment_dtype, nesterov,
                          implementation=implementation, interpret=interpret,
-                         shardings=shardings),
+                         shardings=shardings, cautious=cautious),
       },
       param_labels=param_labels,
-      name="muon",
+      name=owner,
   )
+  return mantissa.with_bf16_params(tx, bf16_params, owner)
 

@@ -385,6 +385,10 @@ def muonclip(learning_rate, *, tau: float = 100.0,
   hyperparameters as into ``muon`` (and ``tau``).
   """
   clip = scale_by_qk_clip(tau, projections, mla=mla)
+  if muon_kwargs.get("bf16_params", "stochastic") != "stochastic":
+    raise ValueError("muonclip: bf16_params must be 'stochastic' (QK-Clip rescales the parameters "
+                     f"after the update, outside a mantissa companion), got "
+                     f"{muon_kwargs['bf16_params']!r}")
   return fusion.chain(muon_transforms.muon(learning_rate, **muon_kwargs), clip)
 
 

@@ -145,6 +145,7 @@ INJECTED = [
     pytest.param(fo.adam, {}, {}, {}, id="adam"),
     pytest.param(fo.adamw, {"weight_decay": 0.1}, {}, {}, id="adamw"),
     pytest.param(fo.muon, {"weight_decay": 0.1}, {}, {}, id="muon"),
+    pytest.param(fo.normuon, {"weight_decay": 0.1}, {}, {}, id="normuon"),
     pytest.param(fo.muonclip, {"tau": 50.0}, {"qk_stats": _QK}, {"qk_stats": _QK_LOW}, id="muonclip"),
 ]
 
@@ -187,10 +188,11 @@ def test_inject_hyperparams_under_jit_as_optax_does(factory, kwargs, extra, uncl
     if t == 0:
       # The plain transform given the same fp32 values outside jit, as
       # constants: XLA compiles the clip's arithmetic on a constant learning
-      # rate in another order (1 ulp), the rest is bitwise.
+      # rate (NorMuon's on a constant b2) in another order (1 ulp), the rest
+      # is bitwise.
       plain = factory(**state.hyperparams)
       u_const, _ = jax.jit(plain.update)(g, plain.init(params), params, **extra)
-      _assert_bitwise(u, u_const, rtol=1e-6 if factory is fo.muonclip else 0.0)
+      _assert_bitwise(u, u_const, rtol=1e-6 if factory in (fo.muonclip, fo.normuon) else 0.0)
     params = optax.apply_updates(params, u)
     state = new_state
 

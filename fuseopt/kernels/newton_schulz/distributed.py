@@ -129,7 +129,10 @@ def orthogonalize_sharded(leaves: Sequence[jax.Array],
     placements: the leaves' placements (even).
     axes: per leaf, the reduction and output axes (non-negative ints).
     ns: ``(b, R, O) -> (b, R, O)`` on whole matrices, run inside
-      ``shard_map`` (a Pallas kernel is fine: its operands are local).
+      ``shard_map`` (a Pallas kernel is fine: its operands are local); or
+      ``(b, R, O) -> ((b, R, O), (b, O))``: the result and a statistic per
+      output column of each matrix (NorMuon's column sums of squares),
+      computed where the matrix is whole, so it is the unsharded step's.
     max_elements: the unsharded step's most matrix elements per NS call
       (``None``: no limit). A family of two or more matrices runs at least
       two to a device's ``ns`` call (padding slots fill it) unless the
@@ -137,7 +140,10 @@ def orthogonalize_sharded(leaves: Sequence[jax.Array],
       two matrices).
 
   Returns:
-    ``ns``'s result for each leaf, in the leaf's layout and sharding.
+    ``ns``'s result for each leaf, in the leaf's layout and sharding; with a
+    column statistic, ``(result, statistic)`` pairs, the statistic in the
+    leaf's layout with its reduction axes of size 1 (sharded as the leaf,
+    replicated over the mesh axes of the reduction side).
   """
   mesh = placements[0].mesh
   for p in placements[1:]:
@@ -157,20 +163,41 @@ def orthogonalize_sharded(leaves: Sequence[jax.Array],
     return tuple(results)
 
   specs = tuple(p.spec for p in placements)
+  out_specs = specs
+  with_stats = _returns_stats(ns, leaves, axes)
+  if with_stats:
+    # The statistic is replicated over the reduction side's mesh axes.
+    out_specs = tuple((p.spec, _without(p.spec, red)) for p, (red, _) in zip(placements, axes))
   fitted = [sharding_lib.to_spec(x, p) for x, p in zip(leaves, placements)]
-  outs = sharding_lib.shard_local(body, mesh, specs, specs)(*fitted)
+  outs = sharding_lib.shard_local(body, mesh, specs, out_specs)(*fitted)
+  if with_stats:
+    return [(sharding_lib.like(y, x), st) for (y, st), x in zip(outs, leaves)]
   return [sharding_lib.like(y, x) for y, x in zip(outs, leaves)]
 
 
+def _returns_stats(ns, leaves, axes) -> bool:
+  """Whether ``ns`` returns ``(result, column statistic)``."""
+  x, (red, out) = leaves[0], axes[0]
+  R = math.prod(x.shape[a] for a in red)
+  O = math.prod(x.shape[a] for a in out)
+  return isinstance(jax.eval_shape(ns, jax.ShapeDtypeStruct((2, R, O), x.dtype)), tuple)
+
+
+def _without(spec, axes):
+  """``spec`` with the entries of ``axes`` replaced by None."""
+  return jax.sharding.PartitionSpec(*[None if a in axes else e for a, e in enumerate(spec)])
+
+
 def _plan(leaves, placements, axes, mesh):
-  """Per leaf ``(perm, local shape in perm order, batch axes)``, and the
+  """Per leaf ``(perm, local shape in perm order, batch axes, reduction axes)``, and the
   families: ``{family key: leaf indices}``."""
   plans = []
   families: dict[tuple, list[int]] = {}
   for i, (x, p, (red, out)) in enumerate(zip(leaves, placements, axes)):
     perm = layout.permutation(x.ndim, red, out)
     local = p.local_shape(x.shape)
-    plans.append((perm, tuple(local[a] for a in perm), len(layout.batch_axes(x.ndim, red, out))))
+    plans.append((perm, tuple(local[a] for a in perm), len(layout.batch_axes(x.ndim, red, out)),
+                  len(red)))
     families.setdefault(_family_key(x.shape, x.dtype, p, red, out, mesh), []).append(i)
   return plans, families
 
@@ -189,14 +216,14 @@ class _Family:
 
   def size(self) -> int:
     """Matrices in the family."""
-    return sum(math.prod(pshape[:nb]) for (_, pshape, nb) in self.plans)
+    return sum(math.prod(pshape[:nb]) for (_, pshape, nb, _) in self.plans)
 
   def gather(self, locals_, members):
     """The family's local blocks as one ``(b, R_loc, O_loc)`` stack, padded
     to the devices that share it, re-laid out so that every device holds
     ``k`` whole matrices."""
     mats, self.counts = [], []
-    for i, (perm, pshape, nb) in zip(members, self.plans):
+    for i, (perm, pshape, nb, _) in zip(members, self.plans):
       y = locals_[i]
       if not layout.is_identity(perm):
         y = jnp.transpose(y, perm)
@@ -243,15 +270,26 @@ class _Family:
     d = (self.f_idx * self.n_red + r_idx) * self.n_out + o_idx
     shaped = jax.eval_shape(ns, x)
     return jax.lax.cond(jnp.asarray(busy)[d], ns,
-                        lambda v: jnp.zeros(shaped.shape, shaped.dtype), x)
+                        lambda v: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shaped), x)
 
   def scatter(self, y):
     """The results back in each leaf's local layout (the collectives of
-    :meth:`gather` in reverse, and an ``all_gather`` over the replica axes)."""
+    :meth:`gather` in reverse, and an ``all_gather`` over the replica axes);
+    for ``(result, column statistic)``, pairs."""
+    if isinstance(y, tuple):
+      y, stat = y
+      return list(zip(self._scatter(y), self._scatter(stat[:, None, :], gather_rows=True)))
+    return self._scatter(y)
+
+  def _scatter(self, y, gather_rows=False):
+    # gather_rows: ``y`` has one row per matrix (a column statistic): the
+    # devices of the reduction side each get all of it (an all_gather, in
+    # the order the all_to_all concatenates matrices), not a block of rows.
     if self.out_names:
       y = jax.lax.all_to_all(y, _axis(self.out_names), 2, 0, tiled=True)
     if self.red_names:
-      y = jax.lax.all_to_all(y, _axis(self.red_names), 1, 0, tiled=True)
+      y = (jax.lax.all_gather(y, _axis(self.red_names), axis=0, tiled=True) if gather_rows else
+           jax.lax.all_to_all(y, _axis(self.red_names), 1, 0, tiled=True))
     if self.free:
       y = jax.lax.all_gather(y, _axis(self.free), axis=0, tiled=True)
     if self.padded != self.B:
@@ -259,9 +297,11 @@ class _Family:
         y = jnp.roll(y, -self.shift, axis=0)
       y = y[:self.B]
     parts, start = [], 0
-    for (perm, pshape, _), b in zip(self.plans, self.counts):
+    for (perm, pshape, nb, n_red), b in zip(self.plans, self.counts):
       part = y if len(self.plans) == 1 else jax.lax.slice_in_dim(y, start, start + b)
       start += b
+      if gather_rows:   # the reduction axes (after the batch axes in perm order) of size 1
+        pshape = pshape[:nb] + (1,) * n_red + pshape[nb + n_red:]
       part = part.reshape(pshape)
       if not layout.is_identity(perm):
         part = jnp.transpose(part, layout.inverse(perm))

@@ -1,0 +1,92 @@
+"""NorMuon's per-neuron normalisation of an orthogonalised update.
+
+NorMuon (Li et al. 2025, "NorMuon: Making Muon more efficient and scalable",
+arXiv 2510.05491) keeps, for every output neuron of a matrix (an output
+column of the ``(rows = fan-in, cols = fan-out)`` matrix, one row of the
+paper's ``W`` in ``y = W x``), an exponential average of the mean square of
+its row of the Newton-Schulz output ``O``:
+
+.. math::
+  v_j \\leftarrow \\beta_2 v_j + (1-\\beta_2)\\,\\tfrac{1}{\\text{rows}}\\textstyle\\sum_i O_{ij}^2,
+  \\qquad \\hat O_{ij} = O_{ij} / (\\sqrt{v_j} + \\varepsilon)
+
+and rescales :math:`\\hat O` so that its Frobenius norm is that of an exactly
+orthogonal matrix of the same shape, :math:`\\sqrt{\\min(\\text{rows}, \\text{cols})}`:
+the update then has Muon's RMS, and Muon's width scaling (or
+``consistent_rms``) applies unchanged. With ``consistent_rms=0.2`` this is
+the paper's ``0.2 sqrt(mn) / ||Ô||_F``.
+
+Only the column sums of squares are read from the matrix (computed where the
+matrix is whole, with the Newton-Schulz result); the norm of :math:`\\hat O`
+follows from them (:math:`\\sum_j \\text{colsum}_j / (\\sqrt{v_j}+\\varepsilon)^2`),
+so the normalisation is one per-column factor folded into the pass that
+writes the parameter.
+
+Layouts: the statistics are ``(batch, cols)`` in the Newton-Schulz layout
+(:func:`fuseopt.optim.matrix_views.split`'s); the state ``v`` of a leaf has
+the leaf's shape without its reduction axes (``(cols,)`` for a 2-D weight,
+``(layers, cols)`` for a stacked one).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from fuseopt.kernels.newton_schulz import layout
+
+__all__ = ["column_sums", "from_matrix", "normalize", "state_shape", "to_matrix"]
+
+
+def column_sums(y) -> jax.Array:
+  """fp32 sums of squares over the rows of each ``(batch, rows, cols)`` matrix."""
+  y32 = y.astype(jnp.float32)
+  return jnp.sum(y32 * y32, axis=1)
+
+
+def state_shape(shape, red) -> tuple[int, ...]:
+  """The shape of a leaf's ``v``: the leaf's without its reduction axes."""
+  return tuple(d for a, d in enumerate(shape) if a not in red)
+
+
+def _keepdims_shape(shape, red):
+  return tuple(1 if a in red else d for a, d in enumerate(shape))
+
+
+def to_matrix(x, shape, red, out) -> jax.Array:
+  """A per-neuron array in the leaf's layout (``shape`` with the reduction
+  axes removed, or kept at size 1) as ``(batch, cols)``."""
+  ndim = len(shape)
+  x = jnp.reshape(x, _keepdims_shape(shape, red))
+  perm = layout.permutation(ndim, red, out)
+  if not layout.is_identity(perm):
+    x = jnp.transpose(x, perm)
+  batch = math.prod(shape[a] for a in layout.batch_axes(ndim, red, out))
+  return jnp.reshape(x, (batch, math.prod(shape[a] for a in out)))
+
+
+def from_matrix(m, shape, red, out, *, keepdims: bool) -> jax.Array:
+  """The inverse of :func:`to_matrix`: ``(batch, cols)`` back to the leaf's
+  layout, the reduction axes of size 1 (``keepdims``) or removed."""
+  ndim = len(shape)
+  perm = layout.permutation(ndim, red, out)
+  kshape = _keepdims_shape(shape, red)
+  x = jnp.reshape(m, tuple(kshape[a] for a in perm))
+  if not layout.is_identity(perm):
+    x = jnp.transpose(x, layout.inverse(perm))
+  return x if keepdims else jnp.reshape(x, state_shape(shape, red))
+
+
+def normalize(colsum, v_old, *, rows: int, cols: int, b2, eps):
+  """``(scale, v_new)``, both ``(batch, cols)`` fp32: the per-column factor
+  that turns the NS output ``O`` into NorMuon's update (``O * scale``, before
+  Muon's width scaling) and the new second moment."""
+  v_new = b2 * v_old.astype(jnp.float32) + (1 - b2) * (colsum / rows)
+  d = 1.0 / (jnp.sqrt(v_new) + eps)
+  norm2 = jnp.sum(colsum * (d * d), axis=1, keepdims=True)
+  # A zero matrix has a zero update whatever the factor: keep it finite.
+  tiny = jnp.finfo(jnp.float32).tiny
+  r = math.sqrt(min(rows, cols)) * jax.lax.rsqrt(jnp.maximum(norm2, tiny))
+  return d * r, v_new

@@ -1,0 +1,76 @@
+"""Decoupled weight decay, plain or cautious.
+
+Cautious weight decay (Chen et al. 2025, "Cautious Weight Decay", arXiv
+2510.12402) decays only the coordinates where the optimizer's update and the
+parameter have the same sign:
+
+.. math::
+  p \\leftarrow p - \\eta\\,(u + \\lambda\\,\\mathbb{1}[u \\odot p \\ge 0] \\odot p)
+
+so the decay never pushes against the update that is moving a weight away
+from zero. It has no hyperparameter of its own (the same :math:`\\lambda`).
+The fused kernels apply it as one select on the decay term
+(:func:`decay_term`); :func:`add_cautious_decayed_weights` is the optax piece
+for the unfused chain.
+"""
+
+# No `from __future__ import annotations`: optax reads annotations of
+# ScalarOrSchedule arguments as objects.
+from typing import Any, Callable, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+
+__all__ = ["add_cautious_decayed_weights", "check_cautious", "decay_term"]
+
+
+def check_cautious(owner: str, value) -> bool:
+  """``cautious_weight_decay`` must be a Python bool (it picks the chain)."""
+  if not isinstance(value, bool):
+    raise TypeError(f"{owner}: cautious_weight_decay must be a bool (True or False), "
+                    f"got {value!r}")
+  return value
+
+
+def decay_term(u, p, weight_decay, cautious: bool):
+  """``weight_decay * p``, or with ``cautious`` zero where ``u * p < 0``.
+
+  Written as a select on the product's sign so that the plain decay's bits
+  are unchanged and the cautious one adds a compare and a select, no pass.
+  """
+  d = weight_decay * p
+  if not cautious:
+    return d
+  return jnp.where(u * p < 0, jnp.zeros((), d.dtype), d)
+
+
+def add_cautious_decayed_weights(
+    weight_decay: optax.ScalarOrSchedule = 0.0,
+    mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
+) -> optax.GradientTransformation:
+  """:func:`optax.add_decayed_weights`, cautious: ``u + wd * 1[u*p >= 0] * p``.
+
+  Same arguments and the same state as :func:`optax.add_decayed_weights`
+  (a count where ``weight_decay`` is a schedule), so a chain that uses it has
+  the structure of the plain chain and checkpoints interoperate. ``u`` is the
+  incoming update (the optimizer's direction before the decay).
+  """
+  plain = optax.add_decayed_weights(weight_decay)
+
+  def update_fn(updates, state, params):
+    if params is None:
+      raise ValueError("add_cautious_decayed_weights: weight decay needs params; pass "
+                       "params= to update()")
+    if callable(weight_decay):
+      wd = weight_decay(state.count)
+      state = state._replace(count=optax.safe_increment(state.count))
+    else:
+      wd = weight_decay
+    if isinstance(wd, (int, float)) and wd == 0.0:
+      return updates, state
+    return jax.tree.map(lambda u, p: None if u is None else u + decay_term(u, p, wd, True),
+                        updates, params, is_leaf=lambda x: x is None), state
+
+  tx = optax.GradientTransformation(plain.init, update_fn)
+  return tx if mask is None else optax.masked(tx, mask)
