@@ -20,9 +20,9 @@ from fuseopt.optim.step import step
 from fuseopt.optim.muon_transforms import muon
 from fuseopt.optim.muon_transforms import MuonDimensionNumbers
 from fuseopt.optim.muon_transforms import scale_by_muon
-from fuseopt.optim.normuon import normuon
-from fuseopt.optim.normuon import NorMuonState
-from fuseopt.optim.normuon import scale_by_normuon
+from fuseopt.optim.normuon_transforms import normuon
+from fuseopt.optim.normuon_transforms import NorMuonState
+from fuseopt.optim.normuon_transforms import scale_by_normuon
 
 # Cautious weight decay; exact bf16 parameters (a mantissa companion).
 from fuseopt.optim.weight_decay import add_cautious_decayed_weights

@@ -33,7 +33,7 @@ from fuseopt.optim import fusion
 from fuseopt.optim import groups as groups_lib
 from fuseopt.optim import mantissa
 from fuseopt.optim import muon_axes
-from fuseopt.optim import normuon as normuon_lib
+from fuseopt.optim import normuon_transforms
 from fuseopt.optim import qk_clip
 from fuseopt.optim import safeguards
 from fuseopt.optim.config import OptimConfig
@@ -159,7 +159,7 @@ def _normuon(config, rate, weight_decay, adam_rate=None):
   kw = _muon_kwargs(config, weight_decay, adam_rate)
   if config.normuon_b2 is not None:
     kw["b2"] = config.normuon_b2
-  return normuon_lib.normuon(rate, **kw)
+  return normuon_transforms.normuon(rate, **kw)
 
 
 def _muonclip(config, rate, weight_decay, adam_rate=None):

@@ -1,0 +1,123 @@
+"""Cautious weight decay: decay only where the update and the parameter agree in sign."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fuseopt.optim as fo
+from fuseopt.optim import MuonDimensionNumbers as MDN
+
+SHAPES = {"w": (32, 16), "b": (16,)}
+DIMS = {"w": MDN(0, 1), "b": None}
+
+
+def _tree(seed, scale=1.0):
+  keys = jax.random.split(jax.random.key(seed), len(SHAPES))
+  return {n: scale * jax.random.normal(k, s) for k, (n, s) in zip(keys, sorted(SHAPES.items()))}
+
+
+def test_piece_decays_only_where_signs_agree_and_keeps_optaxs_state():
+  u = {"x": jnp.array([1.0, -1.0, 1.0, -1.0, 0.0, 2.0])}
+  p = {"x": jnp.array([2.0, 2.0, -2.0, -2.0, 3.0, 0.0])}
+  tx = fo.add_cautious_decayed_weights(0.5)
+  out, _ = tx.update(u, tx.init(p), p)
+  # u*p: 2 (decay), -2, -2 (no decay), 2 (decay), 0 and 0 (>= 0: decay)
+  np.testing.assert_array_equal(np.asarray(out["x"]), [2.0, -1.0, 1.0, -2.0, 1.5, 2.0])
+  sched = optax.linear_schedule(0.1, 0.0, 10)
+  for wd in (0.1, sched):
+    mine, plain = fo.add_cautious_decayed_weights(wd), optax.add_decayed_weights(wd)
+    assert jax.tree.structure(mine.init(p)) == jax.tree.structure(plain.init(p))
+  s = fo.add_cautious_decayed_weights(sched).init(p)
+  _, s = fo.add_cautious_decayed_weights(sched).update(u, s, p)
+  assert int(s.count) == 1
+
+
+def test_adamw_cautious_unfused_is_the_formula():
+  params, grads = _tree(0), _tree(1)
+  lr, wd = 1e-2, 0.5
+  plain = fo.adamw(lr, weight_decay=wd, moment_dtype=jnp.float32, implementation="xla")
+  cautious = fo.adamw(lr, weight_decay=wd, moment_dtype=jnp.float32, implementation="xla",
+                      cautious_weight_decay=True)
+  adam = fo.adam(lr, moment_dtype=jnp.float32, implementation="xla")
+  ua, _ = adam.update(grads, adam.init(params), params)
+  uc, _ = cautious.update(grads, cautious.init(params), params)
+  up, _ = plain.update(grads, plain.init(params), params)
+  for n in SHAPES:
+    direction = -np.asarray(ua[n]) / lr               # Adam's u
+    p = np.asarray(params[n])
+    mask = direction * p >= 0
+    want = -lr * (direction + wd * np.where(mask, p, 0.0))
+    np.testing.assert_allclose(np.asarray(uc[n]), want, rtol=1e-5, atol=1e-8)
+    assert 0 < mask.mean() < 1   # both cases occur
+    # Where the mask holds, cautious and plain agree.
+    np.testing.assert_array_equal(np.asarray(uc[n])[mask], np.asarray(up[n])[mask])
+  # The state has adamw's structure.
+  assert jax.tree.structure(cautious.init(params)) == jax.tree.structure(plain.init(params))
+
+
+@pytest.mark.parametrize("make", [
+    lambda c: fo.adamw(1e-2, weight_decay=0.5, cautious_weight_decay=c),
+    lambda c: fo.muon(1e-2, weight_decay=0.5, adam_weight_decay=0.5, cautious_weight_decay=c,
+                      muon_weight_dimension_numbers=DIMS),
+    lambda c: fo.normuon(1e-2, weight_decay=0.5, adam_weight_decay=0.5, cautious_weight_decay=c,
+                         muon_weight_dimension_numbers=DIMS),
+], ids=["adamw", "muon", "normuon"])
+def test_fused_step_matches_update_and_differs_from_plain_decay(make):
+  params, grads = _tree(0), _tree(1)
+  tx = make(True)
+  step = jax.jit(lambda g, s, p: fo.step(tx, g, s, p))
+  new, _ = step(grads, tx.init(params), params)
+  u, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  ref = optax.apply_updates(params, u)
+  plain = make(False)
+  plain_new, _ = jax.jit(lambda g, s, p: fo.step(plain, g, s, p))(grads, plain.init(params), params)
+  for n in SHAPES:
+    np.testing.assert_allclose(np.asarray(new[n]), np.asarray(ref[n]), rtol=1e-5, atol=2e-5)
+    assert not np.array_equal(np.asarray(new[n]), np.asarray(plain_new[n])), n
+
+
+def test_cautious_false_is_bitwise_the_plain_decay():
+  params, grads = _tree(0), _tree(1)
+  for tx_a, tx_b in [(fo.adamw(1e-2, weight_decay=0.1),
+                      fo.adamw(1e-2, weight_decay=0.1, cautious_weight_decay=False)),
+                     (fo.muon(1e-2, weight_decay=0.1, muon_weight_dimension_numbers=DIMS),
+                      fo.muon(1e-2, weight_decay=0.1, muon_weight_dimension_numbers=DIMS,
+                              cautious_weight_decay=False))]:
+    a, _ = jax.jit(lambda g, s, p, tx=tx_a: fo.step(tx, g, s, p))(grads, tx_a.init(params), params)
+    b, _ = jax.jit(lambda g, s, p, tx=tx_b: fo.step(tx, g, s, p))(grads, tx_b.init(params), params)
+    for n in SHAPES:
+      np.testing.assert_array_equal(np.asarray(a[n]), np.asarray(b[n]))
+
+
+def test_inject_hyperparams_keeps_the_flag_static():
+  params, grads = _tree(0), _tree(1)
+  tx = optax.inject_hyperparams(fo.muon)(learning_rate=1e-2, weight_decay=0.5,
+                                         cautious_weight_decay=True,
+                                         muon_weight_dimension_numbers=DIMS)
+  state = jax.jit(tx.init)(params)
+  assert "cautious_weight_decay" not in state.hyperparams
+  u, _ = jax.jit(tx.update)(grads, state, params)
+  plain = fo.muon(1e-2, weight_decay=0.5, cautious_weight_decay=True,
+                  muon_weight_dimension_numbers=DIMS)
+  want, _ = jax.jit(plain.update)(grads, plain.init(params), params)
+  plain_decay = fo.muon(1e-2, weight_decay=0.5, muon_weight_dimension_numbers=DIMS)
+  other, _ = jax.jit(plain_decay.update)(grads, plain_decay.init(params), params)
+  for n in SHAPES:
+    # (traced hyperparameters against constants: fp32 rounding apart)
+    np.testing.assert_allclose(np.asarray(u[n]), np.asarray(want[n]), rtol=1e-4)
+    assert float(jnp.max(jnp.abs(u[n] - other[n]))) > 1e-3, n
+
+
+@pytest.mark.parametrize("factory", [fo.adamw, fo.muon, fo.normuon])
+def test_non_bool_flag_is_refused_by_name(factory):
+  with pytest.raises(TypeError, match="cautious_weight_decay must be a bool"):
+    factory(1e-2, cautious_weight_decay="yes")
+
+
+def test_config_refuses_it_where_there_is_no_decay():
+  with pytest.raises(ValueError, match="cautious_weight_decay: optimizer 'adam'"):
+    fo.OptimConfig(optimizer="adam", learning_rate=0.1, cautious_weight_decay=True)
+  with pytest.raises(ValueError, match="cautious_weight_decay must be a bool"):
+    fo.OptimConfig(optimizer="adamw", learning_rate=0.1, cautious_weight_decay=1)

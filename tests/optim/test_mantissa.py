@@ -1,0 +1,140 @@
+"""Exact bf16 parameters: a uint16 companion keeps the fp32 master in the state."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fuseopt.optim as fo
+from fuseopt.kernels import mantissa as bits
+from fuseopt.optim import MuonDimensionNumbers as MDN
+
+SHAPES = {"w": (48, 32), "stack": (2, 16, 24), "b": (32,)}
+DIMS = {"w": MDN(0, 1), "stack": MDN(1, 2), "b": None}
+_STEPS = 5
+
+FACTORIES = {
+    "adamw": lambda **kw: fo.adamw(3e-3, weight_decay=0.1, **kw),
+    "adamw-cautious": lambda **kw: fo.adamw(3e-3, weight_decay=0.1, cautious_weight_decay=True,
+                                            **kw),
+    "adam-fp32-moments": lambda **kw: fo.adam(3e-3, moment_dtype=jnp.float32, **kw),
+    "muon": lambda **kw: fo.muon(2e-2, weight_decay=0.1, adam_weight_decay=0.1,
+                                 muon_weight_dimension_numbers=DIMS, **kw),
+    "normuon": lambda **kw: fo.normuon(2e-2, weight_decay=0.1, adam_weight_decay=0.1,
+                                       muon_weight_dimension_numbers=DIMS, **kw),
+}
+
+
+def _tree(seed, scale=1.0):
+  keys = jax.random.split(jax.random.key(seed), len(SHAPES))
+  return {n: scale * jax.random.normal(k, s) for k, (n, s) in zip(keys, sorted(SHAPES.items()))}
+
+
+def _bf16_start():
+  """bf16 params, and the same values in fp32 (the fp32 run's start)."""
+  p16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _tree(0))
+  return p16, jax.tree.map(lambda x: x.astype(jnp.float32), p16)
+
+
+def _assert_bitwise(a, b, what, rtol=0.0):
+  for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
+    assert x.dtype == y.dtype, (what, path)
+    if rtol:
+      np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=rtol,
+                                 atol=1e-7, err_msg=f"{what} {jax.tree_util.keystr(path)}")
+    else:
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y),
+                                    err_msg=f"{what} {jax.tree_util.keystr(path)}")
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["step", "update"])
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_masters_follow_an_fp32_run_bit_for_bit(name, fused):
+  """Same gradients, five steps: the joined masters equal the fp32 params of
+  an fp32 run of the same optimizer, and the wrapped state equals its state.
+  In the fused step bit for bit (the same pass computes both); through
+  ``update`` + ``apply_updates`` to fp32 rounding: the two programs differ
+  around the parameter's add, and XLA's CPU backend may contract a multiply
+  and an add into one fused multiply-add in one program and not the other."""
+  make = FACTORIES[name]
+  p16, p32 = _bf16_start()
+  tx16, tx32 = make(bf16_params="mantissa"), make()
+  s16, s32 = tx16.init(p16), tx32.init(p32)
+  if fused:
+    run = lambda tx: jax.jit(lambda g, s, p: fo.step(tx, g, s, p))
+  else:
+    def run(tx):
+      def one(g, s, p):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+      return jax.jit(one)
+  step16, step32 = run(tx16), run(tx32)
+  for t in range(_STEPS):
+    g = _tree(t + 1)
+    p16, s16 = step16(g, s16, p16)
+    p32, s32 = step32(g, s32, p32)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(p16))
+    rtol = 0.0 if fused else 1e-6
+    _assert_bitwise(fo.master_params(p16, s16), p32, f"{name} step {t} params", rtol)
+    _assert_bitwise(s16.inner_state, s32, f"{name} step {t} state", rtol)
+    # The visible half is the master truncated toward zero.
+    for m, h in zip(jax.tree.leaves(p32), jax.tree.leaves(p16)):
+      assert bool(jnp.all(jnp.abs(h.astype(jnp.float32)) <= jnp.abs(m)))
+
+
+def test_state_holds_a_uint16_companion_shaped_like_the_params():
+  p16, _ = _bf16_start()
+  state = fo.adamw(1e-3, bf16_params="mantissa").init(p16)
+  assert isinstance(state, fo.MantissaState)
+  assert jax.tree.map(lambda x: (x.shape, x.dtype), state.companion) == \
+      jax.tree.map(lambda x: (x.shape, jnp.dtype(jnp.uint16)), p16)
+  # master_params without a companion: the params widened.
+  plain = fo.adamw(1e-3).init(p16)
+  _assert_bitwise(fo.master_params(p16, plain), jax.tree.map(lambda x: x.astype(jnp.float32), p16),
+                  "no companion")
+
+
+def test_the_join_is_exact_and_the_split_truncates():
+  x = jnp.concatenate([jax.random.normal(jax.random.key(0), (4096,)) * 100,
+                       jnp.array([0.0, -0.0, jnp.inf, -jnp.inf, 1e-40, -3e38])])
+  hi, lo = bits.split(x)
+  assert hi.dtype == jnp.bfloat16 and lo.dtype == jnp.uint16
+  np.testing.assert_array_equal(np.asarray(bits.join(hi, lo)).view(np.uint32),
+                                np.asarray(x).view(np.uint32))
+  assert bool(jnp.all(jnp.abs(hi.astype(jnp.float32)) <= jnp.abs(x)))
+
+
+def test_builder_skipped_step_keeps_params_and_companion():
+  cfg = fo.OptimConfig(optimizer="adamw", learning_rate=1e-3, weight_decay=0.1,
+                       bf16_params="mantissa", skip_nonfinite=True, clip_norm=1.0)
+  tx = fo.build_optimizer(cfg, steps=10)
+  p16, _ = _bf16_start()
+  state = tx.init(p16)
+  step = jax.jit(lambda g, s, p: fo.step(tx, g, s, p))
+  p1, state = step(_tree(1), state, p16)
+  m1 = fo.master_params(p1, state)
+  bad = jax.tree.map(lambda g: g.at[0].set(jnp.nan), _tree(2))
+  p2, state2 = step(bad, state, p1)
+  _assert_bitwise(p2, p1, "skipped params")
+  _assert_bitwise(fo.master_params(p2, state2), m1, "skipped masters")
+  assert not all(bool(jnp.all(a == b)) for a, b in zip(jax.tree.leaves(fo.master_params(p1, state)),
+                                                       jax.tree.leaves(_bf16_start()[1])))
+
+
+@pytest.mark.parametrize("factory", [fo.adam, fo.adamw, fo.muon, fo.normuon])
+def test_bad_input_is_refused_by_name(factory):
+  with pytest.raises(ValueError, match="bf16_params must be one of"):
+    factory(1e-3, bf16_params="exact")
+  tx = factory(1e-3, bf16_params="mantissa")
+  with pytest.raises(ValueError, match="bf16_params='mantissa' needs bfloat16 parameters.*'w'.*float32"):
+    tx.init({"w": jnp.ones((8, 8), jnp.float32)})
+
+
+def test_muonclip_and_config_refuse_mantissa():
+  with pytest.raises(ValueError, match="muonclip: bf16_params must be 'stochastic'"):
+    fo.muonclip(1e-3, bf16_params="mantissa")
+  with pytest.raises(ValueError, match="bf16_params='mantissa': not with optimizer 'muonclip'"):
+    fo.OptimConfig(optimizer="muonclip", learning_rate=0.1, bf16_params="mantissa")
+  with pytest.raises(ValueError, match="bf16_params must be one of"):
+    fo.OptimConfig(optimizer="adamw", learning_rate=0.1, bf16_params="mantisa")
