@@ -2,6 +2,7 @@
 
     python examples/char_lm.py                  # 300 steps each, prints losses and ms/step, writes a PNG
     python examples/char_lm.py --steps 3 --d 16 --layers 1 --seq 16 --no-plot   # a smoke run
+    python examples/char_lm.py --bf16-params    # bf16 parameters: how the update is stored
 
 The corpus is generated (no downloads): sentences from a small seeded grammar,
 so the loss has real structure to learn. Every optimizer starts from the same
@@ -17,6 +18,13 @@ initial model and sees the same batches:
 - ``fuseopt builder hybrid``: ``build_optimizer`` on a config (Muon with bf16
   Newton-Schulz and bf16 AdamW moments, the split from the logical axes, the
   AdamW side on its own learning rate, warmup + cosine schedules).
+
+With ``--bf16-params`` the model's parameters are stored in bf16 and AdamW
+(learning rate ``--lr-adam``, 3e-4 there by default) runs four ways: fp32
+parameters (the reference), bf16 with round-to-nearest (``optax.adamw`` +
+``apply_updates``: updates below half a bf16 ulp are lost), bf16 with
+fuseopt's stochastic rounding (``bf16_params="stochastic"``) and bf16 with a
+mantissa companion (``bf16_params="mantissa"``: the fp32 run's masters).
 
 On a CPU the times are only indicative; fuseopt's kernels are for GPUs and
 TPUs (on the CPU the plain-jnp references run).
@@ -143,6 +151,30 @@ def optimizers(model, steps: int, lr_adam: float, lr_muon: float):
   }
 
 
+def bf16_optimizers(model, steps: int, lr_adam: float, lr_muon: float):
+  """name -> (optimizer class, transformation, parameter dtype): how bf16
+  parameters take AdamW's update."""
+  del model, lr_muon
+  warmup = max(1, steps // 10)
+  sched = optax.warmup_cosine_decay_schedule(0.0, lr_adam, warmup, max(steps, warmup + 1))
+  fused = lambda **kw: fo.adamw(sched, weight_decay=0.01, moment_dtype=jnp.float32, **kw)
+  return {
+      "fp32 params": (fuseopt.nnx.Optimizer, fused(), jnp.float32),
+      "bf16, round to nearest (optax)": (nnx.Optimizer, optax.adamw(sched, weight_decay=0.01),
+                                         jnp.bfloat16),
+      "bf16, stochastic rounding": (fuseopt.nnx.Optimizer, fused(), jnp.bfloat16),
+      "bf16 + mantissa companion": (fuseopt.nnx.Optimizer, fused(bf16_params="mantissa"),
+                                    jnp.bfloat16),
+  }
+
+
+def cast_params(model, dtype):
+  """``model`` with every floating parameter stored in ``dtype``."""
+  state = nnx.state(model, nnx.Param)
+  nnx.update(model, jax.tree.map(lambda x: x.astype(dtype), state))
+  return model
+
+
 def train(make_model, cls, tx, xs, ys):
   """Losses and per-step wall-clock ms (after the compiling first step)."""
   model = make_model()
@@ -193,17 +225,24 @@ def main(argv=None) -> dict:
   ap.add_argument("--d", type=int, default=64)
   ap.add_argument("--layers", type=int, default=2)
   ap.add_argument("--heads", type=int, default=4)
-  ap.add_argument("--lr-adam", type=float, default=3e-3)
+  ap.add_argument("--lr-adam", type=float, default=None,
+                  help="AdamW's peak rate (default 3e-3; 3e-4 with --bf16-params)")
   ap.add_argument("--lr-muon", type=float, default=0.02)
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--out", type=Path, default=Path("examples/out/char_lm.png"))
   ap.add_argument("--no-plot", action="store_true")
+  ap.add_argument("--bf16-params", action="store_true",
+                  help="compare how bf16 parameters are stored (round to nearest, stochastic, "
+                       "mantissa companion) against fp32 parameters")
   args = ap.parse_args(argv)
+  if args.lr_adam is None:
+    args.lr_adam = 3e-4 if args.bf16_params else 3e-3
 
   vocab, xs, ys = batches(corpus(seed=args.seed), args.batch, args.seq, args.steps, seed=args.seed)
   xs, ys = jnp.asarray(xs), jnp.asarray(ys)
   title = (f"char-level LM, d={args.d}, {args.layers} layers, seq {args.seq}, batch {args.batch}, "
-           f"{jax.devices()[0].device_kind}")
+           f"{jax.devices()[0].device_kind}"
+           + (f", AdamW lr {args.lr_adam:g}" if args.bf16_params else ""))
   print(f"{title}; vocab {vocab}, {args.steps} steps")
   with nnx.use_eager_sharding(False):  # the axis names stay metadata: no mesh here
     make_model = lambda: CharLM(vocab, args.d, args.layers, args.heads, args.seq, nnx.Rngs(args.seed))
@@ -211,8 +250,11 @@ def main(argv=None) -> dict:
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     print(f"{n_params} parameters")
     results = {}
-    for name, (cls, tx) in optimizers(model, args.steps, args.lr_adam, args.lr_muon).items():
-      losses, ms = train(make_model, cls, tx, xs, ys)
+    runs = (bf16_optimizers if args.bf16_params else optimizers)(model, args.steps, args.lr_adam,
+                                                                 args.lr_muon)
+    for name, (cls, tx, *dtype) in runs.items():
+      make = make_model if not dtype else (lambda d=dtype[0]: cast_params(make_model(), d))
+      losses, ms = train(make, cls, tx, xs, ys)
       results[name] = (losses, ms)
       tail = losses[-max(1, len(losses) // 10):]
       print(f"{name:30s} first {losses[0]:.3f}  last-10% mean {statistics.mean(tail):.3f}  "

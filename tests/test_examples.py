@@ -25,3 +25,18 @@ def test_char_lm_smoke(capsys):
   for losses, ms in results.values():
     assert len(losses) == 3 and all(math.isfinite(l) for l in losses) and min(ms) > 0
   assert "ms/step" in capsys.readouterr().out
+
+
+def test_char_lm_bf16_params_smoke():
+  spec = importlib.util.spec_from_file_location("char_lm", ROOT / "examples" / "char_lm.py")
+  char_lm = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(char_lm)
+  results = char_lm.main(["--steps", "3", "--d", "16", "--layers", "1", "--heads", "2", "--seq", "8",
+                          "--batch", "2", "--no-plot", "--bf16-params"])
+  assert list(results) == ["fp32 params", "bf16, round to nearest (optax)",
+                           "bf16, stochastic rounding", "bf16 + mantissa companion"]
+  for losses, _ in results.values():
+    assert len(losses) == 3 and all(math.isfinite(l) for l in losses)
+  # The first loss is the model's before any update: bf16 runs share theirs.
+  bf16 = [losses[0] for name, (losses, _) in results.items() if name != "fp32 params"]
+  assert len(set(bf16)) == 1
