@@ -506,6 +506,7 @@ CI_TARGETS = {
     "builder_fallback": ("h200",),
     "sharded_explicit": ("h200", "v6e"),
     "sharded_auto": ("h200", "v5e", "v6e"),
+    "variants": ("h200", "v6e"),
 }
 
 
@@ -528,6 +529,45 @@ def step_cases() -> list[Case]:
       out.append(Case(f"step/{recipe}/{variant}/llama1.2b", build, kind="step",
                       expect_kernels=variant != "optax_chain", baseline=variant == "optax_chain",
                       ci_targets=ci))
+  return out
+
+
+def _variant_recipes():
+  """recipe -> (transformation, parameter dtype): the Muon-family variants
+  (NorMuon, cautious weight decay, mantissa-tracked bf16 parameters) on the
+  hybrid recipe's split, fused."""
+  import fuseopt.optim as fo
+  from fuseopt.benchmarks.cases import muon as muon_cases
+  from fuseopt.optim import fusion, safeguards
+  hybrid = lambda factory, **kw: fusion.chain(
+      safeguards.clip_by_global_norm(1.0),
+      factory(0.02, weight_decay=0.1, adam_weight_decay=0.1, coeffs="jordan",
+              adam_moment_dtype=BF16, muon_weight_dimension_numbers=muon_cases.muon_dims, **kw))
+  return {
+      "normuon_recipe": (hybrid(fo.normuon), F32),
+      "cautious_hybrid_recipe": (hybrid(fo.muon, cautious_weight_decay=True), F32),
+      # bf16 parameters (and gradients) with their uint16 companions: the
+      # mantissa wrapper inside the clip, as the builder places it.
+      "mantissa_adamw_recipe": (fusion.chain(
+          safeguards.clip_by_global_norm(1.0),
+          fo.adamw(1e-3, weight_decay=0.1, bf16_params="mantissa")), BF16),
+      "mantissa_hybrid_recipe": (hybrid(fo.muon, bf16_params="mantissa"), BF16),
+  }
+
+
+def variant_step_cases() -> list[Case]:
+  """The fused steps of :func:`_variant_recipes` on the 1.2 B tree; CI
+  compiles them for one GPU and one TPU."""
+  from fuseopt.benchmarks import workloads
+  out = []
+  for recipe in _variant_recipes():
+    def build(t, recipe=recipe):
+      tx, dtype = _variant_recipes()[recipe]
+      tree = workloads.llama_tree(dtype)
+      state = jax.eval_shape(tx.init, tree)
+      return _step_fn(tx, True), (tree, state, tree), (0, 1)
+    out.append(Case(f"step/{recipe}/fuseopt_step/llama1.2b", build, kind="step",
+                    ci_targets=CI_TARGETS["variants"]))
   return out
 
 
@@ -615,7 +655,7 @@ def cases(target, *, full: bool = False, kinds: tuple[str, ...] = ("kernel", "st
   if "kernel" in kinds:
     every += kernel_cases()
   if "step" in kinds:
-    every += step_cases()
+    every += step_cases() + variant_step_cases()
   if "sharded" in kinds and 8 in t.topologies:
     every += sharded_cases()
   def selected(c):
