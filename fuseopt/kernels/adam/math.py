@@ -70,27 +70,28 @@ def adam_math(s, p32, g32, mu32, nu32, *, nesterov: bool, apply: bool):
   nu_hat = nu_new / s(BC2)
   u = mu_hat / (jnp.sqrt(nu_hat + s(EPS_ROOT)) + s(EPS))
   if apply:
-    u = u + weight_decay_term(s, u, p32)
+    u = u + s(WD) * decayed_param(s, u, p32)
     out = jnp.where(keep_old, p32, p32 + s(NEG_LR) * u)
   else:
     out = jnp.where(keep_old, jnp.zeros_like(u), u)
   return out, jnp.where(keep_old, mu32, mu_new), jnp.where(keep_old, nu32, nu_new)
 
 
-def weight_decay_term(s, u, p32):
-  """``wd * p``, or with ``CAUTIOUS`` set ``wd * I(u * p >= 0) * p``
-  (Chen et al. 2025, "Cautious Weight Decay", arXiv 2510.12402: no decay
-  where the update already moves the parameter toward zero).
+def decayed_param(s, u, p32):
+  """The parameter the weight decay scales: ``p``, or with ``CAUTIOUS`` set
+  ``I(u * p >= 0) * p`` (Chen et al. 2025, "Cautious Weight Decay", arXiv
+  2510.12402: no decay where the update already moves the parameter toward
+  zero).
 
-  Two selects on the decay, never a multiply by the flag: with the flag off
-  the term is ``wd * p`` itself, so the step is bit for bit the plain AdamW
-  step (a product by 1.0 would be too, but a select keeps the compilers
-  from contracting the flag into the FMA). A NaN ``u * p`` is not below 0:
-  NaN keeps its decay and propagates as in the plain step.
+  Selects on ``p``, before the product by ``wd``, never a multiply by the
+  flag: the step stays ``u + wd * p'``, which a compiler contracts into an
+  FMA exactly as it did ``u + wd * p``, so with the flag off the step is bit
+  for bit the plain AdamW step on every compiler, and with it on an element
+  that keeps its decay has the plain step's bits too. A NaN ``u * p`` is not
+  below 0: NaN keeps its decay and propagates as in the plain step.
   """
-  decay = s(WD) * p32
-  masked = jnp.where(u * p32 < 0, jnp.zeros_like(decay), decay)
-  return jnp.where(s(CAUTIOUS) != 0, masked, decay)
+  masked = jnp.where(u * p32 < 0, jnp.zeros_like(p32), p32)
+  return jnp.where(s(CAUTIOUS) != 0, masked, p32)
 
 
 def load_param(p, lo):
@@ -196,7 +197,7 @@ def adam_scalars(*, count, learning_rate=0.0, b1=0.9, b2=0.999, eps=1e-8, eps_ro
   ``grad_scale`` (fp32, may be traced) multiplies the gradient inside the
   kernel; ``apply`` (bool, may be traced) False returns p, mu and nu unchanged;
   ``cautious`` (bool, may be traced) True applies the weight decay only where
-  the Adam direction and the parameter agree in sign (:func:`weight_decay_term`).
+  the Adam direction and the parameter agree in sign (:func:`decayed_param`).
   A traced flag is a runtime scalar: no other kernel is compiled.
 
   ``count`` is the step number after increment (1 on the first step), as in
