@@ -316,7 +316,10 @@ def test_sharded_tracked_tree_is_the_unsharded_one_bitwise(request, impl):
   """FSDP over 8 CPU devices (Auto axes, shardings=): the companions are
   sharded as their params, and every output is the unsharded run's bits."""
   key = harness.fresh_key(request)
-  shapes = [(64, 256), (16, 384), (8 * 129,)]
+  # (Mosaic TPU: shards whose last dim is a power of two and a tiling that
+  # divides them, so both runs are the kernel's, not the reference's)
+  shapes = ([(64, 256), (16, 384), (8 * 129,)] if impl != "mosaic_tpu" else
+            [(64, 256), (16, 1024), (8 * 2048,)])
   tracked = [True, False, True]
   leaves = [_leaf(k, s) for k, s in zip(jax.random.split(key, 3), shapes)]
   ps, gs, mus, nus = (list(x) for x in zip(*leaves))
