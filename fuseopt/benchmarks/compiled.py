@@ -363,9 +363,52 @@ def _adam_cases(impl: str) -> list[Case]:
   out.append(case("small-pf32-gf32-mbf16", (64, 256), F32, F32, BF16))   # the tests' size
   out += [case("pf32-gf32-mbf16", _ADAM_SHAPE, F32, F32, BF16, cfg=c, full_only=True)
           for c in space]
+  # The variants: cautious weight decay (one more runtime scalar, the same
+  # kernel's operands) and mantissa-tracked bf16 params (a uint16 companion
+  # read and written in place: two more streams).
+  out.append(case("cautious-pf32-gf32-mbf16", _ADAM_SHAPE, F32, F32, BF16,
+                  cautious_weight_decay=True))
+  out += [_adam_mantissa_case(impl, tag, shape)
+          for tag, shape in (("mantissa-pbf16-gf32-mbf16", _ADAM_SHAPE),
+                             ("mantissa-ragged-pbf16-gf32-mbf16", _ADAM_RAGGED))]
   if impl in ("triton", "mosaic_gpu"):
     out += _adam_group_cases(impl)
+  if impl == "triton":
+    out.append(_adam_group_mantissa_case(impl))
   return out
+
+
+def _adam_mantissa_case(impl: str, tag: str, shape) -> Case:
+  """A mantissa-tracked leaf (bf16 p, uint16 companion), the heuristic config."""
+  from fuseopt.kernels import adam
+
+  def build(t):
+    def fn(p, g, mu, nu, lo):
+      return adam.adam_update(p, g, mu, nu, count=3, learning_rate=1e-3, weight_decay=0.1,
+                              implementation=impl, params_lo=lo)
+    return fn, (_S(shape, BF16), _S(shape, F32), _S(shape, BF16), _S(shape, BF16),
+                _S(shape, jnp.uint16)), (0, 2, 3, 4)
+  return Case(f"kernel/adam_update/{impl}/{tag}/heuristic", build, **_on(impl))
+
+
+def _adam_group_mantissa_case(impl: str = "triton") -> Case:
+  """The 1-layer Llama tree in bf16, its matrices mantissa-tracked and its
+  norms not (two dtype signatures: two kinds of grouped launch)."""
+  from fuseopt.kernels import adam
+
+  def build(t):
+    leaves = _llama_leaves(BF16)
+    gs = [_S(x.shape, F32) for x in leaves]
+    mom = [_S(x.shape, BF16) for x in leaves]
+    los = [_S(x.shape, jnp.uint16) if len(x.shape) > 1 else None for x in leaves]
+
+    def fn(ps, gs, mus, nus, los):
+      return adam.adam_update_tree(ps, gs, mus, nus, count=3, learning_rate=1e-3,
+                                   weight_decay=0.1, implementation=impl, group=True,
+                                   params_lo=los)
+    return fn, (leaves, gs, mom, mom, los), (0, 2, 3, 4)
+  return Case(f"kernel/adam_update_tree/{impl}/llama-1-layer-mantissa/heuristic", build,
+              **_on(impl))
 
 
 def _llama_leaves(dtype=F32):

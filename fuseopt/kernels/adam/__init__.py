@@ -42,6 +42,7 @@ from fuseopt.kernels.adam import tree as _tree
 from fuseopt.kernels.adam import triton as _triton
 from fuseopt.kernels.adam.math import adam_scalars
 from fuseopt.kernels.adam.math import adam_seeds
+from fuseopt.kernels.adam.math import check_companion as _check_companion
 from fuseopt.kernels.adam.math import check_leaf as _check
 from fuseopt.kernels.adam.math import optax_safe_increment
 from fuseopt.kernels.adam.triton import TritonGroupConfig
@@ -75,7 +76,7 @@ __all__ = ["MosaicConfig", "MosaicGPUConfig", "MosaicTPUConfig", "TritonConfig",
 def adam_update(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0.999,
                 eps=1e-8, eps_root=0.0, weight_decay=0.0, nesterov=False, seed=0,
                 leaf_index=0, sharding=None, implementation=None, interpret=False, config=None,
-                grad_scale=1.0, apply=True):
+                grad_scale=1.0, apply=True, cautious_weight_decay=False, params_lo=None):
   r"""One fused Adam/AdamW step of one leaf.
 
   With :math:`t` = ``count`` (the step number after increment, 1 first) and
@@ -88,13 +89,16 @@ def adam_update(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0
       \beta_1 m_t/(1-\beta_1^{t+1}) + (1-\beta_1) g_t/(1-\beta_1^t)),\quad
     \hat v_t = v_t / (1-\beta_2^t),\\
     u_t = \hat m_t / (\sqrt{\hat v_t + \bar\varepsilon} + \varepsilon),\quad
-    p_t = p_{t-1} - \alpha_t (u_t + \lambda p_{t-1})
+    p_t = p_{t-1} - \alpha_t (u_t + \lambda\, c_t \odot p_{t-1}),\\
+    c_t = 1\ \text{(AdamW)}\quad\text{or}\quad
+    c_t = \mathbb{I}(u_t \odot p_{t-1} \ge 0)\ \text{(cautious weight decay)}
 
   (Kingma & Ba 2014, "Adam"; Loshchilov & Hutter 2019, "Decoupled Weight
-  Decay Regularization"; Dozat 2016 for Nesterov), exactly optax's
+  Decay Regularization"; Dozat 2016 for Nesterov; Chen et al. 2025,
+  "Cautious Weight Decay", arXiv 2510.12402), exactly optax's
   ``scale_by_adam`` → ``add_decayed_weights`` → ``scale_by_learning_rate`` →
-  ``apply_updates``. bf16 outputs are stochastically rounded with seeds
-  :func:`adam_seeds` ``(seed, count, leaf_index)``.
+  ``apply_updates`` when :math:`c_t = 1`. bf16 outputs are stochastically
+  rounded with seeds :func:`adam_seeds` ``(seed, count, leaf_index)``.
 
   Args:
     params: the leaf's parameters (fp32 or bf16), or ``None`` to return the
@@ -132,15 +136,30 @@ def adam_update(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0
     apply: bool scalar (may be traced); False returns ``params``, ``mu`` and
       ``nu`` bit for bit (a zero direction when ``params`` is ``None``), in
       the same single pass (a skipped non-finite step).
+    cautious_weight_decay: bool (may be traced: a runtime scalar, the same
+      kernel): decay only the elements where the Adam direction and the
+      parameter agree in sign (:math:`c_t` above). False is bit for bit the
+      plain AdamW step.
+    params_lo: ``None``, or the uint16 companion of bfloat16 ``params``
+      (same shape): the low 16 bits of an fp32 master whose high 16 bits are
+      ``params`` (:mod:`fuseopt.kernels.mantissa`, "mantissa tracking"). The
+      step reads ``join(params, params_lo)``, runs the fp32 math, and writes
+      the new master split: ``params`` its truncation to bf16 (not rounded),
+      ``params_lo`` its low bits, so the pair follows an fp32 run bit for
+      bit. Both are written in place.
 
   Returns:
     ``(new_params or update, new_mu, new_nu)`` in the dtypes of
-    ``params`` (or ``grads``), ``mu`` and ``nu``. Pallas backends write them
-    in place of their inputs (``input_output_aliases``): donate the inputs to
-    the enclosing ``jit`` to avoid copies. Only the ``xla`` implementation
-    has a derivative; differentiating through a kernel raises a TypeError.
+    ``params`` (or ``grads``), ``mu`` and ``nu``; with ``params_lo``
+    ``(new_params, new_mu, new_nu, new_params_lo)``. Pallas backends write
+    them in place of their inputs (``input_output_aliases``): donate the
+    inputs to the enclosing ``jit`` to avoid copies. Only the ``xla``
+    implementation has a derivative; differentiating through a kernel raises
+    a TypeError.
   """
   _check(params, grads, mu, nu)
+  if params_lo is not None:
+    params_lo = _check_companion(None if params is None else jnp.asarray(params), params_lo)
   seed = counter_hash.uint32_scalar(seed, name="seed", owner="adam_update")
   leaf_index = counter_hash.uint32_scalar(leaf_index, name="leaf_index", owner="adam_update")
   grads = jnp.asarray(grads)
@@ -149,7 +168,8 @@ def adam_update(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0
   scalars = adam_scalars(count=count, learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
                          eps_root=eps_root,
                          weight_decay=weight_decay if params is not None else 0.0,
-                         nesterov=nesterov, grad_scale=grad_scale, apply=apply)
+                         nesterov=nesterov, grad_scale=grad_scale, apply=apply,
+                         cautious=cautious_weight_decay)
   seeds = adam_seeds(seed, count, leaf_index)
   impl = dispatch.select(OP_NAME, implementation, (grads,), interpret=interpret)
   if config is not None and impl == "triton" and not isinstance(config, TritonConfig):
@@ -158,8 +178,10 @@ def adam_update(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0
       [grads if params is None else params], [sharding], op="adam_update", argument="sharding=")
   outs = _tree.update_leaves(impl, [scalars], [seeds], None if params is None else [params],
                              [grads], [jnp.asarray(mu)], [jnp.asarray(nu)], placements,
-                             nesterov=nesterov, interpret=interpret, config=config, group=False)
-  return tuple(o[0] for o in outs)
+                             nesterov=nesterov, interpret=interpret, config=config, group=False,
+                             los=[params_lo])
+  outs = tuple(o[0] for o in outs)
+  return outs if params_lo is not None else outs[:3]
 
 
 def adam_update_reference(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9,
@@ -174,13 +196,17 @@ def adam_update_reference(params, grads, mu, nu, *, count, learning_rate=0.0, b1
 def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0.999,
                      eps=1e-8, eps_root=0.0, weight_decay=0.0, nesterov=False, seed=0,
                      shardings=None, implementation=None, interpret=False, config=None,
-                     group=True, grad_scale=1.0, apply=True):
+                     group=True, grad_scale=1.0, apply=True, cautious_weight_decay=False,
+                     params_lo=None):
   """:func:`adam_update` over lists of leaves sharing one step's scalars.
 
   ``params`` is a list of arrays or ``None`` (direction only);
   ``weight_decay`` a scalar or a list with one value per leaf (0 where masked).
-  ``grad_scale`` and ``apply`` (see :func:`adam_update`) hold for every leaf.
-  Leaf ``i`` rounds with ``adam_seeds(seed, count, i)``.
+  ``grad_scale``, ``apply`` and ``cautious_weight_decay`` (see
+  :func:`adam_update`) hold for every leaf. ``params_lo`` is ``None`` or a
+  list with one entry per leaf: the uint16 companion of a bfloat16 leaf
+  (mantissa tracking, see :func:`adam_update`), or ``None`` for a leaf
+  stored as it is. Leaf ``i`` rounds with ``adam_seeds(seed, count, i)``.
 
   Launches: with the ``triton`` implementation and ``group=True`` (the
   default) the leaves of one dtype signature (params, grads, mu, nu) share one
@@ -204,8 +230,13 @@ def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9,
   run shard-local inside one ``shard_map`` per mesh (grouped launches still
   apply, per device), with global indices: bitwise the unsharded result.
 
+  Grouped launches hold leaves of one dtype signature, a companion or not
+  being part of it (a tracked leaf has two more operands).
+
   Returns:
-    Three lists: new params (or updates), new mu, new nu.
+    Three lists: new params (or updates), new mu, new nu; with a
+    ``params_lo`` list a fourth: the new companions (``None`` where a leaf
+    has none).
   """
   n = len(grads)
   if params is not None and len(params) != n:
@@ -232,6 +263,7 @@ def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9,
                       f"or, with group=True, an adam.mosaic_gpu.GroupConfig for mosaic_gpu, "
                       f"got {config!r}")
   ps = [jnp.asarray(p) for p in params] if apply else None
+  los = _companions(params_lo, ps, n)
   mus, nus = [jnp.asarray(m) for m in mu], [jnp.asarray(v) for v in nu]
   # The step's scalars, packed once per distinct weight decay (a masked tree
   # has two: its value and 0) and shared by the leaves that have it.
@@ -243,7 +275,8 @@ def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9,
     if key not in packed:
       packed[key] = adam_scalars(count=count, learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
                                  eps_root=eps_root, weight_decay=wds[i] if apply else 0.0,
-                                 nesterov=nesterov, grad_scale=grad_scale, apply=applies)
+                                 nesterov=nesterov, grad_scale=grad_scale, apply=applies,
+                                 cautious=cautious_weight_decay)
     scalars.append(packed[key])
   # All leaves' seeds in one vector computation: per leaf, tracing the hash
   # was about half the tracing time of a 147-leaf step.
@@ -251,6 +284,23 @@ def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9,
   seeds = [seed_rows[i] for i in range(n)]
   placements = sharding_lib.resolve_placements(ps if apply else grads, shardings,
                                                op="adam_update_tree", argument="shardings=")
-  return tuple(list(o) for o in _tree.update_leaves(
+  outs = tuple(list(o) for o in _tree.update_leaves(
       impl, scalars, seeds, ps, grads, mus, nus, placements, nesterov=nesterov,
-      interpret=interpret, config=config, group=group))
+      interpret=interpret, config=config, group=group, los=los))
+  return outs if params_lo is not None else outs[:3]
+
+
+def _companions(params_lo, ps, n):
+  """``params_lo`` checked: None, or one uint16 companion (or None) per leaf."""
+  if params_lo is None:
+    return None
+  if not isinstance(params_lo, (list, tuple)):
+    raise TypeError(f"adam_update: params_lo must be None or a list with one uint16 array "
+                    f"(or None) per leaf, got {type(params_lo).__name__}")
+  if len(params_lo) != n:
+    raise ValueError(f"adam_update: params_lo has {len(params_lo)} entries, grads has {n} leaves")
+  if ps is None and any(lo is not None for lo in params_lo):
+    raise ValueError("adam_update: params_lo needs params (the bf16 halves of the fp32 "
+                     "masters); the direction-only mode (params=None) has no parameter to track")
+  return [None if lo is None else _check_companion(p, lo, name=f"params_lo[{i}]")
+          for i, (p, lo) in enumerate(zip(ps or [None] * n, params_lo))]

@@ -4,7 +4,7 @@ Every backend (:mod:`.reference`, :mod:`.triton`, :mod:`.mosaic_tpu`,
 :mod:`.mosaic_gpu`) runs :func:`adam_math` on its blocks and stores the
 results with :func:`store`. The fp32 scalars of a step (learning rate, b1,
 b2, eps, eps_root, bias corrections, weight decay, gradient scale, apply
-flag) travel as one small fp32 vector (:func:`adam_scalars`, laid out by the
+flag, cautious weight decay flag) travel as one small fp32 vector (:func:`adam_scalars`, laid out by the
 index constants below; SMEM on TPU), the rounding seeds of a leaf as one
 uint32 vector (:func:`adam_seeds`), so the step count and a scheduled
 learning rate may be traced.
@@ -16,21 +16,27 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fuseopt.kernels import _validate
 from fuseopt.kernels import counter_hash
+from fuseopt.kernels import mantissa
 from fuseopt.kernels import pallas_common
 
 # Layout of the fp32 scalar vector handed to every backend. GRAD_SCALE
 # multiplies g as it is loaded (a global-norm clip factor, 1.0 otherwise);
-# APPLY is 1.0, or 0.0 to keep p, mu and nu as they are (a skipped step).
-NEG_LR, B1, OMB1, B2, OMB2, EPS, EPS_ROOT, BC1, BC2, BC1_NEXT, WD, GRAD_SCALE, APPLY = range(13)
-N_SCALARS_USED = APPLY + 1
+# APPLY is 1.0, or 0.0 to keep p, mu and nu as they are (a skipped step);
+# CAUTIOUS is 1.0 to decay only where the update and the parameter agree in
+# sign (cautious weight decay), 0.0 for the plain decoupled decay.
+(NEG_LR, B1, OMB1, B2, OMB2, EPS, EPS_ROOT, BC1, BC2, BC1_NEXT, WD, GRAD_SCALE, APPLY,
+ CAUTIOUS) = range(14)
+N_SCALARS_USED = CAUTIOUS + 1
 N_SCALARS = 16   # padded to a power of two (Triton block shapes)
 N_SEEDS = 4      # uint32s: the param, mu and nu seeds, then the leaf's global index base
 SEED_BASE = 3    # (sharding: the shard's first element's global flat index)
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+COMPANION_DTYPE = mantissa.COMPANION_DTYPE   # the low half of a mantissa-tracked master
 
 # Per-element work of the kernels, for their cost estimates (XLA's cost
 # analysis, and a TPU's optimal_seconds, count a Pallas kernel only by what
@@ -64,11 +70,42 @@ def adam_math(s, p32, g32, mu32, nu32, *, nesterov: bool, apply: bool):
   nu_hat = nu_new / s(BC2)
   u = mu_hat / (jnp.sqrt(nu_hat + s(EPS_ROOT)) + s(EPS))
   if apply:
-    u = u + s(WD) * p32
+    u = u + s(WD) * decayed_param(s, u, p32)
     out = jnp.where(keep_old, p32, p32 + s(NEG_LR) * u)
   else:
     out = jnp.where(keep_old, jnp.zeros_like(u), u)
   return out, jnp.where(keep_old, mu32, mu_new), jnp.where(keep_old, nu32, nu_new)
+
+
+def decayed_param(s, u, p32):
+  """The parameter the weight decay scales: ``p``, or with ``CAUTIOUS`` set
+  ``I(u * p >= 0) * p`` (Chen et al. 2025, "Cautious Weight Decay", arXiv
+  2510.12402: no decay where the update already moves the parameter toward
+  zero).
+
+  Selects on ``p``, before the product by ``wd``, never a multiply by the
+  flag: the step stays ``u + wd * p'``, which a compiler contracts into an
+  FMA exactly as it did ``u + wd * p``, so with the flag off the step is bit
+  for bit the plain AdamW step on every compiler, and with it on an element
+  that keeps its decay has the plain step's bits too. A NaN ``u * p`` is not
+  below 0: NaN keeps its decay and propagates as in the plain step.
+  """
+  masked = jnp.where(u * p32 < 0, jnp.zeros_like(p32), p32)
+  return jnp.where(s(CAUTIOUS) != 0, masked, p32)
+
+
+def load_param(p, lo):
+  """The fp32 parameter: ``p`` widened, or with a uint16 companion ``lo``
+  the fp32 master ``join(p, lo)`` (:mod:`fuseopt.kernels.mantissa`)."""
+  return p.astype(jnp.float32) if lo is None else mantissa.join(p, lo)
+
+
+def split_param(x32):
+  """A new fp32 master as ``(bf16 half, uint16 companion)``: truncation,
+  not rounding (the pair is the master bit for bit). The bf16 conversion of
+  a value whose low 16 bits are zero is exact, so no backend rounds it."""
+  hi, lo = mantissa.split_bits(x32)
+  return hi.astype(jnp.bfloat16), lo.astype(COMPANION_DTYPE)
 
 
 def store(x32, dtype, index, seed):
@@ -78,26 +115,59 @@ def store(x32, dtype, index, seed):
   return x32.astype(dtype)
 
 
-def kernel_body(s_ref, refs, *, nesterov, apply):
+def kernel_body(s_ref, refs, *, nesterov, apply, tracked=False):
   """The math of the Triton and Mosaic TPU kernels on one block; returns
-  the outputs' refs too."""
+  the outputs' refs too. ``refs``: ``(p,) g, mu, nu, (lo,)`` then the
+  outputs (``tracked``: the companion ``lo`` last among the inputs)."""
+  n_in = (4 if apply else 3) + tracked
+  ins, out_refs = refs[:n_in], refs[n_in:]
   if apply:
-    p_ref, *refs = refs
-    p32 = p_ref[...].astype(jnp.float32)
+    p_ref, *ins = ins
+    p32 = load_param(p_ref[...], ins[3][...] if tracked else None)
   else:
     p32 = None
-  g_ref, mu_ref, nu_ref, *out_refs = refs
+  g_ref, mu_ref, nu_ref = ins[:3]
   f32 = lambda r: r[...].astype(jnp.float32)
   out, mu_new, nu_new = adam_math(lambda k: s_ref[k], p32, f32(g_ref), f32(mu_ref), f32(nu_ref),
                                   nesterov=nesterov, apply=apply)
   return out, mu_new, nu_new, out_refs
 
 
-def adam_cost(arrays, out_shape):
+def store_outputs(out_refs, out, mu_new, nu_new, index, seed, *, tracked=False):
+  """Writes a block's results: ``out_refs`` = ``(out, mu, nu, (lo,))``;
+  ``seed(k)`` the leaf's ``k``-th rounding seed. A tracked parameter is
+  written split (no rounding), bf16 moments rounded stochastically."""
+  o_ref, mu_out, nu_out = out_refs[:3]
+  if tracked:
+    o_ref[...], out_refs[3][...] = split_param(out)
+  else:
+    o_ref[...] = store(out, o_ref.dtype, index, seed(0))
+  mu_out[...] = store(mu_new, mu_out.dtype, index, seed(1))
+  nu_out[...] = store(nu_new, nu_out.dtype, index, seed(2))
+
+
+def in_place_aliases(first: int, out0: int, *, apply: bool, tracked: bool) -> dict[int, int]:
+  """In-place outputs of one leaf whose operands start at ``first`` (order
+  ``(p,) g, mu, nu, (lo)``) and outputs at ``out0`` (``out, mu, nu, (lo)``):
+  the new param overwrites p, the moments and the companion themselves. The
+  Adam direction (p=None) gets a fresh buffer rather than aliasing g, which
+  the caller usually still holds (XLA would copy it)."""
+  if not apply:
+    return {first + 1: out0 + 1, first + 2: out0 + 2}
+  aliases = {first: out0, first + 2: out0 + 1, first + 3: out0 + 2}
+  if tracked:
+    aliases[first + 4] = out0 + 3
+  return aliases
+
+
+def adam_cost(arrays, out_shape, *, n=None):
   """Adam's work per element (:data:`ADAM_FLOPS_PER_ELEMENT`, one square
   root) and its compulsory traffic: every stream read once, p, mu, nu
-  written once (20 B per parameter for fp32 p/g with bf16 moments)."""
-  n = sum(o.size for o in out_shape) // 3
+  (and a tracked parameter's companion) written once (20 B per parameter
+  for fp32 p/g with bf16 moments; 4 more with a uint16 companion, read and
+  written). ``n``: the elements updated (default: a third of the outputs')."""
+  if n is None:
+    n = sum(o.size for o in out_shape) // 3
   return pallas_common.cost_estimate(
       flops=n * ADAM_FLOPS_PER_ELEMENT,
       transcendentals=n * ADAM_TRANSCENDENTALS_PER_ELEMENT,
@@ -120,11 +190,15 @@ def _bias_correction(decay, count):
 
 
 def adam_scalars(*, count, learning_rate=0.0, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0,
-                 weight_decay=0.0, nesterov=False, grad_scale=1.0, apply=True) -> jax.Array:
+                 weight_decay=0.0, nesterov=False, grad_scale=1.0, apply=True,
+                 cautious=False) -> jax.Array:
   """The fp32 scalar vector of one step (shared by all leaves of a tree).
 
   ``grad_scale`` (fp32, may be traced) multiplies the gradient inside the
-  kernel; ``apply`` (bool, may be traced) False returns p, mu and nu unchanged.
+  kernel; ``apply`` (bool, may be traced) False returns p, mu and nu unchanged;
+  ``cautious`` (bool, may be traced) True applies the weight decay only where
+  the Adam direction and the parameter agree in sign (:func:`decayed_param`).
+  A traced flag is a runtime scalar: no other kernel is compiled.
 
   ``count`` is the step number after increment (1 on the first step), as in
   optax; bias corrections are ``1 - b**count`` computed in fp32 as optax does
@@ -150,6 +224,7 @@ def adam_scalars(*, count, learning_rate=0.0, b1=0.9, b2=0.999, eps=1e-8, eps_ro
   _validate.check_real("adam_update", "eps_root", eps_root, lo=0.0)
   _validate.check_real("adam_update", "learning_rate", learning_rate)
   _validate.check_real("adam_update", "weight_decay", weight_decay)
+  cautious = check_cautious(cautious)
   # Same expressions as optax.tree.bias_correction / update_moment, so the
   # fp32 values agree bit for bit with optax's (python floats stay exact
   # until they meet the fp32 operand).
@@ -158,9 +233,22 @@ def adam_scalars(*, count, learning_rate=0.0, b1=0.9, b2=0.999, eps=1e-8, eps_ro
   bc1_next = _bias_correction(b1, optax_safe_increment(count)) if nesterov else bc1
   vals = [-learning_rate if not isinstance(learning_rate, (int, float)) else -float(learning_rate),
           b1, 1 - b1, b2, 1 - b2, eps, eps_root, bc1, bc2, bc1_next, weight_decay, grad_scale,
-          jnp.where(apply, 1.0, 0.0) if isinstance(apply, jax.Array) else float(bool(apply))]
+          jnp.where(apply, 1.0, 0.0) if isinstance(apply, jax.Array) else float(bool(apply)),
+          jnp.where(cautious, 1.0, 0.0) if isinstance(cautious, jax.Array) else float(cautious)]
   vals = [_f32(v) for v in vals]
   return jnp.stack(vals + [jnp.float32(0)] * (N_SCALARS - len(vals)))
+
+
+def check_cautious(flag):
+  """The cautious weight decay flag: a Python/NumPy bool, or a bool array
+  scalar (may be traced). Anything else is a TypeError naming the argument
+  (``1`` or ``"yes"`` would silently mean True)."""
+  if isinstance(flag, (bool, np.bool_)):
+    return bool(flag)
+  if isinstance(flag, jax.Array) and flag.dtype == jnp.bool_ and flag.ndim == 0:
+    return flag
+  raise TypeError(f"adam_update: cautious_weight_decay must be a bool (or a bool scalar "
+                  f"array, which may be traced), got {flag!r}")
 
 
 def optax_safe_increment(count):
@@ -188,6 +276,23 @@ def check_leaf(p, g, mu, nu):
       raise TypeError(f"adam_update: {name} must be float32 or bfloat16, got {a.dtype}")
     if a.shape != g.shape:
       raise ValueError(f"adam_update: {name} has shape {a.shape}, expected the gradient's {g.shape}")
+
+
+def check_companion(p, lo, name="params_lo"):
+  """A mantissa-tracked leaf: ``p`` bfloat16 and ``lo`` uint16 of its shape."""
+  if p is None:
+    raise ValueError(f"adam_update: {name} needs params (the bf16 half of the fp32 master); "
+                     f"the direction-only mode (params=None) has no parameter to track")
+  lo = jnp.asarray(lo)
+  if p.dtype != jnp.bfloat16:
+    raise TypeError(f"adam_update: {name} is the uint16 companion of bfloat16 params, but "
+                    f"params are {p.dtype}")
+  if lo.dtype != COMPANION_DTYPE:
+    raise TypeError(f"adam_update: {name} must be uint16 (the low 16 bits of the fp32 master), "
+                    f"got {lo.dtype}")
+  if lo.shape != p.shape:
+    raise ValueError(f"adam_update: {name} has shape {lo.shape}, expected the params' {p.shape}")
+  return lo
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))

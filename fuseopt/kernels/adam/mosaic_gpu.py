@@ -88,50 +88,59 @@ GROUP_SEARCH_SPACE = tuple(MosaicGPUGroupConfig(b, k) for b in (256, 1024, 4096)
 
 
 def _leaf(scalar, seed, g_ref, mu_ref, nu_ref, o_ref, p_ref, *, main, block, nesterov, apply,
-          index_map, program=None):
+          index_map, program=None, lo_ref=None):
   """One leaf's block of this program; ``scalar(k)`` / ``seed(k)`` read the
-  leaf's scalar and seed vectors."""
+  leaf's scalar and seed vectors; ``lo_ref``: a tracked parameter's companion."""
   scalars = [scalar(k) for k in range(adam_lib.N_SCALARS)]
   seeds = [seed(k) for k in range(adam_lib.N_SEEDS)]
 
   def one(start, size):
     rows = pl.ds(start, size)
     f32 = lambda r: r.at[rows][...].astype(jnp.float32)
-    # The skip flag as a block: Mosaic GPU's warpgroup lowering has no
-    # select with a scalar predicate (an implicit broadcast).
-    s = lambda k: (jnp.broadcast_to(scalars[k], (size,)) if k == adam_lib.APPLY
-                   else scalars[k])
+    # The skip and cautious flags as blocks: Mosaic GPU's warpgroup lowering
+    # has no select with a scalar predicate (an implicit broadcast).
+    s = lambda k: (jnp.broadcast_to(scalars[k], (size,))
+                   if k in (adam_lib.APPLY, adam_lib.CAUTIOUS) else scalars[k])
+    p32 = None
+    if apply:
+      p32 = adam_lib.load_param(p_ref.at[rows][...],
+                                None if lo_ref is None else lo_ref.at[rows][...])
     out, mu_new, nu_new = adam_lib.adam_math(
-        s, f32(p_ref) if apply else None, f32(g_ref), f32(mu_ref),
-        f32(nu_ref), nesterov=nesterov, apply=apply)
+        s, p32, f32(g_ref), f32(mu_ref), f32(nu_ref), nesterov=nesterov, apply=apply)
     index = sharding_lib.global_index(elementwise_tiling.mosaic_gpu_flat_index(start, size),
                                       index_map, seeds[adam_lib.SEED_BASE])
-    o_ref.at[rows][...] = adam_lib.store(out, o_ref.dtype, index, seeds[0])
+    if lo_ref is not None:
+      o_ref.at[rows][...], lo_ref.at[rows][...] = adam_lib.split_param(out)
+    else:
+      o_ref.at[rows][...] = adam_lib.store(out, o_ref.dtype, index, seeds[0])
     mu_ref.at[rows][...] = adam_lib.store(mu_new, mu_ref.dtype, index, seeds[1])
     nu_ref.at[rows][...] = adam_lib.store(nu_new, nu_ref.dtype, index, seeds[2])
 
   elementwise_tiling.mosaic_gpu_blocks(main, block, one, program)
 
 
-def _split_refs(refs, apply):
-  """(p, mu, nu, out) of one leaf's refs: (p, mu, nu) in place, or (mu, nu)
-  and the direction's output."""
+def _split_refs(refs, apply, tracked=False):
+  """(p, mu, nu, out, lo) of one leaf's refs: (p, mu, nu) or (p, mu, nu, lo)
+  in place, or (mu, nu) and the direction's output."""
   if apply:
-    p_ref, mu_ref, nu_ref = refs
-    return p_ref, mu_ref, nu_ref, p_ref
+    p_ref, mu_ref, nu_ref, *lo = refs
+    return p_ref, mu_ref, nu_ref, p_ref, (lo[0] if tracked else None)
   mu_ref, nu_ref, o_ref = refs
-  return None, mu_ref, nu_ref, o_ref
+  return None, mu_ref, nu_ref, o_ref, None
 
 
-def _kernel(s_ref, seed_ref, g_ref, *refs, main, block, nesterov, apply, index_map):
-  p_ref, mu_ref, nu_ref, o_ref = _split_refs(refs, apply)
+def _kernel(s_ref, seed_ref, g_ref, *refs, main, block, nesterov, apply, index_map, tracked):
+  p_ref, mu_ref, nu_ref, o_ref, lo_ref = _split_refs(refs, apply, tracked)
   _leaf(lambda k: s_ref[k], lambda k: seed_ref[k], g_ref, mu_ref, nu_ref, o_ref, p_ref,
-        main=main, block=block, nesterov=nesterov, apply=apply, index_map=index_map)
+        main=main, block=block, nesterov=nesterov, apply=apply, index_map=index_map,
+        lo_ref=lo_ref)
 
 
-def _group_kernel(s_ref, seed_ref, *refs, mains, starts, block, nesterov, apply, index_maps):
+def _group_kernel(s_ref, seed_ref, *refs, mains, starts, block, nesterov, apply, index_maps,
+                  tracked):
   k_leaves = len(mains)
-  n_ref = 3 if apply else 2   # refs a leaf passes in (p, mu, nu / mu, nu)
+  # refs a leaf passes in: (p, mu, nu (, lo)) / (mu, nu)
+  n_ref = (3 + tracked) if apply else 2
   gs = refs[:k_leaves]
   inout = refs[k_leaves:k_leaves + n_ref * k_leaves]
   outs = refs[k_leaves + n_ref * k_leaves:]   # the directions
@@ -139,34 +148,41 @@ def _group_kernel(s_ref, seed_ref, *refs, mains, starts, block, nesterov, apply,
   for k in range(k_leaves):
     lo, hi = starts[k], starts[k + 1]
     mine = inout[n_ref * k:n_ref * (k + 1)] + (() if apply else (outs[k],))
-    p_ref, mu_ref, nu_ref, o_ref = _split_refs(mine, apply)
+    p_ref, mu_ref, nu_ref, o_ref, lo_ref = _split_refs(mine, apply, tracked)
 
     # Unrolled branches: only leaf k's refs are touched in its programs.
     @pl.when((b >= lo) & (b < hi))
-    def _(k=k, lo=lo, p_ref=p_ref, mu_ref=mu_ref, nu_ref=nu_ref, o_ref=o_ref):
+    def _(k=k, lo=lo, p_ref=p_ref, mu_ref=mu_ref, nu_ref=nu_ref, o_ref=o_ref, lo_ref=lo_ref):
       _leaf(lambda j: s_ref[k * adam_lib.N_SCALARS + j],
             lambda j: seed_ref[k * adam_lib.N_SEEDS + j], gs[k], mu_ref, nu_ref, o_ref, p_ref,
             main=mains[k], block=block, nesterov=nesterov, apply=apply,
-            index_map=index_maps[k], program=b - lo)
+            index_map=index_maps[k], program=b - lo, lo_ref=lo_ref)
 
 
-def _tail(scalars, seeds, p, g, mu, nu, *, main, nesterov, out_dtype, index_map):
-  """The last ``size - main`` elements, in XLA, with their own flat indices."""
+def _tail(scalars, seeds, p, g, mu, nu, *, main, nesterov, out_dtype, index_map, lo=None):
+  """The last ``size - main`` elements, in XLA, with their own flat indices
+  (``(out, mu, nu)``, and the companion's tail with ``lo``)."""
   f32 = lambda a: a[main:].astype(jnp.float32)
   apply = p is not None
+  p32 = adam_lib.load_param(p[main:], None if lo is None else lo[main:]) if apply else None
   out, mu_new, nu_new = adam_lib.adam_math(
-      lambda k: scalars[k], f32(p) if apply else None, f32(g), f32(mu), f32(nu),
-      nesterov=nesterov, apply=apply)
+      lambda k: scalars[k], p32, f32(g), f32(mu), f32(nu), nesterov=nesterov, apply=apply)
   local = jax.lax.iota(jnp.uint32, g.shape[0] - main) + jnp.uint32(main)
   index = lambda: sharding_lib.global_index(local, index_map, seeds[adam_lib.SEED_BASE])
-  return (adam_lib.store(out, out_dtype, index(), seeds[0]),
-          adam_lib.store(mu_new, mu.dtype, index(), seeds[1]),
-          adam_lib.store(nu_new, nu.dtype, index(), seeds[2]))
+  if lo is not None:
+    out, new_lo = adam_lib.split_param(out)
+  else:
+    out, new_lo = adam_lib.store(out, out_dtype, index(), seeds[0]), None
+  res = (out,
+         adam_lib.store(mu_new, mu.dtype, index(), seeds[1]),
+         adam_lib.store(nu_new, nu.dtype, index(), seeds[2]))
+  return res if lo is None else res + (new_lo,)
 
 
 def update_flat(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config: MosaicGPUConfig,
-                interpret, index_map=None):
-  """One leaf, flattened (``p`` None: the direction); returns ``(out, mu, nu)``.
+                interpret, index_map=None, lo=None):
+  """One leaf, flattened (``p`` None: the direction); returns ``(out, mu, nu)``,
+  and ``(out, mu, nu, lo)`` with a companion ``lo`` (written in place too).
 
   The caller runs leaves under 128 elements in the reference, and guards the
   inputs against differentiation (a custom_jvp around the kernel itself would
@@ -175,9 +191,10 @@ def update_flat(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config: Mo
   (n,) = g.shape
   main = elementwise_tiling.mosaic_gpu_split(n)
   apply = p is not None
+  tracked = lo is not None
   kernel = plgpu.kernel(
       functools.partial(_kernel, main=main, block=config.block, nesterov=nesterov,
-                        apply=apply, index_map=index_map),
+                        apply=apply, index_map=index_map, tracked=tracked),
       out_type=() if apply else (jax.ShapeDtypeStruct((n,), out_dtype),),
       grid=(elementwise_tiling.mosaic_gpu_programs(main, config.block),),
       grid_names=(elementwise_tiling.MOSAIC_GPU_AXIS,),
@@ -187,8 +204,10 @@ def update_flat(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config: Mo
   mu_ref, nu_ref = jax.new_ref(mu), jax.new_ref(nu)
   if apply:
     p_ref = jax.new_ref(p)
-    kernel(scalars, seeds, g, p_ref, mu_ref, nu_ref)
-    outs = (jax.freeze(p_ref), jax.freeze(mu_ref), jax.freeze(nu_ref))
+    lo_refs = (jax.new_ref(lo),) if tracked else ()
+    kernel(scalars, seeds, g, p_ref, mu_ref, nu_ref, *lo_refs)
+    outs = (jax.freeze(p_ref), jax.freeze(mu_ref), jax.freeze(nu_ref)) + tuple(
+        jax.freeze(r) for r in lo_refs)
   else:
     (u,) = kernel(scalars, seeds, g, mu_ref, nu_ref)
     outs = (u, jax.freeze(mu_ref), jax.freeze(nu_ref))
@@ -197,20 +216,23 @@ def update_flat(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config: Mo
     # from the donated inputs (keeping those alive past the in-place kernel
     # would make XLA copy every leaf), and written into them in place.
     tail = _tail(scalars, seeds, outs[0] if apply else None, g, outs[1], outs[2], main=main,
-                 nesterov=nesterov, out_dtype=out_dtype, index_map=index_map)
+                 nesterov=nesterov, out_dtype=out_dtype, index_map=index_map,
+                 lo=outs[3] if tracked else None)
     outs = tuple(o.at[main:].set(t) for o, t in zip(outs, tail))
   return outs
 
 
 def update_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config: MosaicGPUGroupConfig,
-                 interpret, index_maps=None):
+                 interpret, index_maps=None, los=None):
   """One launch over flat leaves of one dtype signature, each of at least
   128 elements; ``scalars`` ``(K, N_SCALARS)``, ``seeds`` ``(K, N_SEEDS)``
-  rows, ``ps`` None for the direction. Returns ``[(out, mu, nu)]`` per leaf.
+  rows, ``ps`` None for the direction, ``los`` every leaf's companion or
+  None. Returns ``[(out, mu, nu)]`` (``[(out, mu, nu, lo)]``) per leaf.
   The caller guards the inputs against differentiation."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   k_leaves = len(gs)
   apply = ps is not None
+  tracked = los is not None
   index_maps = tuple(index_maps or (None,) * k_leaves)
   sizes = [g.shape[0] for g in gs]
   mains = tuple(elementwise_tiling.mosaic_gpu_split(n) for n in sizes)
@@ -219,7 +241,8 @@ def update_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config: MosaicGP
     starts.append(starts[-1] + elementwise_tiling.mosaic_gpu_programs(m, config.block))
   kernel = plgpu.kernel(
       functools.partial(_group_kernel, mains=mains, starts=tuple(starts), block=config.block,
-                        nesterov=nesterov, apply=apply, index_maps=index_maps),
+                        nesterov=nesterov, apply=apply, index_maps=index_maps,
+                        tracked=tracked),
       out_type=() if apply else tuple(jax.ShapeDtypeStruct((n,), g.dtype)
                                       for n, g in zip(sizes, gs)),
       grid=(starts[-1],),
@@ -230,20 +253,23 @@ def update_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config: MosaicGP
   mu_refs, nu_refs = [jax.new_ref(m) for m in mus], [jax.new_ref(v) for v in nus]
   if apply:
     p_refs = [jax.new_ref(p) for p in ps]
+    lo_refs = [jax.new_ref(x) for x in los] if tracked else []
     kernel(scalars.reshape(-1), seeds.reshape(-1), *gs,
-           *(r for k in range(k_leaves) for r in (p_refs[k], mu_refs[k], nu_refs[k])))
+           *(r for k in range(k_leaves) for r in (p_refs[k], mu_refs[k], nu_refs[k])
+             + ((lo_refs[k],) if tracked else ())))
     firsts = [jax.freeze(r) for r in p_refs]
   else:
     firsts = list(kernel(scalars.reshape(-1), seeds.reshape(-1), *gs,
                          *(r for k in range(k_leaves) for r in (mu_refs[k], nu_refs[k]))))
   out = []
   for k in range(k_leaves):
-    outs = (firsts[k], jax.freeze(mu_refs[k]), jax.freeze(nu_refs[k]))
+    outs = (firsts[k], jax.freeze(mu_refs[k]), jax.freeze(nu_refs[k])) + (
+        (jax.freeze(lo_refs[k]),) if tracked else ())
     main, n = mains[k], sizes[k]
     if main < n:   # as in update_flat: from the kernel's results, in place
       tail = _tail(scalars[k], seeds[k], outs[0] if apply else None, gs[k], outs[1], outs[2],
                    main=main, nesterov=nesterov, out_dtype=outs[0].dtype,
-                   index_map=index_maps[k])
+                   index_map=index_maps[k], lo=outs[3] if tracked else None)
       outs = tuple(o.at[main:].set(t) for o, t in zip(outs, tail))
     out.append(outs)
   return out

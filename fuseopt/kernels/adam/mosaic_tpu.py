@@ -28,7 +28,8 @@ from fuseopt.kernels import dispatch
 from fuseopt.kernels import elementwise_tiling
 from fuseopt.kernels import pallas_common
 from fuseopt.kernels import sharding as sharding_lib
-from fuseopt.kernels.adam.math import SEED_BASE, adam_cost, kernel_body, store
+from fuseopt.kernels.adam.math import (SEED_BASE, adam_cost, in_place_aliases, kernel_body,
+                                       store_outputs)
 from fuseopt.kernels.elementwise_tiling import MosaicTPUConfig
 
 Config = MosaicTPUConfig
@@ -49,61 +50,60 @@ def heuristic(size: int) -> MosaicTPUConfig:
 supports = dispatch.supports_every_call
 
 
-def leaf_reason(p, g, mu, nu, out_dtype, config, index_map) -> str | None:
+def leaf_reason(p, g, mu, nu, out_dtype, config, index_map, lo=None) -> str | None:
   """Why this backend leaves a leaf to the reference, or None."""
   if sharding_lib.needs_division(index_map):
     # (Mosaic has no vector integer division to rebuild the global index of
     # a shard cut along a later axis whose sizes are not powers of two.)
     return "a shard's global index needs a vector integer division"
-  if tiling_of(p, g, mu, nu, out_dtype, config) is None:
+  if tiling_of(p, g, mu, nu, out_dtype, config, lo) is None:
     return f"no tiling of a leaf of shape {g.shape} divides it"
   return None
 
 
-def _kernel(s_ref, seed_ref, *refs, tiling, nesterov, apply, index_map):
-  out, mu_new, nu_new, (o_ref, mu_out, nu_out) = kernel_body(s_ref, refs, nesterov=nesterov,
-                                                             apply=apply)
+def _kernel(s_ref, seed_ref, *refs, tiling, nesterov, apply, index_map, tracked):
+  out, mu_new, nu_new, out_refs = kernel_body(s_ref, refs, nesterov=nesterov, apply=apply,
+                                              tracked=tracked)
   seed = lambda k: seed_ref[k].astype(jnp.uint32)
   index = sharding_lib.global_index(tiling.flat_index(), index_map, seed(SEED_BASE))
-  o_ref[...] = store(out, o_ref.dtype, index, seed(0))
-  mu_out[...] = store(mu_new, mu_out.dtype, index, seed(1))
-  nu_out[...] = store(nu_new, nu_out.dtype, index, seed(2))
+  store_outputs(out_refs, out, mu_new, nu_new, index, seed, tracked=tracked)
 
 
-def tiling_of(p, g, mu, nu, out_dtype, config) -> elementwise_tiling.MosaicTiling | None:
+def tiling_of(p, g, mu, nu, out_dtype, config, lo=None) -> elementwise_tiling.MosaicTiling | None:
   """The leaf's tiling (None: no tiling covers it, the reference runs)."""
-  ins = (p, g, mu, nu) if p is not None else (g, mu, nu)
+  ins = ((p, g, mu, nu) if p is not None else (g, mu, nu)) + ((lo,) if lo is not None else ())
   stream_bytes = (sum(a.dtype.itemsize for a in ins)
-                  + jnp.dtype(out_dtype).itemsize + mu.dtype.itemsize + nu.dtype.itemsize)
+                  + jnp.dtype(out_dtype).itemsize + mu.dtype.itemsize + nu.dtype.itemsize
+                  + (lo.dtype.itemsize if lo is not None else 0))
   return elementwise_tiling.mosaic_tiling(g.shape, config, stream_bytes=stream_bytes)
 
 
 def update(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpret,
-           index_map=None):
-  """One leaf in its own shape (the view keeps its TPU layout); returns ``(out, mu, nu)``."""
+           index_map=None, lo=None):
+  """One leaf in its own shape (the view keeps its TPU layout); returns
+  ``(out, mu, nu)``, and ``(out, mu, nu, lo)`` with a companion ``lo``."""
   from jax.experimental.pallas import tpu as pltpu
-  tiling = tiling_of(p, g, mu, nu, out_dtype, config)
+  tiling = tiling_of(p, g, mu, nu, out_dtype, config, lo)
   apply = p is not None
+  tracked = lo is not None
   # Reshapes that keep the TPU layout (elementwise_tiling.mosaic_tiling): no copies.
-  arrays = tuple(a.reshape(tiling.view) for a in ((p, g, mu, nu) if apply else (g, mu, nu)))
+  leaf = ((p, g, mu, nu) if apply else (g, mu, nu)) + ((lo,) if tracked else ())
+  arrays = tuple(a.reshape(tiling.view) for a in leaf)
   spec = tiling.spec()
-  first = 2
-  aliases = ({first: 0, first + 2: 1, first + 3: 2} if apply
-             else {first + 1: 1, first + 2: 2})
+  out_shape = tuple(jax.ShapeDtypeStruct(tiling.view, d) for d in (
+      (out_dtype, mu.dtype, nu.dtype) + ((lo.dtype,) if tracked else ())))
   outs = pl.pallas_call(
       functools.partial(_kernel, tiling=tiling, nesterov=nesterov, apply=apply,
-                        index_map=index_map),
-      out_shape=(out_shape := (jax.ShapeDtypeStruct(tiling.view, out_dtype),
-                               jax.ShapeDtypeStruct(tiling.view, mu.dtype),
-                               jax.ShapeDtypeStruct(tiling.view, nu.dtype))),
+                        index_map=index_map, tracked=tracked),
+      out_shape=out_shape,
       grid=tiling.grid,
       in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
                 pl.BlockSpec(memory_space=pltpu.SMEM)] + [spec] * len(arrays),
-      out_specs=(spec, spec, spec),
-      input_output_aliases=aliases,
+      out_specs=(spec,) * len(out_shape),
+      input_output_aliases=in_place_aliases(2, 0, apply=apply, tracked=tracked),
       compiler_params=pallas_common.mosaic_compiler_params(interpret, tiling.semantics),
       interpret=interpret,
       name="fuseopt_adam_update",
-      cost_estimate=adam_cost(arrays, out_shape),
+      cost_estimate=adam_cost(arrays, out_shape, n=g.size),
   )(scalars, jax.lax.bitcast_convert_type(seeds, jnp.int32), *arrays)
   return tuple(o.reshape(g.shape) for o in outs)

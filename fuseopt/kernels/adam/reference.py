@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from fuseopt.kernels import dispatch
 from fuseopt.kernels import sharding as sharding_lib
-from fuseopt.kernels.adam.math import SEED_BASE, adam_math, store
+from fuseopt.kernels.adam.math import SEED_BASE, adam_math, load_param, split_param, store
 
 # The reference runs every call.
 supports = dispatch.supports_every_call
@@ -22,13 +22,15 @@ supports = dispatch.supports_every_call
 
 
 def update(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, order_for_in_place=False,
-           index_map=None):
-  """One leaf in its own shape; ``p`` None: the direction. Returns ``(out, mu, nu)``."""
+           index_map=None, lo=None):
+  """One leaf in its own shape; ``p`` None: the direction. Returns ``(out, mu, nu)``,
+  and with ``lo`` (a bf16 ``p``'s uint16 companion) ``(out, mu, nu, lo)``:
+  the new fp32 master split, not rounded."""
   s = lambda k: scalars[k]
   apply = p is not None
   f32 = lambda x: x.astype(jnp.float32)
-  out, mu_new, nu_new = adam_math(s, f32(p) if apply else None, f32(g), f32(mu), f32(nu),
-                                   nesterov=nesterov, apply=apply)
+  out, mu_new, nu_new = adam_math(s, load_param(p, lo) if apply else None, f32(g), f32(mu),
+                                   f32(nu), nesterov=nesterov, apply=apply)
   shape = g.shape
   # A fresh flat iota per rounding: XLA fuses each into its consumer rather
   # than materialising one shared index array (docs/measurements.md).
@@ -36,7 +38,10 @@ def update(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, order_for_in_pl
                                           index_map, seeds[SEED_BASE])
   # The param stream's seed whether ``out`` is the parameter or the
   # direction, as the kernels do.
-  out = store(out, out_dtype, idx(), seeds[0])
+  if lo is not None:
+    out, new_lo = split_param(out)
+  else:
+    out, new_lo = store(out, out_dtype, idx(), seeds[0]), None
   if order_for_in_place:
     # XLA's CPU backend emits the three outputs as three loop fusions, each
     # re-reading the old moments; unordered, they make XLA copy the donated
@@ -44,9 +49,10 @@ def update(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, order_for_in_pl
     # fusion first, so each moment fusion can then overwrite its input.
     # Not on GPU: there XLA can fuse all three outputs into one pass
     # (docs/measurements.md: 46 KB of temporaries), which the barrier would split.
-    out, mu, nu = jax.lax.optimization_barrier((out, mu, nu))
+    out, new_lo, mu, nu = jax.lax.optimization_barrier((out, new_lo, mu, nu))
     _, mu_new, nu_new = adam_math(s, None, f32(g), f32(mu), f32(nu),
                                    nesterov=False, apply=False)
-  return (out,
-          store(mu_new, mu.dtype, idx(), seeds[1]),
-          store(nu_new, nu.dtype, idx(), seeds[2]))
+  res = (out,
+         store(mu_new, mu.dtype, idx(), seeds[1]),
+         store(nu_new, nu.dtype, idx(), seeds[2]))
+  return res if lo is None else res + (new_lo,)

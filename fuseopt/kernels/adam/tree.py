@@ -29,21 +29,34 @@ def _backend(impl):
   return dispatch.backend_module(OP_NAME, impl)
 
 
-def _leaf_fallback(impl, p, g, mu, nu, out_dtype, config, index_map) -> str | None:
+def _leaf_fallback(impl, p, g, mu, nu, out_dtype, config, index_map, lo) -> str | None:
   """Why backend ``impl`` leaves this leaf to the reference, or None."""
   if impl == "mosaic_gpu" and g.size < elementwise_tiling.MOSAIC_GPU_LANES:
     return f"a leaf of {g.size} elements has no warpgroup-wide block"
   if impl == "mosaic_tpu":
-    return _backend(impl).leaf_reason(p, g, mu, nu, out_dtype, config, index_map)
+    return _backend(impl).leaf_reason(p, g, mu, nu, out_dtype, config, index_map, lo)
   return None
 
 
+def _four(res):
+  """A backend's ``(out, mu, nu)`` or ``(out, mu, nu, lo)`` as four (lo None: untracked)."""
+  return tuple(res) if len(res) == 4 else tuple(res) + (None,)
+
+
 def run_leaf(impl, scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, interpret, config,
-             index_map=None):
-  """One leaf on backend ``impl``; returns ``(out, mu, nu)`` in the leaf's shape."""
+             index_map=None, lo=None):
+  """One leaf on backend ``impl``; returns ``(out, mu, nu, lo)`` in the leaf's
+  shape (``lo`` None unless the leaf has a companion)."""
+  return _four(_run_leaf(impl, scalars, seeds, p, g, mu, nu, nesterov=nesterov,
+                         out_dtype=out_dtype, interpret=interpret, config=config,
+                         index_map=index_map, lo=lo))
+
+
+def _run_leaf(impl, scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, interpret, config,
+              index_map, lo):
   shape = g.shape
   n = g.size
-  kw = dict(nesterov=nesterov, out_dtype=out_dtype, index_map=index_map)
+  kw = dict(nesterov=nesterov, out_dtype=out_dtype, index_map=index_map, lo=lo)
   if impl != "xla":
     want = _backend(impl).Config
     if config is not None and not isinstance(config, want):
@@ -51,7 +64,7 @@ def run_leaf(impl, scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, interpr
     if impl == "mosaic_tpu":
       config = config or _backend(impl).heuristic(n)
     if n:
-      reason = _leaf_fallback(impl, p, g, mu, nu, out_dtype, config, index_map)
+      reason = _leaf_fallback(impl, p, g, mu, nu, out_dtype, config, index_map, lo)
       if reason is not None:
         dispatch.log_fallback(OP_NAME, impl, reason, runs="the reference")
         impl = "xla"
@@ -63,23 +76,33 @@ def run_leaf(impl, scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, interpr
   interp = dispatch.interpret_arg(impl, interpret)
   if impl == "mosaic_tpu":
     # In the leaf's own shape too: the kernel picks a view that keeps the TPU layout.
+    del kw["lo"]
     return no_derivative(impl, functools.partial(
-        _backend(impl).update, config=config, interpret=interp, **kw),
-        scalars, seeds, p, g, mu, nu)
+        _with_companion(_backend(impl).update), config=config, interpret=interp, **kw),
+        scalars, seeds, p, g, mu, nu, lo)
   flat = lambda a: None if a is None else a.reshape(-1)
-  p, g, mu, nu = flat(p), flat(g), flat(mu), flat(nu)
+  p, g, mu, nu, lo = flat(p), flat(g), flat(mu), flat(nu), flat(lo)
+  del kw["lo"]
   config = config or _backend(impl).heuristic(n)
   if impl == "mosaic_gpu":
     # (the guard on the inputs, not around the kernel: jax cannot discharge
     # the kernel's in-place refs inside a custom_jvp)
-    outs = _backend(impl).update_flat(
-        *no_derivative(impl, lambda *a: a, scalars, seeds, p, g, mu, nu),
+    outs = _with_companion(_backend(impl).update_flat)(
+        *no_derivative(impl, lambda *a: a, scalars, seeds, p, g, mu, nu, lo),
         config=config, interpret=interp, **kw)
   else:
     outs = no_derivative(impl, functools.partial(
-        _backend(impl).update_flat, config=config, interpret=interp, **kw),
-        scalars, seeds, p, g, mu, nu)
+        _with_companion(_backend(impl).update_flat), config=config, interpret=interp, **kw),
+        scalars, seeds, p, g, mu, nu, lo)
   return tuple(o.reshape(shape) for o in outs)
+
+
+def _with_companion(update):
+  """``update`` taking the companion as its last positional operand (so
+  that it passes through ``no_derivative`` with the others)."""
+  def run(scalars, seeds, p, g, mu, nu, lo, **kw):
+    return update(scalars, seeds, p, g, mu, nu, lo=lo, **kw)
+  return run
 
 
 def _groups_leaves(impl, group, config) -> bool:
@@ -122,10 +145,11 @@ def launch_chunks(sizes, max_leaves: int, *, by_size: bool = True) -> list[list[
 
 
 def _run_group(impl, members, scalars, seeds, ps, gs, mus, nus, *, nesterov, interpret, config,
-               index_maps):
-  """The leaves ``members`` (one dtype signature) in grouped launches;
-  returns ``{leaf: (out, mu, nu)}``."""
+               index_maps, los):
+  """The leaves ``members`` (one dtype signature: all with a companion in
+  ``los``, or none) in grouped launches; returns ``{leaf: (out, mu, nu, lo)}``."""
   apply = ps is not None
+  tracked = los is not None and los[members[0]] is not None
   backend = _backend(impl)
   # (Mosaic GPU groups only with a config: its GROUP_SEARCH_SPACE)
   cfg = config or backend.group_heuristic([gs[i].size for i in members])
@@ -135,45 +159,57 @@ def _run_group(impl, members, scalars, seeds, ps, gs, mus, nus, *, nesterov, int
     chunk = [members[j] for j in chunk]
     flat = lambda arrays: [arrays[i].reshape(-1) for i in chunk]
     args = (jnp.stack([scalars[i] for i in chunk]), jnp.stack([seeds[i] for i in chunk]),
-            flat(ps) if apply else None, flat(gs), flat(mus), flat(nus))
+            flat(ps) if apply else None, flat(gs), flat(mus), flat(nus),
+            flat(los) if tracked else None)
     kw = dict(nesterov=nesterov, config=cfg, interpret=dispatch.interpret_arg(impl, interpret),
               index_maps=tuple(index_maps[i] for i in chunk))
+    group = _with_companions(backend.update_group if impl == "mosaic_gpu"
+                             else backend.update_group_jit)
     if impl == "mosaic_gpu":
       # (the inputs guarded, as in run_leaf)
-      res = backend.update_group(*no_derivative(impl, lambda *a: a, *args), **kw)
+      res = group(*no_derivative(impl, lambda *a: a, *args), **kw)
     else:
-      res = no_derivative(impl, functools.partial(backend.update_group_jit, **kw), *args)
+      res = no_derivative(impl, functools.partial(group, **kw), *args)
     for i, r in zip(chunk, res):
-      out[i] = tuple(x.reshape(gs[i].shape) for x in r)
+      out[i] = _four(tuple(x.reshape(gs[i].shape) for x in r))
   return out
 
 
+def _with_companions(update_group):
+  def run(scalars, seeds, ps, gs, mus, nus, los, **kw):
+    return update_group(scalars, seeds, ps, gs, mus, nus, los=los, **kw)
+  return run
+
+
 def run_local(impl, scalars, seeds, ps, gs, mus, nus, *, nesterov, interpret, config, group,
-              index_maps):
-  """Runs leaves that are local to this device (or shard): lists in, lists out."""
+              index_maps, los=None):
+  """Runs leaves that are local to this device (or shard): lists in, four
+  lists out (out, mu, nu, lo; lo None where a leaf has no companion)."""
   n = len(gs)
   apply = ps is not None
+  los = los if los is not None else [None] * n
   grouped = _groups_leaves(impl, group, config)
   # (a Mosaic GPU block spans at least one warpgroup's 128 elements)
   smallest = elementwise_tiling.MOSAIC_GPU_LANES if impl == "mosaic_gpu" else 1
-  outs = ([None] * n, [None] * n, [None] * n)
+  outs = ([None] * n, [None] * n, [None] * n, [None] * n)
   signatures = {}  # dtype signature -> leaf positions, in tree order
   for i in range(n):
     p, g, m, v = (ps[i] if apply else None), gs[i], mus[i], nus[i]
     if grouped and g.size >= smallest:
-      sig = (p.dtype if apply else None, g.dtype, m.dtype, v.dtype)
+      # (a tracked leaf has operands of its own: a launch of its own kind)
+      sig = (p.dtype if apply else None, g.dtype, m.dtype, v.dtype, los[i] is not None)
       signatures.setdefault(sig, []).append(i)
       continue
     # (grouped: only empty (and, Mosaic GPU, tiny) leaves get here; the
     # group config is not theirs)
     r = run_leaf(impl, scalars[i], seeds[i], p, g, m, v, nesterov=nesterov,
                  out_dtype=(p if apply else g).dtype, interpret=interpret,
-                 config=None if grouped else config, index_map=index_maps[i])
+                 config=None if grouped else config, index_map=index_maps[i], lo=los[i])
     for lst, x in zip(outs, r):
       lst[i] = x
   for members in signatures.values():
     done = _run_group(impl, members, scalars, seeds, ps, gs, mus, nus, nesterov=nesterov,
-                      interpret=interpret, config=config, index_maps=index_maps)
+                      interpret=interpret, config=config, index_maps=index_maps, los=los)
     for i, r in done.items():
       for lst, x in zip(outs, r):
         lst[i] = x
@@ -181,14 +217,16 @@ def run_local(impl, scalars, seeds, ps, gs, mus, nus, *, nesterov, interpret, co
 
 
 def update_leaves(impl, scalars, seeds, ps, gs, mus, nus, placements, *, nesterov, interpret,
-                  config, group):
+                  config, group, los=None):
   """Places each leaf (``placements``: :func:`sharding_lib.resolve_placements`'
   answers, one per leaf): kernels on unsharded leaves, shard-local kernels
   (one ``shard_map`` per mesh) on evenly sharded ones, the reference on the
-  rest."""
+  rest. ``los``: None, or one companion (or None) per leaf. Returns four
+  lists: out, mu, nu and the new companions (None where a leaf has none)."""
   n = len(gs)
   apply = ps is not None
-  outs = ([None] * n, [None] * n, [None] * n)
+  los = los if los is not None else [None] * n
+  outs = ([None] * n, [None] * n, [None] * n, [None] * n)
   run = functools.partial(run_local, nesterov=nesterov, interpret=interpret, config=config,
                           group=group)
 
@@ -204,7 +242,7 @@ def update_leaves(impl, scalars, seeds, ps, gs, mus, nus, placements, *, nestero
     if idx:
       assign(idx, run(implementation, pick(scalars, idx), pick(seeds, idx), pick(ps, idx),
                       pick(gs, idx), pick(mus, idx), pick(nus, idx),
-                      index_maps=[None] * len(idx)))
+                      index_maps=[None] * len(idx), los=pick(los, idx)))
 
   Placement = sharding_lib.Placement
   run_here([i for i, p in enumerate(placements) if p is sharding_lib.UNSHARDED], impl)
@@ -218,7 +256,8 @@ def update_leaves(impl, scalars, seeds, ps, gs, mus, nus, placements, *, nestero
   run_here(sorted([i for i, p in enumerate(placements) if p is sharding_lib.UNKNOWN] + uneven),
            "xla")
   for mesh, idx in _by_mesh(placements, gs):
-    assign(idx, _run_sharded(run, impl, mesh, idx, placements, scalars, seeds, ps, gs, mus, nus))
+    assign(idx, _run_sharded(run, impl, mesh, idx, placements, scalars, seeds, ps, gs, mus, nus,
+                             los))
   return outs
 
 
@@ -236,10 +275,12 @@ def _by_mesh(placements, gs):
   return meshes
 
 
-def _run_sharded(run, impl, mesh, idx, placements, scalars, seeds, ps, gs, mus, nus):
+def _run_sharded(run, impl, mesh, idx, placements, scalars, seeds, ps, gs, mus, nus, los):
   """The leaves ``idx`` of one mesh, shard-local in one ``shard_map``, with
-  each shard's global index base in its seed row."""
+  each shard's global index base in its seed row. A companion is sharded as
+  its parameter (the same shape, the same spec)."""
   apply = ps is not None
+  tracked = [j for j, i in enumerate(idx) if los[i] is not None]
   P = jax.sharding.PartitionSpec
   pick = lambda arrays: [arrays[i] for i in idx]
   specs = [placements[i].spec for i in idx]
@@ -252,18 +293,29 @@ def _run_sharded(run, impl, mesh, idx, placements, scalars, seeds, ps, gs, mus, 
     seed_rows = seed_rows.at[:, SEED_BASE].set(bases)
     k = len(idx)
     lp = list(leaves[:k]) if apply else None
-    lg, lm, lv = (list(leaves[-3 * k:][j * k:(j + 1) * k]) for j in range(3))
-    return run(impl, list(s_rows), list(seed_rows), lp, lg, lm, lv, index_maps=maps)
+    lg, lm, lv = (list(leaves[(n_groups - 3) * k:][j * k:(j + 1) * k]) for j in range(3))
+    llo = [None] * k
+    for j, x in zip(tracked, leaves[n_groups * k:]):
+      llo[j] = x
+    out, mu, nu, lo = run(impl, list(s_rows), list(seed_rows), lp, lg, lm, lv, index_maps=maps,
+                          los=llo)
+    return out, mu, nu, [lo[j] for j in tracked]
 
   fit = lambda arrays: [sharding_lib.to_spec(arrays[i], placements[i]) for i in idx]
   leaves = (fit(ps) if apply else []) + fit(gs) + fit(mus) + fit(nus)
+  lo_leaves = [sharding_lib.to_spec(los[idx[j]], placements[idx[j]]) for j in tracked]
+  lo_specs = [specs[j] for j in tracked]
   n_groups = 4 if apply else 3
-  res_p, res_mu, res_nu = sharding_lib.shard_local(
-      body, mesh, (P(), P()) + tuple(specs) * n_groups, (specs, specs, specs))(
-          jnp.stack(pick(scalars)), jnp.stack(pick(seeds)), *leaves)
+  res_p, res_mu, res_nu, res_lo = sharding_lib.shard_local(
+      body, mesh, (P(), P()) + tuple(specs) * n_groups + tuple(lo_specs),
+      (specs, specs, specs, lo_specs))(
+          jnp.stack(pick(scalars)), jnp.stack(pick(seeds)), *leaves, *lo_leaves)
   # The moments keep their own placement (the direction follows the grads').
   res_mu = [sharding_lib.like(y, mus[i]) for y, i in zip(res_mu, idx)]
   res_nu = [sharding_lib.like(y, nus[i]) for y, i in zip(res_nu, idx)]
   if not apply:
     res_p = [sharding_lib.like(y, gs[i]) for y, i in zip(res_p, idx)]
-  return res_p, res_mu, res_nu
+  new_lo = [None] * len(idx)
+  for j, y in zip(tracked, res_lo):
+    new_lo[j] = sharding_lib.like(y, los[idx[j]])
+  return res_p, res_mu, res_nu, new_lo

@@ -23,7 +23,8 @@ from fuseopt.kernels import dispatch
 from fuseopt.kernels import elementwise_tiling
 from fuseopt.kernels import sharding as sharding_lib
 from fuseopt.kernels.adam.math import (N_SCALARS, N_SCALARS_USED, N_SEEDS, SEED_BASE, adam_cost,
-                                       adam_math, kernel_body, store)
+                                       adam_math, in_place_aliases, kernel_body, load_param,
+                                       store_outputs)
 from fuseopt.kernels.elementwise_tiling import TritonConfig
 
 Config = TritonConfig
@@ -33,46 +34,41 @@ heuristic = elementwise_tiling.triton_heuristic
 supports = dispatch.supports_every_call
 
 
-def _kernel(s_ref, seed_ref, *refs, block, nesterov, apply, index_map):
-  out, mu_new, nu_new, (o_ref, mu_out, nu_out) = kernel_body(s_ref, refs, nesterov=nesterov,
-                                                             apply=apply)
+def _kernel(s_ref, seed_ref, *refs, block, nesterov, apply, index_map, tracked):
+  out, mu_new, nu_new, out_refs = kernel_body(s_ref, refs, nesterov=nesterov, apply=apply,
+                                              tracked=tracked)
   index = sharding_lib.global_index(elementwise_tiling.triton_flat_index(block), index_map,
                                     seed_ref[SEED_BASE])
-  o_ref[...] = store(out, o_ref.dtype, index, seed_ref[0])
-  mu_out[...] = store(mu_new, mu_out.dtype, index, seed_ref[1])
-  nu_out[...] = store(nu_new, nu_out.dtype, index, seed_ref[2])
+  store_outputs(out_refs, out, mu_new, nu_new, index, lambda k: seed_ref[k], tracked=tracked)
 
 
 def update_flat(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpret,
-                index_map=None):
-  """One flat leaf (``p`` None: the direction); returns ``(out, mu, nu)``."""
+                index_map=None, lo=None):
+  """One flat leaf (``p`` None: the direction); returns ``(out, mu, nu)``, and
+  ``(out, mu, nu, lo)`` with a companion ``lo`` (the master written split)."""
   from jax.experimental.pallas import triton as plgpu
   (n,) = g.shape
   block = config.block
   apply = p is not None
+  tracked = lo is not None
   spec = pl.BlockSpec((block,), lambda i: (i,))
-  arrays = (p, g, mu, nu) if apply else (g, mu, nu)
-  # In place: the new param overwrites p, the moments overwrite themselves.
-  # The Adam direction (p=None) gets a fresh buffer rather than aliasing g,
-  # which the caller usually still holds (XLA would copy it).
-  first = 2
-  aliases = ({first: 0, first + 2: 1, first + 3: 2} if apply
-             else {first + 1: 1, first + 2: 2})
+  arrays = ((p, g, mu, nu) if apply else (g, mu, nu)) + ((lo,) if tracked else ())
+  out_shape = (jax.ShapeDtypeStruct((n,), out_dtype), jax.ShapeDtypeStruct((n,), mu.dtype),
+               jax.ShapeDtypeStruct((n,), nu.dtype)) + (
+                   (jax.ShapeDtypeStruct((n,), lo.dtype),) if tracked else ())
   return pl.pallas_call(
       functools.partial(_kernel, block=block, nesterov=nesterov, apply=apply,
-                        index_map=index_map),
-      out_shape=(out_shape := (jax.ShapeDtypeStruct((n,), out_dtype),
-                               jax.ShapeDtypeStruct((n,), mu.dtype),
-                               jax.ShapeDtypeStruct((n,), nu.dtype))),
+                        index_map=index_map, tracked=tracked),
+      out_shape=out_shape,
       grid=(pl.cdiv(n, block),),
       in_specs=[pl.BlockSpec((N_SCALARS,), lambda i: (0,)),
                 pl.BlockSpec((N_SEEDS,), lambda i: (0,))] + [spec] * len(arrays),
-      out_specs=(spec, spec, spec),
-      input_output_aliases=aliases,
+      out_specs=(spec,) * len(out_shape),
+      input_output_aliases=in_place_aliases(2, 0, apply=apply, tracked=tracked),
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
       interpret=interpret,
       name="fuseopt_adam_update",
-      cost_estimate=adam_cost(arrays, out_shape),
+      cost_estimate=adam_cost(arrays, out_shape, n=n),
   )(scalars, seeds, *arrays)
 
 
@@ -137,9 +133,21 @@ def _bisect(k, lo: int, hi: int, branch):
                       lambda: _bisect(k, mid, hi, branch))
 
 
-def _group_kernel(s_ref, seed_ref, *refs, block, starts, nesterov, apply, index_maps):
+class _Held:
+  """A stand-in for an output ref: keeps what is stored into it."""
+
+  def __init__(self, dtype):
+    self.dtype = dtype
+    self.value = None
+
+  def __setitem__(self, key, value):
+    self.value = value
+
+
+def _group_kernel(s_ref, seed_ref, *refs, block, starts, nesterov, apply, index_maps, tracked):
   n_leaves = len(starts) - 1
-  n_in = 4 if apply else 3
+  n_in = (4 if apply else 3) + tracked
+  n_out = 3 + tracked
   ins, outs = refs[:n_in * n_leaves], refs[n_in * n_leaves:]
   i = pl.program_id(0)
   k, first = _group_leaf(i, starts)
@@ -158,33 +166,36 @@ def _group_kernel(s_ref, seed_ref, *refs, block, starts, nesterov, apply, index_
   *blocks, index = _bisect(k, 0, n_leaves, load)
   scalars = {j: s_ref[k * N_SCALARS + j] for j in range(N_SCALARS_USED)}
   f32 = lambda x: x.astype(jnp.float32)
-  p32 = f32(blocks[0]) if apply else None
-  g, mu, nu = blocks[-3:]
+  p32 = load_param(blocks[0], blocks[4] if tracked else None) if apply else None
+  g, mu, nu = blocks[1:4] if apply else blocks[:3]
   out, mu_new, nu_new = adam_math(scalars.__getitem__, p32, f32(g), f32(mu), f32(nu),
                                   nesterov=nesterov, apply=apply)
   seed = lambda j: seed_ref[k * N_SEEDS + j]
-  o_ref, mu_out, nu_out = outs[:3]   # every leaf of a launch has these dtypes
-  new = (store(out, o_ref.dtype, index, seed(0)),
-         store(mu_new, mu_out.dtype, index, seed(1)),
-         store(nu_new, nu_out.dtype, index, seed(2)))
+  # Every leaf of a launch has the same dtypes: the values are converted
+  # once, into holders standing in for the refs.
+  new = [_Held(r.dtype) for r in outs[:n_out]]
+  store_outputs(new, out, mu_new, nu_new, index, seed, tracked=tracked)
   for j in range(n_leaves):
     # The other leaves' (clamped) blocks are neither loaded nor stored.
     @pl.when(k == j)
     def _(j=j):
-      for r, v in zip(outs[3 * j:3 * (j + 1)], new):
-        r[...] = v
+      for r, v in zip(outs[n_out * j:n_out * (j + 1)], new):
+        r[...] = v.value
 
 
 def update_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config, interpret,
-                 index_maps=None):
+                 index_maps=None, los=None):
   """One launch over flat leaves of one dtype signature.
 
   ``scalars``: ``(K, N_SCALARS)`` fp32 rows, ``seeds``: ``(K, N_SEEDS)``
-  uint32 rows, one per leaf; ``ps`` is ``None`` for the direction-only mode.
+  uint32 rows, one per leaf; ``ps`` is ``None`` for the direction-only mode;
+  ``los`` (every leaf tracked) their uint16 companions, or ``None``.
+  Returns ``[(out, mu, nu)]`` (``[(out, mu, nu, lo)]`` with ``los``).
   """
   from jax.experimental.pallas import triton as plgpu
   block = config.block
   apply = ps is not None
+  tracked = los is not None
   n_leaves = len(gs)
   sizes = [g.shape[0] for g in gs]
   starts = [0]
@@ -201,26 +212,23 @@ def update_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config, interpre
   rows = pl.next_power_of_2(n_leaves)
   pad = lambda a: jnp.pad(a, ((0, rows - n_leaves), (0, 0))).reshape(-1)
   scalars, seeds = pad(scalars), pad(seeds)
-  n_in = 4 if apply else 3
+  n_in = (4 if apply else 3) + tracked
+  n_out = 3 + tracked
   arrays, in_specs, out_shape, out_specs, aliases = [], [], [], [], {}
   for k in range(n_leaves):
     leaf = (ps[k], gs[k], mus[k], nus[k]) if apply else (gs[k], mus[k], nus[k])
+    leaf += (los[k],) if tracked else ()
     arrays += leaf
     in_specs += [specs[k]] * n_in
-    first = 2 + n_in * k
-    out_dtype = leaf[0].dtype
-    out_shape += [jax.ShapeDtypeStruct((sizes[k],), out_dtype),
-                  jax.ShapeDtypeStruct((sizes[k],), mus[k].dtype),
-                  jax.ShapeDtypeStruct((sizes[k],), nus[k].dtype)]
-    out_specs += [specs[k]] * 3
-    # As in update_flat: params and moments in place, the direction fresh.
-    if apply:
-      aliases.update({first: 3 * k, first + 2: 3 * k + 1, first + 3: 3 * k + 2})
-    else:
-      aliases.update({first + 1: 3 * k + 1, first + 2: 3 * k + 2})
+    out_dtypes = (leaf[0].dtype, mus[k].dtype, nus[k].dtype) + (
+        (los[k].dtype,) if tracked else ())
+    out_shape += [jax.ShapeDtypeStruct((sizes[k],), d) for d in out_dtypes]
+    out_specs += [specs[k]] * n_out
+    # As in update_flat: params, moments (and companions) in place, the direction fresh.
+    aliases.update(in_place_aliases(2 + n_in * k, n_out * k, apply=apply, tracked=tracked))
   outs = pl.pallas_call(
       functools.partial(_group_kernel, block=block, starts=tuple(starts),
-                        nesterov=nesterov, apply=apply,
+                        nesterov=nesterov, apply=apply, tracked=tracked,
                         index_maps=tuple(index_maps or (None,) * n_leaves)),
       out_shape=tuple(out_shape),
       grid=(starts[-1],),
@@ -231,9 +239,9 @@ def update_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config, interpre
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
       interpret=interpret,
       name="fuseopt_adam_update_group",
-      cost_estimate=adam_cost(arrays, out_shape),
+      cost_estimate=adam_cost(arrays, out_shape, n=sum(sizes)),
   )(scalars, seeds, *arrays)
-  return [tuple(outs[3 * k:3 * (k + 1)]) for k in range(n_leaves)]
+  return [tuple(outs[n_out * k:n_out * (k + 1)]) for k in range(n_leaves)]
 
 
 # A jitted launch: equal static arguments and operand shapes give the same
