@@ -49,6 +49,23 @@ def split(x32) -> tuple[jax.Array, jax.Array]:
   return hi.astype(jnp.bfloat16), (bits & jnp.uint32(_LO_MASK)).astype(COMPANION_DTYPE)
 
 
+def split_once(x32) -> tuple[jax.Array, jax.Array]:
+  """:func:`split` for code that XLA fuses (not inside a kernel): the fp32
+  value's bits pass an ``optimization_barrier`` first.
+
+  Without it XLA may recompute ``x32`` in two fusions, one for each half,
+  and a compiler that contracts a multiply and an add into a fused
+  multiply-add in one and not the other (XLA's CPU and GPU backends do, per
+  fusion) gives the halves of two different values: where the two differ
+  across the 16-bit boundary, the joined master is off by a whole bf16 ulp.
+  The barrier makes the value once (one uint32 buffer of the leaf's size).
+  """
+  bits = jax.lax.optimization_barrier(
+      jax.lax.bitcast_convert_type(x32.astype(jnp.float32), jnp.uint32))
+  hi = jax.lax.bitcast_convert_type(bits & jnp.uint32(_HI_MASK), jnp.float32)
+  return hi.astype(jnp.bfloat16), (bits & jnp.uint32(_LO_MASK)).astype(COMPANION_DTYPE)
+
+
 def split_bits(x32) -> tuple[jax.Array, jax.Array]:
   """As :func:`split`, with the bf16 half still held as the fp32 value whose
   low bits are zero and the companion as uint32: for kernels that convert

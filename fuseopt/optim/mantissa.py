@@ -94,7 +94,7 @@ def master_of(x) -> jax.Array:
 def store(x32, like):
   """fp32 ``x32`` into the storage of ``like``: a new pair for a pair."""
   if is_tracked(like):
-    return Tracked(*bits.split(x32))
+    return Tracked(*bits.split_once(x32))
   return x32.astype(like.dtype)
 
 
@@ -147,7 +147,7 @@ def track_mantissa(tx, owner: str = "track_mantissa") -> fusion.FusedTransformat
     masters = _masters(params, state.companion)
     u, inner = tx.update(updates, state.inner_state, masters, **extra_args)
     new_masters = optax.apply_updates(masters, u)
-    split = jax.tree.map(bits.split, new_masters)
+    split = jax.tree.map(bits.split_once, new_masters)
     hi = jax.tree.map(lambda s: s[0], split, is_leaf=lambda x: isinstance(x, tuple))
     lo = jax.tree.map(lambda s: s[1], split, is_leaf=lambda x: isinstance(x, tuple))
     # p + (hi - p) in fp32 is hi (both are bf16 values), and apply_updates'

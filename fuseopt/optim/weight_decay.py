@@ -36,13 +36,13 @@ def check_cautious(owner: str, value) -> bool:
 def decay_term(u, p, weight_decay, cautious: bool):
   """``weight_decay * p``, or with ``cautious`` zero where ``u * p < 0``.
 
-  Written as a select on the product's sign so that the plain decay's bits
-  are unchanged and the cautious one adds a compare and a select, no pass.
+  The select is on the parameter, before the multiply, as in the Adam
+  kernels: the decay stays ``wd * p`` (which a compiler may fuse with the add
+  that follows), the cautious one adds a compare and a select, no pass.
   """
-  d = weight_decay * p
   if not cautious:
-    return d
-  return jnp.where(u * p < 0, jnp.zeros((), d.dtype), d)
+    return weight_decay * p
+  return weight_decay * jnp.where(u * p < 0, jnp.zeros((), p.dtype), p)
 
 
 def add_cautious_decayed_weights(

@@ -26,6 +26,23 @@ FACTORIES = {
 }
 
 
+# Muon's parameter pass is plain jnp that XLA fuses with the last
+# Newton-Schulz product; XLA's CPU backend contracts its multiply-adds into
+# fused multiply-adds per program, so the fp32 program and the mantissa one
+# (whose pass also joins and splits) may round a rare element differently.
+# The Adam kernels' pass is bitwise.
+JNP_PASS = ("muon", "normuon")
+
+
+def _assert_within_ulps(a, b, what):
+  """fp32 rounding apart, in rare elements (bf16 stochastic rounding would be
+  2^-8 relative in every element)."""
+  for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
+    x, y = np.asarray(x), np.asarray(y)
+    np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7, err_msg=f"{what} {path}")
+    assert np.mean(x != y) <= 0.05, (what, jax.tree_util.keystr(path), np.mean(x != y))
+
+
 def _tree(seed, scale=1.0):
   keys = jax.random.split(jax.random.key(seed), len(SHAPES))
   return {n: scale * jax.random.normal(k, s) for k, (n, s) in zip(keys, sorted(SHAPES.items()))}
@@ -53,7 +70,8 @@ def _assert_bitwise(a, b, what, rtol=0.0):
 def test_masters_follow_an_fp32_run_bit_for_bit(name, fused):
   """Same gradients, five steps: the joined masters equal the fp32 params of
   an fp32 run of the same optimizer, and the wrapped state equals its state.
-  In the fused step bit for bit (the same pass computes both); through
+  In the fused step bit for bit (the same pass computes both; Muon's jnp
+  pass to a few ulp in rare elements, see JNP_PASS); through
   ``update`` + ``apply_updates`` to fp32 rounding: the two programs differ
   around the parameter's add, and XLA's CPU backend may contract a multiply
   and an add into one fused multiply-add in one program and not the other."""
@@ -75,9 +93,14 @@ def test_masters_follow_an_fp32_run_bit_for_bit(name, fused):
     p16, s16 = step16(g, s16, p16)
     p32, s32 = step32(g, s32, p32)
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(p16))
-    rtol = 0.0 if fused else 1e-6
-    _assert_bitwise(fo.master_params(p16, s16), p32, f"{name} step {t} params", rtol)
-    _assert_bitwise(s16.inner_state, s32, f"{name} step {t} state", rtol)
+    masters = fo.master_params(p16, s16)
+    if fused and name in JNP_PASS:
+      _assert_within_ulps(masters, p32, f"{name} step {t} params")
+      _assert_bitwise(s16.inner_state, s32, f"{name} step {t} state")
+    else:
+      rtol = 0.0 if fused else 1e-6
+      _assert_bitwise(masters, p32, f"{name} step {t} params", rtol)
+      _assert_bitwise(s16.inner_state, s32, f"{name} step {t} state", rtol)
     # The visible half is the master truncated toward zero.
     for m, h in zip(jax.tree.leaves(p32), jax.tree.leaves(p16)):
       assert bool(jnp.all(jnp.abs(h.astype(jnp.float32)) <= jnp.abs(m)))

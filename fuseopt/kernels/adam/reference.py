@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from fuseopt.kernels import dispatch
+from fuseopt.kernels import mantissa
 from fuseopt.kernels import sharding as sharding_lib
 from fuseopt.kernels.adam.math import SEED_BASE, adam_math, load_param, split_param, store
 
@@ -39,7 +40,8 @@ def update(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, order_for_in_pl
   # The param stream's seed whether ``out`` is the parameter or the
   # direction, as the kernels do.
   if lo is not None:
-    out, new_lo = split_param(out)
+    # One fp32 master for both halves (mantissa.split_once).
+    out, new_lo = mantissa.split_once(out)
   else:
     out, new_lo = store(out, out_dtype, idx(), seeds[0]), None
   if order_for_in_place:
