@@ -224,7 +224,7 @@ def test_builder_muon_patterns():
 
 
 @pytest.mark.parametrize("fields, match", [
-    ({"optimizer": "adamw", "adam_learning_rate": 1e-3}, "adam_learning_rate: only for optimizer 'muon'"),
+    ({"optimizer": "adamw", "adam_learning_rate": 1e-3}, "adam_learning_rate: only for optimizers \\('muon'"),
     ({"optimizer": "muon", "adam_learning_rate": 1e-3, "adam_schedule": {"kind": "constant", "peak": 1e-3}},
      "give at most one"),
     ({"optimizer": "muon", "muon_patterns": ["*"], "muon_logical_axes": True}, "give at most one"),
