@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import layout as jax_layout
 
 from fuseopt import kernels
 from fuseopt.kernels import counter_hash
@@ -67,13 +68,16 @@ __all__ = ["MuonDimensionNumbers", "MatrixViews", "MuonState", "NorMuonState", "
 JORDAN_COEFFS = kernels.JORDAN
 # Most matrix elements per Newton-Schulz call (see scale_by_muon), by the
 # platform the step runs on. The fused step holds one call's working set.
-# GPU: 2^23 (8 Mi elements, 16 MiB of bf16 input: four 2048 x 2048 or one
-# 2048 x 8192 matrix a call) keeps the 1.2 B tree's hybrid step at 0.16 GiB
-# of temporaries on an H200 and 0.13 GiB a device on 8 (docs/fused_step.md).
-# TPU: 2^25: with smaller calls libtpu fuses the parameter update into the
-# last product of a one-matrix call, out of place (v6e: 0.97 -> 1.12 GiB).
-# Elsewhere (the CPU) 2^25 too.
-DEFAULT_NS_MAX_ELEMENTS = {"gpu": 1 << 23, "cuda": 1 << 23, "rocm": 1 << 23, "tpu": 1 << 25}
+# GPU and TPU: 2^23 (8 Mi elements, 16 MiB of bf16 input: two 2048 x 2048
+# matrices a call; a 2048 x 8192 matrix, larger, runs alone, one a device a
+# round when sharded). Temporaries of the 1.2 B tree's hybrid step
+# (docs/fused_step.md): H200 0.16 GiB, 8 x H200 0.13 GiB a device; v6e
+# 0.07 GiB, 8 x v5e 0.06 GiB a device. A TPU at 2^25 held 0.97 GiB on a
+# v6e and 0.71 GiB a device on 8 x v5e (two 2048 x 8192 matrices a device:
+# four fp32 products of the NS live at once); smaller calls on a TPU need
+# the new parameter's layout pinned (_MuonStep.in_leaf_layout).
+# Elsewhere (the CPU) 2^25.
+DEFAULT_NS_MAX_ELEMENTS = {"gpu": 1 << 23, "cuda": 1 << 23, "rocm": 1 << 23, "tpu": 1 << 23}
 DEFAULT_NS_MAX_ELEMENTS_ELSEWHERE = 1 << 25
 
 
@@ -411,8 +415,9 @@ class _MuonStep:
     self.ns_input_dtype = ns_input_dtype
     self.g_leaves, self.treedef = jax.tree.flatten(updates)
     # The most matrix elements one NS call takes, on this step's platform.
+    self.platform = kernels.current_platform(self.g_leaves)
     self.ns_budget = (config.ns_max_elements if config.ns_max_elements is not None else
-                      default_ns_max_elements(kernels.current_platform(self.g_leaves)))
+                      default_ns_max_elements(self.platform))
     self.paths = [jax.tree_util.keystr(p)
                   for p, _ in jax.tree_util.tree_flatten_with_path(updates)[0]]
     self.specs = _leaf_specs(config.weight_dimension_numbers, updates, self.treedef)
@@ -499,6 +504,24 @@ class _MuonStep:
     self.nu_new[i] = _store(v_leaf, self.nu_old[i].dtype, self.count_inc, i,
                             counter_hash.STREAM_NU)
     return scale
+
+  def in_leaf_layout(self, x):
+    """``x`` (a Muon leaf's update or new parameter) pinned to the leaf's
+    row-major layout on a TPU. Unpinned, libtpu lays out a tall matrix's
+    update as the NS's transposed result is laid out (column-major) when
+    the NS call holds that matrix alone: the fused step then copies the
+    parameter into that layout, updates it out of place and copies it back
+    into the donated output at the end of the step, so every such leaf's new
+    parameter stays live until then (the 1.2 B tree's sixteen down
+    projections, 64 MiB each: v6e 1.12 GiB at 2^23 elements a call, 70 MiB
+    pinned; ``update`` + ``apply_updates`` 3.12 GiB, 0.51 GiB pinned). A
+    layout changes no value; elsewhere nothing is pinned (the GPU programs
+    stay what they were)."""
+    if self.platform != "tpu":
+      return x
+    # (a mantissa-tracked parameter is a pair: both halves pinned)
+    return jax.tree.map(lambda t: jax_layout.with_layout_constraint(
+        t, jax_layout.Layout(tuple(range(jnp.ndim(t))))), x)
 
   def finish_distributed(self, i, h, y, red_out, a, placement=None):
     """Leaf ``i``'s update from the distributed NS result ``y`` (already in
@@ -656,10 +679,11 @@ def _unsequenced(step: _MuonStep, leaf_shardings):
     if s is None:
       out.append(h)
     elif i in distributed:
-      out.append(step.finish_distributed(i, h, results[(i, 0)], distributed[i][1], active[i],
-                                         distributed[i][0]))
+      out.append(step.in_leaf_layout(
+          step.finish_distributed(i, h, results[(i, 0)], distributed[i][1], active[i],
+                                  distributed[i][0])))
     else:
-      out.append(step.finish_grouped(i, plans[i], results, active[i]))
+      out.append(step.in_leaf_layout(step.finish_grouped(i, plans[i], results, active[i])))
   return out, mu_leaves
 
 
@@ -685,6 +709,10 @@ class _Sequencer:
     for i, p in zip(self.done, finished):
       self.new_p[i] = p
     return inputs
+
+  def finished(self, i, u, p):
+    """Leaf ``i``'s new parameter (``finish``), in the leaf's layout."""
+    return self.step.in_leaf_layout(self.finish(i, u, p))
 
 
 def _sequenced(step: _MuonStep, p_leaves, leaf_shardings, grad_fn, finish):
@@ -727,7 +755,7 @@ def _sequenced_distributed(seq: _Sequencer, distributed):
     for i, y in zip(leaves, ys):
       stored, h, a, p = started[i]
       seq.mu_leaves[i] = stored
-      seq.new_p[i] = seq.finish(
+      seq.new_p[i] = seq.finished(
           i, step.finish_distributed(i, h, y, distributed[i][1], a, distributed[i][0]), p)
     seq.done = leaves
 
@@ -797,7 +825,7 @@ def _sequenced_grouped(seq: _Sequencer, distributed):
     seq.done = []
     for i in sorted({members[k][0] for k, _, _ in call if last[members[k][0]] == st}):
       results = {(i, j): _concat(ps) for (ii, j), ps in parts.items() if ii == i}
-      seq.new_p[i] = seq.finish(i, step.finish_grouped(i, plans[i], results, active[i]), held[i])
+      seq.new_p[i] = seq.finished(i, step.finish_grouped(i, plans[i], results, active[i]), held[i])
       seq.done.append(i)
 
 
@@ -858,10 +886,11 @@ def scale_by_muon(
       that no token reached) keeps its momentum and gets a zero update.
     ns_max_elements: the most matrix elements one NS call takes (``None``:
       the platform's default, :func:`default_ns_max_elements`: 2^23 = 16 MiB
-      of bf16 input on a GPU, one of the 1.2 B Llama tree's 2048x8192
-      matrices; 2^25 on a TPU and the CPU). Same-shaped matrices beyond it go into
-      several calls, each still batched (never one lone matrix of a larger
-      family), so XLA can free one call's temporaries before the next; in
+      of bf16 input on a GPU or a TPU, two of the 1.2 B Llama tree's
+      2048x2048 matrices a call, its 2048x8192 ones alone; 2^25 on the
+      CPU). Same-shaped matrices beyond it go into several calls, each
+      still batched (never one lone matrix of a larger family), so XLA
+      can free one call's temporaries before the next; in
       :func:`fuseopt.optim.step` the calls run one after the other, each with
       its own momentum pass and parameter update, so the step's temporary
       memory is one call's working set. A Python int: under
@@ -873,11 +902,11 @@ def scale_by_muon(
       (default: XLA's GEMM with a fused add) or ``"pallas"`` (the update
       kernel, ``a·X`` in its epilogue, bf16 out only). On a GPU ``"pallas"``
       needs less memory: XLA's GEMM holds fp32 products and an fp32 copy of
-      X per call (the 1.2 B tree's hybrid step on an H200: 0.25 GiB of
-      temporaries against 0.52 GiB; 8 H200s: 0.19 against 0.50 GiB a
-      device); on a TPU v6e it needs more (1.25 against 0.97 GiB). It
-      accumulates in its own order, so results on hardware differ from the
-      default's by bf16 rounding. No effect on the CPU.
+      X per call (at 2^25 elements a call, the 1.2 B tree's hybrid step on
+      an H200: 0.25 GiB of temporaries against 0.52 GiB; 8 H200s: 0.19
+      against 0.50 GiB a device); on a TPU v6e it needs more (1.25 against
+      0.97 GiB). It accumulates in its own order, so results on hardware
+      differ from the default's by bf16 rounding. No effect on the CPU.
 
   Dtypes: float32 and bfloat16 matrices (frobenius preconditioning) go
   through the kernel; float16, float64 (x64) and complex matrices, and
