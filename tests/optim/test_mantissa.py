@@ -26,11 +26,13 @@ FACTORIES = {
 }
 
 
-# Muon's parameter pass is plain jnp that XLA fuses with the last
-# Newton-Schulz product; XLA's CPU backend contracts its multiply-adds into
-# fused multiply-adds per program, so the fp32 program and the mantissa one
-# (whose pass also joins and splits) may round a rare element differently.
-# The Adam kernels' pass is bitwise.
+# Muon's parameter pass is plain jnp; XLA's CPU backend contracts its
+# multiply-adds into fused multiply-adds per fusion, and where two products
+# meet in one add (width factor * O + wd * p, a factor other than 1: the
+# "stack" leaf here) the fp32 program and the mantissa one (whose pass also
+# joins and splits) may contract a different one, rounding a rare element
+# differently. The Adam kernels' pass is bitwise, and so are Muon matrices
+# whose width factor is 1 (the "w" leaf).
 JNP_PASS = ("muon", "normuon")
 
 
@@ -96,6 +98,7 @@ def test_masters_follow_an_fp32_run_bit_for_bit(name, fused):
     masters = fo.master_params(p16, s16)
     if fused and name in JNP_PASS:
       _assert_within_ulps(masters, p32, f"{name} step {t} params")
+      _assert_bitwise(masters["w"], p32["w"], f"{name} step {t} params")
       _assert_bitwise(s16.inner_state, s32, f"{name} step {t} state")
     else:
       rtol = 0.0 if fused else 1e-6
