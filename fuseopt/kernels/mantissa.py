@@ -34,19 +34,25 @@ def join(hi, lo) -> jax.Array:
   ``hi`` widened to fp32 is exact (its bits become the top 16 of the fp32
   word), so OR-ing ``lo`` into the low 16 bits restores the master.
   """
-  hi_bits = jax.lax.bitcast_convert_type(hi.astype(jnp.float32), jnp.uint32)
-  return jax.lax.bitcast_convert_type(hi_bits | lo.astype(jnp.uint32), jnp.float32)
+  return jax.lax.bitcast_convert_type(_bits(hi) | lo.astype(jnp.uint32), jnp.float32)
+
+
+def _bits(x32) -> jax.Array:
+  return jax.lax.bitcast_convert_type(x32.astype(jnp.float32), jnp.uint32)
+
+
+def _halves(bits) -> tuple[jax.Array, jax.Array]:
+  # The high word as an fp32 whose low bits are zero is a bf16 value, so the
+  # conversion to bf16 is exact (no rounding happens).
+  hi = jax.lax.bitcast_convert_type(bits & jnp.uint32(_HI_MASK), jnp.float32)
+  return hi.astype(jnp.bfloat16), (bits & jnp.uint32(_LO_MASK)).astype(COMPANION_DTYPE)
 
 
 def split(x32) -> tuple[jax.Array, jax.Array]:
   """``x32`` (fp32) as ``(hi, lo)``: its truncation to bf16 and the uint16
   of its low 16 bits. ``join(*split(x))`` is ``x`` bit for bit (NaN and
   Inf included: their payload's top bits stay in ``hi``)."""
-  bits = jax.lax.bitcast_convert_type(x32.astype(jnp.float32), jnp.uint32)
-  # The high word as an fp32 whose low bits are zero is a bf16 value, so the
-  # conversion to bf16 is exact (no rounding happens).
-  hi = jax.lax.bitcast_convert_type(bits & jnp.uint32(_HI_MASK), jnp.float32)
-  return hi.astype(jnp.bfloat16), (bits & jnp.uint32(_LO_MASK)).astype(COMPANION_DTYPE)
+  return _halves(_bits(x32))
 
 
 def split_once(x32) -> tuple[jax.Array, jax.Array]:
@@ -60,22 +66,4 @@ def split_once(x32) -> tuple[jax.Array, jax.Array]:
   across the 16-bit boundary, the joined master is off by a whole bf16 ulp.
   The barrier makes the value once (one uint32 buffer of the leaf's size).
   """
-  bits = jax.lax.optimization_barrier(
-      jax.lax.bitcast_convert_type(x32.astype(jnp.float32), jnp.uint32))
-  hi = jax.lax.bitcast_convert_type(bits & jnp.uint32(_HI_MASK), jnp.float32)
-  return hi.astype(jnp.bfloat16), (bits & jnp.uint32(_LO_MASK)).astype(COMPANION_DTYPE)
-
-
-def split_bits(x32) -> tuple[jax.Array, jax.Array]:
-  """As :func:`split`, with the bf16 half still held as the fp32 value whose
-  low bits are zero and the companion as uint32: for kernels that convert
-  when they store."""
-  bits = jax.lax.bitcast_convert_type(x32.astype(jnp.float32), jnp.uint32)
-  hi = jax.lax.bitcast_convert_type(bits & jnp.uint32(_HI_MASK), jnp.float32)
-  return hi, bits & jnp.uint32(_LO_MASK)
-
-
-def companion_of(x32) -> jax.Array:
-  """The uint16 companion of fp32 values (their low 16 bits): the state a
-  mantissa-tracked parameter starts from when its fp32 master is known."""
-  return split(x32)[1]
+  return _halves(jax.lax.optimization_barrier(_bits(x32)))

@@ -295,11 +295,12 @@ def _type_spec(x):
 
 def to_spec(x, placement: Placement):
   """``x`` resharded to ``placement`` when its type says otherwise (Explicit
-  axes: shard_map takes only operands whose type matches its in_specs)."""
+  axes: shard_map takes only operands whose type matches its in_specs). The
+  target names its mesh, so no mesh context (``jax.set_mesh``) is needed."""
   spec = _type_spec(x)
   if spec is None or spec == placement.spec:
     return x
-  return jax.sharding.reshard(x, placement.spec)
+  return jax.sharding.reshard(x, jax.sharding.NamedSharding(placement.mesh, placement.spec))
 
 
 def like(y, x):

@@ -253,6 +253,7 @@ def _in_place(hp: AdamHyperparams, decay_at: Optional[int], lr_at: int):
       lr = lr(_schedule_count(state[lr_at]))
     p_leaves, treedef = jax.tree.flatten(params, is_leaf=mantissa.is_tracked)
     p_leaves, lo_leaves = mantissa.halves(p_leaves)
+    visible = mantissa.visible(params)   # the bf16 halves of mantissa-tracked leaves
     n = len(p_leaves)
     if decay_at is None:
       wds = [0.0] * n
@@ -261,7 +262,7 @@ def _in_place(hp: AdamHyperparams, decay_at: Optional[int], lr_at: int):
       if callable(wd):
         wd = wd(_schedule_count(state[decay_at]))
       skip = isinstance(wd, (int, float)) and wd == 0.0
-      wds = [wd if (m and not skip) else 0.0 for m in fusion.per_leaf_mask(hp.mask, mantissa.visible(params))]
+      wds = [wd if (m and not skip) else 0.0 for m in fusion.per_leaf_mask(hp.mask, visible)]
     g_leaves = treedef.flatten_up_to(grads)
     mu_leaves = treedef.flatten_up_to(adam_state.mu)
     nu_leaves = treedef.flatten_up_to(adam_state.nu)
@@ -283,7 +284,7 @@ def _in_place(hp: AdamHyperparams, decay_at: Optional[int], lr_at: int):
         group=ctx.group, grad_scale=1.0 if ctx.grad_scale is None else ctx.grad_scale,
         apply=True if ctx.apply is None else ctx.apply,
         shardings=kernel_sharding.flatten_shardings(
-            hp.shardings if ctx.shardings is None else ctx.shardings, mantissa.visible(params),
+            hp.shardings if ctx.shardings is None else ctx.shardings, visible,
             owner=name if ctx.shardings is None else "step", strict=True),
         **variants)
     new_p, mu, nu = outs[:3]

@@ -495,7 +495,7 @@ class _MuonStep:
       whole = kernel_sharding.Placement(placement.mesh, jax.sharding.PartitionSpec(None, None))
       fn = kernel_sharding.shard_local(fn, placement.mesh, (whole.spec, whole.spec),
                                        (whole.spec, whole.spec))
-      colsum, v_old = (_replicated(x, whole) for x in (colsum, v_old))
+      colsum, v_old = (kernel_sharding.to_spec(x, whole) for x in (colsum, v_old))
     scale, v_new = fn(colsum, v_old)
     if a is not None:   # a frozen matrix keeps its second moment too
       kept = jnp.broadcast_to(a, tuple(1 if ax in red else d for ax, d in enumerate(shape)))
@@ -552,16 +552,6 @@ class _MuonStep:
     else:
       ys = [results[(i, j)].astype(dtype) for j in range(len(pieces))]
     return self.assemble(pieces, merge, ys, [y.shape[1:] for y in ys], a)
-
-
-def _replicated(x, whole: kernel_sharding.Placement):
-  """``x`` replicated on ``whole``'s mesh where its type says otherwise
-  (Explicit axes; an Auto mesh is replicated by the shard_map's in_specs)."""
-  sh = getattr(jax.typeof(x), "sharding", None)
-  mesh = getattr(sh, "mesh", None)
-  if mesh is None or not mesh.shape or jax.sharding.AxisType.Explicit not in mesh.axis_types:
-    return x
-  return jax.sharding.reshard(x, jax.sharding.NamedSharding(whole.mesh, whole.spec))
 
 
 def _with_column_sums(ns, on: bool):

@@ -100,14 +100,6 @@ def load_param(p, lo):
   return p.astype(jnp.float32) if lo is None else mantissa.join(p, lo)
 
 
-def split_param(x32):
-  """A new fp32 master as ``(bf16 half, uint16 companion)``: truncation,
-  not rounding (the pair is the master bit for bit). The bf16 conversion of
-  a value whose low 16 bits are zero is exact, so no backend rounds it."""
-  hi, lo = mantissa.split_bits(x32)
-  return hi.astype(jnp.bfloat16), lo.astype(COMPANION_DTYPE)
-
-
 def store(x32, dtype, index, seed):
   """fp32 → ``dtype``; bf16 with the counter-hash stochastic rounding."""
   if dtype == jnp.bfloat16:
@@ -139,7 +131,7 @@ def store_outputs(out_refs, out, mu_new, nu_new, index, seed, *, tracked=False):
   written split (no rounding), bf16 moments rounded stochastically."""
   o_ref, mu_out, nu_out = out_refs[:3]
   if tracked:
-    o_ref[...], out_refs[3][...] = split_param(out)
+    o_ref[...], out_refs[3][...] = mantissa.split(out)
   else:
     o_ref[...] = store(out, o_ref.dtype, index, seed(0))
   mu_out[...] = store(mu_new, mu_out.dtype, index, seed(1))

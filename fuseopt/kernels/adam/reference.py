@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from fuseopt.kernels import dispatch
 from fuseopt.kernels import mantissa
 from fuseopt.kernels import sharding as sharding_lib
-from fuseopt.kernels.adam.math import SEED_BASE, adam_math, load_param, split_param, store
+from fuseopt.kernels.adam.math import SEED_BASE, adam_math, load_param, store
 
 # The reference runs every call.
 supports = dispatch.supports_every_call
