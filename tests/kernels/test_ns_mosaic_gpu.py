@@ -55,6 +55,7 @@ def test_sym_every_config(request, config):
   kw = dict(alpha=0.5, beta=-2.0, gamma=3.0)
   got = gram.sym(r, implementation=MGPU, interpret=_interp(), config=config, **kw)
   _assert_tile_close(got, gram.sym_reference(r, **kw), f"z {config}")
+  harness.assert_bitwise_equal(got, jnp.swapaxes(got, 1, 2), "the mirror is the transpose (z)")
 
 
 @pytest.mark.parametrize("config", gemm_mg.SEARCH_SPACE, ids=str)

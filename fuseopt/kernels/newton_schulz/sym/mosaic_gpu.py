@@ -9,7 +9,8 @@ an fp32 register accumulator of one warpgroup; the epilogue (alpha scaling,
 the ``beta·X`` tile fetched by TMA while the K loop runs, ``gamma`` on the
 diagonal) runs in fp32 registers, the tile is rounded once and written twice
 through shared memory: to (i, j) and, stored into a transposed view, to
-(j, i). The coefficients are runtime scalars (one compiled kernel per shape
+(j, i); a diagonal tile takes its lower half from that transposed view, so
+the output is exactly symmetric. The coefficients are runtime scalars (one compiled kernel per shape
 serves every NS step). bf16 or f16 only; the tile layout and the sm_90 rule
 are :mod:`..mosaic_gpu_common`'s.
 
@@ -126,6 +127,18 @@ def _kernel(coef_ref, pairs_ref, x_gmem, o_gmem, e_smem, t_smem, bar, *, m, bm, 
     e_smem[...] = tile
     t_smem.T[...] = tile   # the mirror tile, through a transposed view
     plgpu.commit_smem()
+
+    @pl.when(i == j)
+    def _():
+      # A diagonal tile is mirrored within itself: its strictly lower half is
+      # its upper half transposed. The MMA gives (r, c) and (c, r) in
+      # different accumulation orders, so without this the two may differ by
+      # one rounding and the output would not be exactly symmetric.
+      r = plgpu.broadcasted_iota(jnp.int32, (bm, bm), 0, layout=plgpu.Layout.WGMMA)
+      c = plgpu.broadcasted_iota(jnp.int32, (bm, bm), 1, layout=plgpu.Layout.WGMMA)
+      mirrored = plgpu.load(t_smem, layout=plgpu.Layout.WGMMA)
+      e_smem[...] = jnp.where(r > c, mirrored, tile)
+      plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(e_smem, o_gmem.at[rows_i, pl.ds(j * bm, bm)])
 
     @pl.when(i != j)

@@ -3,7 +3,8 @@
 Grid (batch, pairs, K) driven by scalar-prefetched lists of tile rows and
 columns (``PrefetchScalarGridSpec``), fp32 VMEM accumulator; on the last K
 step the tile and its transpose are DMA'd to the output (left in HBM,
-``memory_space=ANY``) because a BlockSpec can write only one block per step.
+``memory_space=ANY``) because a BlockSpec can write only one block per step;
+a diagonal tile is mirrored within itself (exactly symmetric).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from fuseopt.kernels import pallas_common
-from fuseopt.kernels.newton_schulz.sym.shared import F32, NT, epilogue, precision, round_up, sym_cost
+from fuseopt.kernels.newton_schulz.sym.shared import (F32, NT, epilogue, mirror_diagonal, precision,
+                                                      round_up, sym_cost)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,15 +73,16 @@ def _kernel(rows_ref, cols_ref, coef_ref, xi_ref, xj_ref, *rest, nk, bm, terms):
     coef = (coef_ref[0], coef_ref[1], coef_ref[2])
     acc = epilogue(acc_ref[...], xs_ref[...] if terms[1] else None, i, j, coef,
                     terms=terms, bm=bm)
-    buf_ref[0] = acc.astype(buf_ref.dtype)
+    # Transpose in fp32 (the layout Mosaic transposes everywhere), round after.
+    acc_t = acc.T
+    buf_ref[0] = mirror_diagonal(acc, acc_t, i, j, bm=bm).astype(buf_ref.dtype)
     upper = pltpu.make_async_copy(
         buf_ref.at[0], o_hbm.at[b, pl.ds(i * bm, bm), pl.ds(j * bm, bm)], sem.at[0])
     upper.start()
 
     @pl.when(i != j)
     def _():
-      # Transpose in fp32 (the layout Mosaic transposes everywhere), round after.
-      buf_ref[1] = acc.T.astype(buf_ref.dtype)
+      buf_ref[1] = acc_t.astype(buf_ref.dtype)
       lower = pltpu.make_async_copy(
           buf_ref.at[1], o_hbm.at[b, pl.ds(j * bm, bm), pl.ds(i * bm, bm)], sem.at[1])
       lower.start()

@@ -46,6 +46,17 @@ def epilogue(acc, xs, i, j, coef, *, terms, bm):
   return acc
 
 
+def mirror_diagonal(acc, acc_t, i, j, *, bm):
+  """A diagonal tile (i == j) mirrored within itself: the strictly lower half
+  taken from ``acc_t`` (the tile transposed). The MMA computes (r, c) and
+  (c, r) in different accumulation orders, so without this a diagonal tile
+  may differ from its transpose by one rounding; with it the whole output is
+  exactly symmetric (the off-diagonal tiles are written with their mirror)."""
+  r = jax.lax.broadcasted_iota(jnp.int32, (bm, bm), 0)
+  c = jax.lax.broadcasted_iota(jnp.int32, (bm, bm), 1)
+  return jnp.where((r > c) & (i == j), acc_t, acc)
+
+
 def sym_cost(x, out_dtype, bm, terms):
   """What the symmetric kernels execute: the upper-triangle tile pairs only
   (``num_pairs(m/bm)`` tiles of bm² outputs, 2k FLOPs each) and 1-3
