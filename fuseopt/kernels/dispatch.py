@@ -288,15 +288,17 @@ def select(op: str, implementation: str | None, arrays: Iterable[Any] = (), *,
   docstring). ``facts`` are what the backends' ``supports`` read."""
   arrays = tuple(arrays)
   call = Call(op, target_device(arrays), bool(interpret), facts)
-  named = implementation
+  named, source = implementation, ""
   if named is None:
     override = environment_overrides().implementation_for(op)
-    named = None if override is None else override[1]
+    if override is not None:
+      # Say where the name came from: nothing in the call names it.
+      named, source = override[1], f" (set by the environment variable {override[0]})"
   if named is not None:
     name = resolve_implementation(op, implementation, arrays)
     reason = backend_module(op, name).supports(call)
     if reason is not None:
-      raise ValueError(f"{op}: implementation={name!r} cannot run this call: {reason}")
+      raise ValueError(f"{op}: implementation={name!r}{source} cannot run this call: {reason}")
     return name
   order = [n for n in PLATFORM_ORDER.get(call.target.platform, ("xla",)) if n in BACKENDS[op]]
   for name in order:

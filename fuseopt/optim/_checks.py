@@ -13,6 +13,10 @@ from __future__ import annotations
 import math
 import operator
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from fuseopt.kernels._validate import concrete_float
 
 
@@ -54,40 +58,82 @@ def static_value(value):
   return value.value if isinstance(value, StaticDefault) else value
 
 
-def _value(value):
-  """The concrete float to check, or None (a schedule, a traced value, ...)."""
-  if callable(value):
+def number(owner: str, name: str, value, *, schedule: bool = False,
+           optional: bool = False) -> float | None:
+  """The concrete float to check in ``value``, or None when there is nothing
+  to check (a traced value; a schedule where ``schedule``; None where
+  ``optional``).
+
+  Raises a ``TypeError`` naming the argument for anything that is not a
+  real scalar: a bool (``b2=True`` would be taken as 1), a string
+  (``b2='0.5'`` used to fail at the first update, without the name), an
+  array that is not a scalar, a callable where no schedule is taken.
+  """
+  if isinstance(value, jax.core.Tracer):
     return None
-  return concrete_float(value)
+  if value is None and optional:
+    return None
+  what = "a number" + (" or a schedule" if schedule else "") + (" or None" if optional else "")
+  if callable(value):
+    if schedule:
+      return None
+    raise TypeError(f"{owner}: {name} must be {what}, got the callable {value!r}")
+  if isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{owner}: {name} must be {what}, got the bool {value!r}")
+  v = concrete_float(value)
+  if v is None:
+    raise TypeError(f"{owner}: {name} must be {what}, got {value!r}")
+  return v
 
 
-def check_rate(owner: str, name: str, value) -> None:
+def check_rate(owner: str, name: str, value, *, optional: bool = False) -> None:
   """A learning rate or weight decay: a finite number >= 0, or a schedule."""
-  v = _value(value)
+  v = number(owner, name, value, schedule=True, optional=optional)
   if v is not None and (not math.isfinite(v) or v < 0):
     raise ValueError(f"{owner}: {name} must be a finite number >= 0 or a schedule, got {value!r}")
 
 
 def check_decay(owner: str, name: str, value) -> None:
   """A moment decay (b1, b2, beta): in [0, 1)."""
-  v = _value(value)
+  v = number(owner, name, value)
   if v is not None and not 0.0 <= v < 1.0:
     raise ValueError(f"{owner}: {name} must be in [0, 1), got {value!r}")
 
 
 def check_nonnegative(owner: str, name: str, value) -> None:
   """An epsilon: a finite number >= 0."""
-  v = _value(value)
+  v = number(owner, name, value)
   if v is not None and not (math.isfinite(v) and v >= 0.0):
     raise ValueError(f"{owner}: {name} must be >= 0 and finite, got {value!r}")
+
+
+def check_positive(owner: str, name: str, value, *, optional: bool = False) -> None:
+  """A scale such as Muon's ``consistent_rms``: a finite number > 0 (a
+  negative one flips the update's sign, zero makes it vanish)."""
+  v = number(owner, name, value, optional=optional)
+  if v is not None and not (math.isfinite(v) and v > 0.0):
+    raise ValueError(f"{owner}: {name} must be a finite number > 0, got {value!r}")
+
+
+def check_dtype(owner: str, name: str, value, allowed, *, optional: bool = True):
+  """``value`` as a dtype among ``allowed`` (a dtype, its name or its
+  scalar type), or None where ``optional``."""
+  if value is None and optional:
+    return None
+  names = ", ".join(jnp.dtype(d).name for d in allowed) + (" or None" if optional else "")
+  try:
+    dtype = jnp.dtype(value)
+  except TypeError:
+    raise TypeError(f"{owner}: {name} must be a dtype ({names}), got {value!r}") from None
+  if dtype not in tuple(jnp.dtype(d) for d in allowed):
+    raise ValueError(f"{owner}: {name} must be {names}, got {dtype}")
+  return dtype
 
 
 def check_state(owner: str, tx, state, params) -> None:
   """Raises a ``ValueError`` naming the first difference between ``state``
   and what ``tx.init(params)`` builds (its tree structure, then each leaf's
   shape and dtype). Costs one abstract trace of ``tx.init``, no computation."""
-  import jax
-
   try:
     expected = jax.eval_shape(tx.init, params)
   except Exception:  # noqa: BLE001 - init cannot be traced here (e.g. a traced mask):

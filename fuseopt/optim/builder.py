@@ -163,7 +163,8 @@ def _normuon(config, rate, weight_decay, adam_rate=None):
 
 
 def _muonclip(config, rate, weight_decay, adam_rate=None):
-  return qk_clip.muonclip(rate, tau=config.qk_clip_tau, **_muon_kwargs(config, weight_decay, adam_rate))
+  tau = 100.0 if config.qk_clip_tau is None else config.qk_clip_tau
+  return qk_clip.muonclip(rate, tau=tau, **_muon_kwargs(config, weight_decay, adam_rate))
 
 
 # name -> (config, rate, weight_decay) -> GradientTransformation

@@ -72,6 +72,17 @@ def _suggest(name: str, options: Sequence[str]) -> str:
   return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def _kwarg_hint(optimizer: str, reserved) -> str:
+  """Where a reserved ``optimizer_kwargs`` key of a Muon optimizer belongs:
+  its ``b1``/``b2`` fields are the AdamW side's."""
+  if optimizer == "normuon" and "b2" in reserved:
+    return (" (b1, b2 and eps are the AdamW side's; NorMuon's per-neuron decay is "
+            "OptimConfig.normuon_b2)")
+  if optimizer in MUON_OPTIMIZERS and {"b1", "b2"} & set(reserved):
+    return " (b1 and b2 are the AdamW side's; Muon's momentum is optimizer_kwargs['beta'])"
+  return ""
+
+
 def _is_number(x) -> bool:
   return not isinstance(x, bool) and isinstance(x, (int, float))
 
@@ -109,7 +120,9 @@ class OptimConfig:
       too (``("*lora_*",)`` trains only LoRA adapters). Patterns match the
       whole ``'/'``-joined path (``*`` crosses ``'/'``); one that matches no
       parameter raises when the solver first sees the parameters.
-    qk_clip_tau: MuonClip's logit threshold (``muonclip`` only).
+    qk_clip_tau: MuonClip's logit threshold, > 0 (``muonclip`` only, where
+      None means 100; set with another optimizer it raises, as it would do
+      nothing).
     normuon_b2: NorMuon's per-neuron second-moment decay, in [0, 1)
       (``normuon`` only; None: 0.95). ``b1``/``b2`` are the AdamW side's.
     cautious_weight_decay: decay only where the update and the parameter
@@ -156,7 +169,7 @@ class OptimConfig:
   on_max_skips: str = "raise"
   frozen: tuple[str, ...] = ()
   trainable: tuple[str, ...] | None = None
-  qk_clip_tau: float = 100.0
+  qk_clip_tau: float | None = None
   normuon_b2: float | None = None
   cautious_weight_decay: bool = False
   bf16_params: str = "stochastic"
@@ -191,9 +204,14 @@ class OptimConfig:
         raise ValueError(f"OptimConfig.{name} must be {what}, got {v!r}")
       set_(name, float(v))
     v = self.qk_clip_tau
-    if not _is_number(v) or not v > 0:
-      raise ValueError(f"OptimConfig.qk_clip_tau must be a number > 0 (inf: never clip), got {v!r}")
-    set_("qk_clip_tau", float(v))
+    if v is not None:
+      if not _is_number(v) or not v > 0:
+        raise ValueError(f"OptimConfig.qk_clip_tau must be a number > 0 (inf: never clip) or None, "
+                         f"got {v!r}")
+      if self.optimizer != "muonclip":
+        raise ValueError(f"OptimConfig.qk_clip_tau: only for optimizer 'muonclip', got optimizer "
+                         f"{self.optimizer!r}")
+      set_("qk_clip_tau", float(v))
     v = self.normuon_b2
     if v is not None:
       if self.optimizer != "normuon":
@@ -259,7 +277,8 @@ class OptimConfig:
     reserved = {"learning_rate", "weight_decay", "b1", "b2", "eps", "mu_dtype", "moment_dtype",
                 "cautious_weight_decay", "bf16_params"} & set(self.optimizer_kwargs)
     if reserved:
-      raise ValueError(f"OptimConfig.optimizer_kwargs: {sorted(reserved)} are OptimConfig fields; set them there")
+      raise ValueError(f"OptimConfig.optimizer_kwargs: {sorted(reserved)} are OptimConfig fields; "
+                       f"set them there" + _kwarg_hint(self.optimizer, reserved))
     set_("optimizer_kwargs", dict(self.optimizer_kwargs))
     self._check_muon_fields(set_)
 

@@ -72,14 +72,9 @@ class FusedAdamTransformation(fusion.FusedTransformation):
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
-def _canon_dtype(dtype, name):
+def _canon_dtype(dtype, name, owner="scale_by_adam"):
   """``moment_dtype``: float32, bfloat16 or None (a dtype, its name or its type)."""
-  if dtype is None:
-    return None
-  dtype = jnp.dtype(dtype)
-  if dtype not in KERNEL_DTYPES:
-    raise ValueError(f"{name} must be float32, bfloat16 or None, got {dtype}")
-  return dtype
+  return _checks.check_dtype(owner, name, dtype, KERNEL_DTYPES)
 
 
 def _optax_dtype(dtype):
@@ -331,6 +326,8 @@ def adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9
       bfloat16).
   """
   _checks.check_rate("adam", "learning_rate", learning_rate)
+  _check_hyper(b1, b2, eps, eps_root, "adam")
+  _canon_dtype(moment_dtype, "moment_dtype", "adam")
   mantissa.check_mode("adam", bf16_params)
   chain = optax.chain(
       scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov,
@@ -374,6 +371,8 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
   """
   _checks.check_rate("adamw", "learning_rate", learning_rate)
   _checks.check_rate("adamw", "weight_decay", weight_decay)
+  _check_hyper(b1, b2, eps, eps_root, "adamw")
+  _canon_dtype(moment_dtype, "moment_dtype", "adamw")
   cautious = weight_decay_lib.check_cautious("adamw", cautious_weight_decay)
   mantissa.check_mode("adamw", bf16_params)
   decay = (weight_decay_lib.add_cautious_decayed_weights if cautious else

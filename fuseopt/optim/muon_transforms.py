@@ -961,6 +961,8 @@ def _scale_by_muon(
   # ns_steps=2.5 would be truncated to 2 by int().
   _checks.check_decay("scale_by_muon", "beta", beta)
   _checks.check_nonnegative("scale_by_muon", "eps", eps)
+  # A negative consistent_rms flips the update's sign; NaN/inf make it non-finite.
+  _checks.check_positive("scale_by_muon", "consistent_rms", consistent_rms, optional=True)
   ns_steps = _checks.static_value(ns_steps)
   if isinstance(ns_steps, jax.core.Tracer):
     # The step count sizes the kernel's unrolled iteration and its
@@ -1249,12 +1251,15 @@ def _muon(
     owner: str = "muon",
 ) -> optax.GradientTransformation:
   """:func:`muon`, or :func:`normuon` with ``normuon`` = NorMuon's (b2, eps, v dtype)."""
-  for name, rate in (("learning_rate", learning_rate), ("adam_learning_rate", adam_learning_rate),
-                     ("weight_decay", weight_decay), ("adam_weight_decay", adam_weight_decay)):
+  for name, rate in (("learning_rate", learning_rate), ("weight_decay", weight_decay),
+                     ("adam_weight_decay", adam_weight_decay)):
     _checks.check_rate(owner, name, rate)
+  _checks.check_rate(owner, "adam_learning_rate", adam_learning_rate, optional=True)
   for name, decay in (("beta", beta), ("adam_b1", adam_b1), ("adam_b2", adam_b2)):
     _checks.check_decay(owner, name, decay)
   _checks.check_nonnegative(owner, "eps", eps)
+  _checks.check_nonnegative(owner, "adam_eps_root", adam_eps_root)
+  _checks.check_positive(owner, "consistent_rms", consistent_rms, optional=True)
   cautious = weight_decay_lib.check_cautious(owner, cautious_weight_decay)
   mantissa.check_mode(owner, bf16_params)
   if adam_learning_rate is None:

@@ -31,12 +31,11 @@ _NS_STEPS = muon_transforms._NS_STEPS
 
 
 def _normuon_args(owner, b2, normuon_eps, nu_dtype):
+  """NorMuon's (b2, eps, v dtype), checked: a bool ``b2=True`` would be 1
+  (NorMuon silently off), a string would fail at the first update."""
   _checks.check_decay(owner, "b2", b2)
   _checks.check_nonnegative(owner, "normuon_eps", normuon_eps)
-  if nu_dtype is not None:
-    nu_dtype = jnp.dtype(nu_dtype)
-    if nu_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-      raise ValueError(f"{owner}: nu_dtype must be float32, bfloat16 or None, got {nu_dtype}")
+  nu_dtype = _checks.check_dtype(owner, "nu_dtype", nu_dtype, (jnp.float32, jnp.bfloat16))
   return (b2, normuon_eps, nu_dtype)
 
 

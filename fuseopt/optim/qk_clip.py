@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fuseopt.optim import _checks
 from fuseopt.optim import groups as groups_lib
 from fuseopt.optim import fusion
 from fuseopt.optim import muon_transforms
@@ -310,10 +311,8 @@ def scale_by_qk_clip(
       raise TypeError(f"scale_by_qk_clip: tau must be a positive number, got {tau!r}")
     tau_value = tau
   else:
-    try:
-      tau_value = float(tau)
-    except (TypeError, ValueError):
-      raise TypeError(f"scale_by_qk_clip: tau must be a positive number, got {tau!r}") from None
+    # A string or a bool is refused by name (float('5') would take the string).
+    tau_value = _checks.number("scale_by_qk_clip", "tau", tau)
     if not tau_value > 0:
       raise ValueError(f"scale_by_qk_clip: tau must be > 0, got {tau!r}")
   roles = _resolve_roles(projections)
@@ -389,7 +388,7 @@ def muonclip(learning_rate, *, tau: float = 100.0,
     raise ValueError("muonclip: bf16_params must be 'stochastic' (QK-Clip rescales the parameters "
                      f"after the update, outside a mantissa companion), got "
                      f"{muon_kwargs['bf16_params']!r}")
-  return fusion.chain(muon_transforms.muon(learning_rate, **muon_kwargs), clip)
+  return fusion.chain(muon_transforms._muon(learning_rate, owner="muonclip", **muon_kwargs), clip)
 
 
 def _muonclip_signature(muon) -> inspect.Signature:

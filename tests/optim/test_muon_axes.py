@@ -311,3 +311,36 @@ def test_callable_form_in_optax_muon():
   u_tree = _run(as_tree, params, [params])[0]
   u_fn = _run(as_fn, params, [params])[0]
   jax.tree.map(np.testing.assert_array_equal, u_fn, u_tree)
+
+
+# ------------------------------------------- PyTorch's (out, in) layout ----
+TORCH = optim.MuonDimensionNumbers(1, 0)   # reduction axis last: y = x @ W.T
+
+
+@pytest.mark.parametrize("make", [optim.muon, optim.normuon], ids=["muon", "normuon"])
+@pytest.mark.parametrize("shape", [(24, 16), (16, 16), (16, 24)])
+def test_torch_layout_runs_under_jit_with_bf16_newton_schulz(make, shape):
+  """(24, 16) with the output axis first crashed under jit on the CPU
+  ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32"):
+  XLA:CPU folded the transpose into the first Gram product after choosing
+  how to run it. The update is the standard layout's on the transposed leaf."""
+  w = jax.random.normal(jax.random.key(0), shape) * 0.1
+  g = jax.random.normal(jax.random.key(1), shape)
+  tx = make(0.02, muon_weight_dimension_numbers={"w": TORCH})
+  state = tx.init({"w": w})
+  u, _ = jax.jit(tx.update)({"w": g}, state, {"w": w})
+  new_w, _ = jax.jit(lambda g, s, p: optim.step(tx, g, s, p))({"w": g}, state, {"w": w})
+  assert np.isfinite(np.asarray(u["w"])).all() and np.isfinite(np.asarray(new_w["w"])).all()
+  std = make(0.02, muon_weight_dimension_numbers={"w": optim.MuonDimensionNumbers(0, 1)})
+  u_t, _ = jax.jit(std.update)({"w": g.T}, std.init({"w": w.T}), {"w": w.T})
+  # bf16 iterates: the two layouts may round an element differently.
+  np.testing.assert_allclose(np.asarray(u["w"]), np.asarray(u_t["w"]).T, atol=2e-4)
+
+
+def test_transposed_2d_matrix_runs_in_the_newton_schulz_reference_under_jit():
+  """The op-level form of the crash: a 2-D transpose turned into a batch of one."""
+  from fuseopt.kernels.newton_schulz import newton_schulz_reference
+  x = jax.random.normal(jax.random.key(2), (24, 16))
+  f = lambda x: newton_schulz_reference(x.T[None], coeffs="jordan")
+  got = np.asarray(jax.jit(f)(x))
+  np.testing.assert_allclose(got, np.asarray(f(x)), atol=2e-3)   # eager always ran

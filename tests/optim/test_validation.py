@@ -303,3 +303,55 @@ def test_step_names_what_differs_in_the_state():
     fo.step(sgd, grads, tx.init(params), params)
   new_params, _ = fo.step(tx, grads, tx.init(params), params)
   assert jax.tree.structure(new_params) == jax.tree.structure(params)
+
+
+# ------------------------------------------------ the builder's Muon fields --
+def test_qk_clip_tau_is_only_for_muonclip():
+  """It used to be ignored with optimizer 'normuon' (while normuon_b2 with
+  'muon' was refused)."""
+  with pytest.raises(ValueError, match="OptimConfig.qk_clip_tau: only for optimizer 'muonclip'"):
+    OptimConfig.from_yaml("optimizer: normuon\nlearning_rate: 0.02\nqk_clip_tau: 5\n")
+  with pytest.raises(ValueError, match="OptimConfig.normuon_b2: only for optimizer 'normuon'"):
+    OptimConfig(optimizer="muon", learning_rate=0.02, normuon_b2=0.9)
+  cfg = OptimConfig(optimizer="muonclip", learning_rate=0.02, qk_clip_tau=5)
+  assert cfg.qk_clip_tau == 5.0 and OptimConfig.from_yaml(cfg.to_yaml()) == cfg
+  assert OptimConfig(optimizer="muonclip", learning_rate=0.02).qk_clip_tau is None  # 100
+
+
+def test_normuon_b2_in_optimizer_kwargs_points_to_normuon_b2():
+  with pytest.raises(ValueError, match=r"\['b2'\] are OptimConfig fields.*OptimConfig.normuon_b2"):
+    OptimConfig(optimizer="normuon", learning_rate=0.02, optimizer_kwargs={"b2": 0.5})
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"consistent_rms": "0.2"}, TypeError, "normuon: consistent_rms"),
+    ({"consistent_rms": -0.2}, ValueError, "normuon: consistent_rms"),
+    ({"normuon_eps": "1e-8"}, TypeError, "normuon: normuon_eps"),
+    ({"nu_dtype": "bogus"}, TypeError, "normuon: nu_dtype"),
+])
+def test_builder_optimizer_kwargs_are_checked_when_built(kwargs, error, match):
+  cfg = OptimConfig(optimizer="normuon", learning_rate=0.02, optimizer_kwargs=kwargs)
+  with pytest.raises(error, match=match):
+    build_optimizer(cfg, 10)
+
+
+@pytest.mark.parametrize("field,value", [("normuon_b2", True), ("normuon_b2", "0.5"),
+                                         ("qk_clip_tau", True), ("qk_clip_tau", "5"),
+                                         ("b2", True), ("learning_rate", "1e-3")])
+def test_config_refuses_bools_and_strings_for_numbers(field, value):
+  optimizer = {"normuon_b2": "normuon", "qk_clip_tau": "muonclip"}.get(field, "adamw")
+  with pytest.raises(ValueError, match=f"OptimConfig.{field}"):
+    OptimConfig(**{"optimizer": optimizer, "learning_rate": 1e-3, field: value})
+
+
+def test_a_backend_named_by_the_environment_says_so(monkeypatch):
+  """FUSEOPT_IMPLEMENTATION=mosaic_gpu on a CPU: the message named
+  implementation='mosaic_gpu', which no argument of the call had set."""
+  from fuseopt import kernels
+  monkeypatch.setenv("FUSEOPT_IMPLEMENTATION", "mosaic_gpu")
+  with pytest.raises(ValueError, match=r"implementation='mosaic_gpu' \(set by the environment "
+                                       r"variable FUSEOPT_IMPLEMENTATION\) cannot run"):
+    kernels.newton_schulz(jnp.ones((8, 8)))
+  with pytest.raises(ValueError, match=r"implementation='mosaic_gpu' cannot run") as info:
+    kernels.newton_schulz(jnp.ones((8, 8)), implementation="mosaic_gpu")
+  assert "environment" not in str(info.value)

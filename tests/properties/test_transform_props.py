@@ -168,3 +168,48 @@ def test_configs_round_trip_through_yaml(lr, wd, clip, b1, skips, on, optimizer)
   cfg = OptimConfig(optimizer=optimizer, learning_rate=lr, weight_decay=wd, clip_norm=clip, b1=b1,
                     max_consecutive_skips=skips, on_max_skips=on, skip_nonfinite=True)
   assert OptimConfig.from_yaml(cfg.to_yaml()) == cfg
+
+
+# Every numeric argument of the solvers: (factory, argument, range), where
+# range says which finite numbers are refused.
+NEGATIVE, DECAY, POSITIVE = "negative", "decay", "positive"
+SOLVER_ARGS = [
+    (fo.adam, "learning_rate", NEGATIVE), (fo.adam, "b1", DECAY), (fo.adam, "b2", DECAY),
+    (fo.adam, "eps", NEGATIVE), (fo.adam, "eps_root", NEGATIVE),
+    (fo.adamw, "learning_rate", NEGATIVE), (fo.adamw, "weight_decay", NEGATIVE),
+    (fo.adamw, "b1", DECAY), (fo.adamw, "b2", DECAY), (fo.adamw, "eps", NEGATIVE),
+    (fo.muon, "learning_rate", NEGATIVE), (fo.muon, "beta", DECAY), (fo.muon, "eps", NEGATIVE),
+    (fo.muon, "weight_decay", NEGATIVE), (fo.muon, "adam_b1", DECAY), (fo.muon, "adam_b2", DECAY),
+    (fo.muon, "adam_eps_root", NEGATIVE), (fo.muon, "adam_learning_rate", NEGATIVE),
+    (fo.muon, "consistent_rms", POSITIVE),
+    (fo.normuon, "b2", DECAY), (fo.normuon, "normuon_eps", NEGATIVE),
+    (fo.normuon, "consistent_rms", POSITIVE), (fo.normuon, "beta", DECAY),
+    (fo.muonclip, "consistent_rms", POSITIVE), (fo.muonclip, "adam_b2", DECAY),
+]
+_NAME = {fo.adam: "adam", fo.adamw: "adamw", fo.muon: "muon", fo.normuon: "normuon",
+         fo.muonclip: "muonclip"}
+
+
+def _refused(kind, v):
+  if kind == DECAY:
+    return not 0.0 <= v < 1.0
+  return v <= 0.0 if kind == POSITIVE else v < 0.0
+
+
+@FAST
+@given(case=st.sampled_from(SOLVER_ARGS),
+       value=st.one_of(st.booleans(), st.sampled_from(["0.5", "1e-8", ""]),
+                       st.floats(allow_nan=True, allow_infinity=True), st.integers(-3, 3)))
+def test_solver_arguments_are_checked_by_name(case, value):
+  make, name, kind = case
+  args = {} if name == "learning_rate" else {"learning_rate": 0.02}
+  build = lambda: make(**args, **{name: value})
+  named = f"{_NAME[make]}: {name} must be"
+  if isinstance(value, (bool, str)):
+    with pytest.raises(TypeError, match=named):
+      build()
+  elif not math.isfinite(value) or _refused(kind, float(value)):
+    with pytest.raises(ValueError, match=named):
+      build()
+  else:
+    build()

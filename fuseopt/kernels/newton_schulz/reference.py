@@ -131,6 +131,27 @@ def normalise(x32, scale, eps, dtype):
   return (x32 * k).astype(dtype)
 
 
+def settle_layout(y):
+  """``y``, written out in its own row-major layout before the bf16 products
+  on the CPU (an ``optimization_barrier``); unchanged elsewhere.
+
+  When the matrix is a transposed view of a leaf (a 2-D leaf in PyTorch's
+  (out, in) layout: its reduction axis last), XLA:CPU folds the transpose
+  into the first Gram product X Xᵀ after it has decided how to run that
+  product, and is left with a bf16 x bf16 -> f32 dot it has no kernel for
+  ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32",
+  under ``jit`` only). Behind the barrier every product reads ``y`` as
+  written by the normalisation, in the form XLA:CPU runs. ``y`` is written
+  out anyway (several products read it), so nothing is added, and where the
+  unguarded bf16 iteration runs the results are bitwise the same. fp32 and
+  fp16 iterations, which have CPU kernels in every form, and other
+  platforms are left as they are.
+  """
+  if y.dtype != jnp.bfloat16 or dispatch.current_platform((y,)) != "cpu":
+    return y
+  return jax.lax.optimization_barrier(y)
+
+
 def iterate_standard(x, table, ops):
   for a, b, c in table:
     gram = ops.sym(x)                               # A = X Xᵀ
@@ -199,6 +220,6 @@ def newton_schulz_reference(x, *, coeffs="polar_express", steps=None,
   if xb.size == 0:
     return x
   restarts = gram_restarts(gram, *xb.shape[-2:], coeffs)
-  y = normalise(xb, scale, eps, ns_dtype)
+  y = settle_layout(normalise(xb, scale, eps, ns_dtype))
   y = iterate(table, restarts, ReferenceOps(ns_dtype))(y)
   return restore(y.astype(x.dtype))
