@@ -25,7 +25,11 @@ writes the parameter.
 Layouts: the statistics are ``(batch, cols)`` in the Newton-Schulz layout
 (:func:`fuseopt.optim.matrix_views.split`'s); the state ``v`` of a leaf has
 the leaf's shape without its reduction axes (``(cols,)`` for a 2-D weight,
-``(layers, cols)`` for a stacked one).
+``(layers, cols)`` for a stacked one). A leaf of matrix views keeps one
+``v_j`` per output neuron of each view: views cut along an output axis share
+the leaf's layout (each column belongs to one view); views cut along a
+reduction axis keep that axis with one entry per view (``groups *
+len(sizes)``), since every view has all the leaf's output neurons.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ import jax.numpy as jnp
 
 from fuseopt.kernels.newton_schulz import layout
 
-__all__ = ["column_sums", "from_matrix", "normalize", "state_shape", "to_matrix"]
+__all__ = ["column_sums", "from_matrix", "normalize", "normalize_views", "state_shape",
+           "to_matrix"]
 
 
 def column_sums(y) -> jax.Array:
@@ -46,9 +51,11 @@ def column_sums(y) -> jax.Array:
   return jnp.sum(y32 * y32, axis=1)
 
 
-def state_shape(shape, red) -> tuple[int, ...]:
-  """The shape of a leaf's ``v``: the leaf's without its reduction axes."""
-  return tuple(d for a, d in enumerate(shape) if a not in red)
+def state_shape(shape, views: layout.Views) -> tuple[int, ...]:
+  """The shape of a leaf's ``v``: the leaf's without its reduction axes (a
+  view axis among them stays, one entry per view)."""
+  stat = views.statistic_shape(shape)
+  return tuple(d for a, d in enumerate(stat) if a not in views.red or a == views.axis)
 
 
 def _keepdims_shape(shape, red):
@@ -90,3 +97,21 @@ def normalize(colsum, v_old, *, rows: int, cols: int, b2, eps):
   tiny = jnp.finfo(jnp.float32).tiny
   r = math.sqrt(min(rows, cols)) * jax.lax.rsqrt(jnp.maximum(norm2, tiny))
   return d * r, v_new
+
+
+def normalize_views(stat, v_old, *, views: layout.Views, shape, b2, eps):
+  """:func:`normalize` for every view of a leaf of ``shape``: ``stat`` (the
+  column sums of squares) and ``v_old`` in the statistic layout of
+  :class:`~fuseopt.kernels.newton_schulz.layout.Views`; returns ``(scale,
+  v_new)`` in that layout. Each view is normalised as the matrix it is."""
+  sv = views.statistic()
+  red, out = views.piece_axes()
+  scales, moments = [], []
+  for c, v, pshape in zip(sv.split(stat), sv.split(v_old), views.piece_shapes(shape)):
+    rows = math.prod(pshape[a] for a in red)
+    cols = math.prod(pshape[a] for a in out)
+    s, vn = normalize(to_matrix(c, pshape, red, out), to_matrix(v, pshape, red, out),
+                      rows=rows, cols=cols, b2=b2, eps=eps)
+    scales.append(from_matrix(s, pshape, red, out, keepdims=True))
+    moments.append(from_matrix(vn, pshape, red, out, keepdims=True))
+  return sv.merge(scales), sv.merge(moments)
