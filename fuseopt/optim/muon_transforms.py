@@ -137,8 +137,9 @@ MuonState = optax.contrib.MuonState
 
 class NorMuonState(NamedTuple):
   """NorMuon's state: Muon's fields and ``nu``, the per-neuron second
-  moments (per leaf, the leaf's shape without its reduction axes; an empty
-  array where Muon does not act)."""
+  moments (per leaf, the leaf's shape without its reduction axes, a matrix
+  view axis among them kept with one entry per view; an empty array where
+  Muon does not act)."""
   count: jax.Array
   mu: Any
   nu: Any
@@ -563,13 +564,13 @@ class _MuonStep:
       y = jnp.sum(h * y) * y
     if config.shape_scaling:
       red, out = views.piece_axes()
-      scales = [self.width_scale(math.prod(p[ax] for ax in red), math.prod(p[ax] for ax in out))
-                for p in views.piece_shapes(h.shape)]
-      if views.axis is None:
-        y = scales[0] * y
+      fans = [(math.prod(p[ax] for ax in red), math.prod(p[ax] for ax in out))
+              for p in views.piece_shapes(h.shape)]
+      if len(set(fans)) == 1:   # one factor (every view alike): the scalar of finish_grouped
+        y = self.width_scale(*fans[0]) * y
       else:   # each view's factor over its rows or columns, cast as a scalar factor would be
-        along = jnp.concatenate([jnp.broadcast_to(jnp.asarray(f, y.dtype), (n,))
-                                 for f, n in zip(scales, views.sizes)])
+        along = jnp.concatenate([jnp.broadcast_to(jnp.asarray(self.width_scale(*f), y.dtype), (n,))
+                                 for f, n in zip(fans, views.sizes)])
         shape = [1] * y.ndim
         shape[views.axis] = y.shape[views.axis]
         y = jnp.reshape(jnp.tile(along, views.groups), shape) * y
@@ -611,8 +612,9 @@ def _with_column_sums(ns, on: bool):
 
 def _normuon_nu_init(weight_dimension_numbers, params, dtype):
   """NorMuon's ``nu``: per Muon leaf the leaf's shape without its reduction
-  axes (one entry per output neuron of each matrix), zeros; an empty array
-  for leaves Muon passes through."""
+  axes (one entry per output neuron of each matrix; a view axis on the
+  reduction side stays, one entry per view), zeros; an empty array for
+  leaves Muon passes through."""
   leaves, treedef = jax.tree.flatten(params)
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
   specs = _leaf_specs(weight_dimension_numbers, params, treedef)

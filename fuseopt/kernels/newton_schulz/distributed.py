@@ -185,7 +185,9 @@ class Plan:
   blocks so that each device holds ``k`` whole matrices (slots), ``k =
   max(ceil(count / share), min_batch)``, where ``share`` is the number of
   devices the family's matrices are spread over (the mesh axes of its
-  matrix sides and the replica axes). Slots past the family's matrices are
+  matrix sides, and the replica axes where they help: :meth:`slots`).
+  Everything about placement is decided here, from shapes alone; the
+  collectives that carry it out live in ``_Family``. Slots past the family's matrices are
   zero padding; families are rotated round-robin so that single matrices
   of different shapes land on different devices.
 
@@ -249,6 +251,23 @@ class Plan:
     """The devices one family's matrices are spread over."""
     red, out, _, free = key
     return _size(self.mesh, free) * math.prod(_size(self.mesh, n) for _, n in red + out)
+
+  def slots(self, key, count: int) -> tuple[int, tuple[str, ...]]:
+    """``(k, replica axes)``: how many whole matrices each device of a
+    family holding ``count`` matrices a shard gets, and the replica axes
+    that split the family (each takes a slice; the results are gathered
+    back). Replica axes split it only where that lowers ``k``: a family
+    too small to fill its devices twice runs whole on each replica instead
+    (the same slots a device, and no gather)."""
+    red, out, _, free = key
+    share = math.prod(_size(self.mesh, n) for _, n in red + out)
+    least = self.min_batch(key)
+    alone = max(-(-count // share), least)
+    if free:
+      split = max(-(-count // (share * _size(self.mesh, free))), least)
+      if split < alone:
+        return split, free
+    return alone, ()
 
   def min_batch(self, key) -> int:
     """Slots per device at least: 2 where the unsharded step runs the
@@ -389,15 +408,16 @@ class _Family:
 
   def __init__(self, plan: Plan, key, members, placed):
     self.plan, self.members = plan, [plan.members[m] for m in members]
-    red, out, _, self.free = key
+    red, out, _, _ = key
     self.segments = red + out
     self.n_red = len(red)
     self.R, self.O, _ = plan._shape(key)
     # (position among the matrix axes, mesh axes) of each sharded segment
     self.sharded = [(s, names) for s, (_, names) in enumerate(self.segments) if names]
-    self.share = plan.share(key)
-    self.min_batch = plan.min_batch(key)
     self.size = sum(m.count for m in self.members)
+    self.k, self.free = plan.slots(key, self.size)
+    self.share = _size(plan.mesh, self.free) * math.prod(
+        _size(plan.mesh, n) for _, n in self.sharded)
     self.placed = placed
 
   def gather(self, pieces):
@@ -413,7 +433,7 @@ class _Family:
       mats.append(y.reshape((m.count,) + local))
     x = mats[0] if len(mats) == 1 else jnp.concatenate(mats, axis=0)
     B = self.B = x.shape[0]
-    k = self.k = max(-(-B // self.share), self.min_batch)
+    k = self.k
     padded = self.padded = k * self.share
     shift = self.shift = self.placed % padded
     if padded != B:
@@ -425,7 +445,10 @@ class _Family:
       per_free = padded // _size(mesh, self.free)
       x = jax.lax.dynamic_slice_in_dim(x, self.f_idx * per_free, per_free, axis=0)
     for s, names in self.sharded:
-      x = jax.lax.all_to_all(x, _axis(names), 0, 1 + s, tiled=True)
+      # (the barrier: XLA's CPU backend otherwise gives the all-to-all's
+      # operands different layouts when they are slices of transposed
+      # pieces, and its verifier rejects the program)
+      x = jax.lax.all_to_all(jax.lax.optimization_barrier(x), _axis(names), 0, 1 + s, tiled=True)
     return x.reshape(k, self.R, self.O)
 
   def run(self, x, ns):
