@@ -188,7 +188,8 @@ def test_views_compile_for_tpu_with_shard_local_kernels(layout, kind):
   """libtpu compiles the fused Muon step of packed views on 8 x v5e (a Pallas
   kernel handed a sharded operand does not compile there: "Mosaic kernels
   cannot be automatically partitioned"); every Newton-Schulz kernel gets
-  at most two whole views, and no whole leaf is all-gathered."""
+  at most two views of a whole view's size (not the family's stack), and
+  no whole leaf is all-gathered."""
   from fuseopt import targets
   why = targets.missing("v5e")
   if why:
@@ -223,8 +224,9 @@ def test_views_compile_for_tpu_with_shard_local_kernels(layout, kind):
   kernels = [tuple(int(d) for d in dims.split(",")) for dims in _CUSTOM_CALL.findall(hlo)]
   ns = [k for k in kernels if len(k) == 3]
   assert ns, kernels
-  for k in ns:
-    assert k[0] <= 2 and k[1:] in whole, (k, whole)
+  for k in ns:   # (the fused kernel pads a matrix to whole 128-lane tiles)
+    assert k[0] <= 2 and any(r <= k[1] < r + 128 and o <= k[2] < o + 128 for r, o in whole), (
+        k, whole)
   smallest = min(int(np.prod(s)) for s, spec, _ in leaves.values() if spec is not None)
   assert all(s < smallest for s in _all_gather_sizes(hlo)), _all_gather_sizes(hlo)
 
