@@ -134,17 +134,19 @@ def _flatten(x, red, out) -> Piece:
   return Piece(matrix, unflatten)
 
 
-def split(x: jax.Array, spec, path: str = "") -> tuple[list[Piece], Callable[[list[jax.Array]], jax.Array]]:
-  """Cuts ``x`` into matrix families by ``spec`` (dimension numbers or
-  :class:`MatrixViews`); returns the pieces and a function that puts the
-  pieces' results (in the pieces' own layouts) back into ``x``'s shape."""
+def geometry(spec, shape: Sequence[int], path: str = "") -> layout.Views:
+  """How a leaf of ``shape`` declared with ``spec`` (dimension numbers or
+  :class:`MatrixViews`) holds its matrices, validated: the reduction and
+  output axes as non-negative ints and the view cut, if any. The
+  distributed Newton-Schulz reads the same geometry to split each shard."""
   if isinstance(spec, DIMENSION_NUMBER_TYPES):
-    red, out = normalize_dimension_numbers(spec, x.shape, path)
-    return [_flatten(x, red, out)], lambda ys: ys[0]
+    return layout.Views(*normalize_dimension_numbers(spec, shape, path))
   if not isinstance(spec, MatrixViews):
     raise TypeError(f"Muon: weight {path}: expected MuonDimensionNumbers or MatrixViews, got {spec!r}")
-  red, out = normalize_dimension_numbers(spec.dimension_numbers, x.shape, path)
-  a = spec.axis % x.ndim if -x.ndim <= spec.axis < x.ndim else None
+  shape = tuple(shape)
+  red, out = normalize_dimension_numbers(spec.dimension_numbers, shape, path)
+  ndim = len(shape)
+  a = spec.axis % ndim if -ndim <= spec.axis < ndim else None
   if a is None or (a not in red and a not in out):
     raise ValueError(f"Muon: weight {path}: MatrixViews.axis={spec.axis} must be one of the "
                      f"reduction axes {red} or output axes {out}")
@@ -153,24 +155,19 @@ def split(x: jax.Array, spec, path: str = "") -> tuple[list[Piece], Callable[[li
     raise ValueError(f"Muon: weight {path}: MatrixViews needs positive sizes and groups, "
                      f"got sizes={spec.sizes}, groups={spec.groups}")
   period = sum(sizes)
-  if x.shape[a] != spec.groups * period:
-    raise ValueError(f"Muon: weight {path} of shape {x.shape}: axis {a} has length {x.shape[a]}, "
+  if shape[a] != spec.groups * period:
+    raise ValueError(f"Muon: weight {path} of shape {shape}: axis {a} has length {shape[a]}, "
                      f"expected groups*sum(sizes) = {spec.groups}*{period}")
-  # Axis a becomes (groups, period): groups at a (a batch axis), the chunk at a + 1.
-  shift = lambda axes: tuple(b + 1 if b >= a else b for b in axes)
-  red, out = shift(red), shift(out)
-  grouped_shape = x.shape[:a] + (spec.groups, period) + x.shape[a + 1:]
-  xg = jnp.reshape(x, grouped_shape)
-  pieces, offset = [], 0
-  for s in sizes:
-    chunk = jax.lax.slice_in_dim(xg, offset, offset + s, axis=a + 1)
-    pieces.append(_flatten(chunk, red, out))
-    offset += s
+  return layout.Views(red, out, a, sizes, int(spec.groups))
 
-  def merge(ys):
-    y = ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=a + 1)
-    return jnp.reshape(y, x.shape)
-  return pieces, merge
+
+def split(x: jax.Array, spec, path: str = "") -> tuple[list[Piece], Callable[[list[jax.Array]], jax.Array]]:
+  """Cuts ``x`` into matrix families by ``spec`` (dimension numbers or
+  :class:`MatrixViews`); returns the pieces and a function that puts the
+  pieces' results (in the pieces' own layouts) back into ``x``'s shape."""
+  views = geometry(spec, x.shape, path)
+  red, out = views.piece_axes()
+  return [_flatten(p, red, out) for p in views.split(x)], views.merge
 
 
 def base_dimension_numbers(spec):

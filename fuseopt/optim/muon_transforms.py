@@ -37,6 +37,7 @@ its AdamW leaves go through the fused Adam kernel.
 import dataclasses
 import functools
 import math
+import warnings
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -136,8 +137,9 @@ MuonState = optax.contrib.MuonState
 
 class NorMuonState(NamedTuple):
   """NorMuon's state: Muon's fields and ``nu``, the per-neuron second
-  moments (per leaf, the leaf's shape without its reduction axes; an empty
-  array where Muon does not act)."""
+  moments (per leaf, the leaf's shape without its reduction axes, a matrix
+  view axis among them kept with one entry per view; an empty array where
+  Muon does not act)."""
   count: jax.Array
   mu: Any
   nu: Any
@@ -340,14 +342,18 @@ def _active(g, spec):
   return jnp.any(g != 0, axis=_matrix_axes(spec, g.ndim), keepdims=True)
 
 
-def _place_ns_inputs(mu_hat, specs, leaf_shardings, paths):
+def _place_ns_inputs(mu_hat, specs, leaf_shardings, paths, ns_budget, ns_input_dtype=None):
   """Which Muon leaves take the distributed (all-to-all) Newton-Schulz.
 
-  Returns ``{leaf: (placement, (reduction axes, output axes))}``; leaves not
-  in it run the single-device path (an Auto mesh without ``shardings``: XLA
-  partitions it, with a warning).
+  Returns ``(plan, {leaf: position in the plan})``: the
+  :class:`~fuseopt.kernels.newton_schulz.distributed.Plan` of every Muon
+  leaf on a multi-device mesh whose placement is known (plain matrices and
+  matrix views alike), or ``(None, {})``. Leaves not in it run the
+  single-device path: one device, or an Auto mesh without ``shardings``
+  (XLA partitions it, with a warning), or a layout the plan cannot take
+  (uneven shards: replicated, with a warning naming the leaf).
   """
-  taken = {}
+  taken, placements, views, structs = {}, [], [], []
   for i, (h, s) in enumerate(zip(mu_hat, specs)):
     if s is None:
       continue
@@ -359,14 +365,31 @@ def _place_ns_inputs(mu_hat, specs, leaf_shardings, paths):
       continue
     if not isinstance(where, kernel_sharding.Placement):
       continue
-    if isinstance(s, DIMENSION_NUMBER_TYPES):
-      red, out = matrix_views.normalize_dimension_numbers(s, h.shape, paths[i])
-      if distributed_ns.supported(h.shape, where, red, out):
-        taken[i] = (where, (red, out))
-        continue
-    # Other layouts (matrix views, a matrix side sharded on a later axis)
-    # take the single-device path on a replicated copy (_replicated_ns).
-  return taken
+    geometry = matrix_views.geometry(s, h.shape, paths[i])
+    why = distributed_ns.why_not(h.shape, where, geometry)
+    if why is not None:
+      _warn_replicated(paths[i], why)
+      continue
+    taken[i] = len(placements)
+    placements.append(where)
+    views.append(geometry)
+    structs.append(jax.ShapeDtypeStruct(h.shape, ns_input_dtype or h.dtype))
+  if not taken:
+    return None, {}
+  return distributed_ns.Plan(structs, placements, views, ns_budget), taken
+
+
+_warned_replicated: set[str] = set()
+
+
+def _warn_replicated(path, why):
+  """Once per leaf: its Newton-Schulz runs replicated (gathered whole on
+  every device), and why."""
+  if path in _warned_replicated:
+    return
+  _warned_replicated.add(path)
+  warnings.warn(f"scale_by_muon: the Muon leaf at {path or '<root>'} is gathered whole onto every "
+                f"device for its Newton-Schulz: {why}", stacklevel=3)
 
 
 def _replicated_ns(ns):
@@ -469,38 +492,39 @@ class _MuonStep:
     if config.shape_scaling:
       scaled = []
       for y, (fan_in, fan_out) in zip(ys, fans):
-        if config.consistent_rms is not None:
-          scale = jnp.sqrt(jnp.maximum(fan_in, fan_out)) * config.consistent_rms
-        else:
-          scale = jnp.sqrt(jnp.maximum(1, fan_out / fan_in))
-        scaled.append(scale * y)
+        scaled.append(self.width_scale(fan_in, fan_out) * y)
       ys = scaled
     u = merge([p.unflatten(y) for p, y in zip(pieces, ys)])
     if a is not None:
       u = jnp.where(a, u, jnp.zeros((), u.dtype))
     return u
 
-  def neuron_scale(self, i, colsum, red, out, a, placement=None):
-    """NorMuon: leaf ``i``'s per-neuron factor ``(batch, cols)`` from the NS
-    result's column sums; records the leaf's new second moment. On a mesh
-    (``placement``) the small per-neuron arithmetic runs replicated, as the
-    unsharded step runs it."""
+  def width_scale(self, fan_in, fan_out):
+    """Muon's width factor of a ``(fan_in, fan_out)`` matrix."""
+    if self.config.consistent_rms is not None:
+      return jnp.sqrt(jnp.maximum(fan_in, fan_out)) * self.config.consistent_rms
+    return jnp.sqrt(jnp.maximum(1, fan_out / fan_in))
+
+  def neuron_scale(self, i, stat, views, a, placement=None):
+    """NorMuon: leaf ``i``'s per-neuron factor from the NS result's column
+    sums, both in the statistic layout of ``views``
+    (:class:`~fuseopt.kernels.newton_schulz.layout.Views`); records the
+    leaf's new second moment. On a mesh (``placement``) the small per-neuron
+    arithmetic runs replicated, as the unsharded step runs it."""
     b2, eps, _ = self.config.normuon
     shape = self.g_leaves[i].shape
-    rows = int(np.prod([shape[ax] for ax in red]))
-    cols = int(np.prod([shape[ax] for ax in out]))
-    v_old = neuron_norm.to_matrix(self.nu_old[i], shape, red, out)
-    fn = functools.partial(neuron_norm.normalize, rows=rows, cols=cols, b2=b2, eps=eps)
+    v_old = jnp.reshape(self.nu_old[i], views.statistic_shape(shape))
+    fn = functools.partial(neuron_norm.normalize_views, views=views, shape=shape, b2=b2, eps=eps)
     if isinstance(placement, kernel_sharding.Placement):
-      whole = kernel_sharding.Placement(placement.mesh, jax.sharding.PartitionSpec(None, None))
+      whole = kernel_sharding.Placement(placement.mesh,
+                                        jax.sharding.PartitionSpec(*[None] * len(shape)))
       fn = kernel_sharding.shard_local(fn, placement.mesh, (whole.spec, whole.spec),
                                        (whole.spec, whole.spec))
-      colsum, v_old = (kernel_sharding.to_spec(x, whole) for x in (colsum, v_old))
-    scale, v_new = fn(colsum, v_old)
+      stat, v_old = (kernel_sharding.to_spec(x, whole) for x in (stat, v_old))
+    scale, v_new = fn(stat, v_old)
     if a is not None:   # a frozen matrix keeps its second moment too
-      kept = jnp.broadcast_to(a, tuple(1 if ax in red else d for ax, d in enumerate(shape)))
-      v_new = jnp.where(neuron_norm.to_matrix(kept, shape, red, out), v_new, v_old)
-    v_leaf = neuron_norm.from_matrix(v_new, shape, red, out, keepdims=False)
+      v_new = jnp.where(jnp.broadcast_to(a, v_new.shape), v_new, v_old)
+    v_leaf = jnp.reshape(v_new, self.nu_old[i].shape)
     self.nu_new[i] = _store(v_leaf, self.nu_old[i].dtype, self.count_inc, i,
                             counter_hash.STREAM_NU)
     return scale
@@ -523,32 +547,52 @@ class _MuonStep:
     return jax.tree.map(lambda t: jax_layout.with_layout_constraint(
         t, jax_layout.Layout(tuple(range(jnp.ndim(t))))), x)
 
-  def finish_distributed(self, i, h, y, red_out, a, placement=None):
-    """Leaf ``i``'s update from the distributed NS result ``y`` (already in
-    the leaf's layout: one family per leaf; NorMuon: ``(result, column sums
-    in the leaf's layout)``)."""
-    red, outs = red_out
+  def finish_distributed(self, i, h, y, views, a, placement=None):
+    """Leaf ``i``'s update from the distributed NS result ``y``, already in
+    the leaf's layout, its views merged (NorMuon: ``(result, column sums in
+    the statistic layout)``). The same arithmetic as :meth:`finish_grouped`,
+    per element: per-view factors are broadcast along the view axis."""
+    config = self.config
     dtype = self.g_leaves[i].dtype
-    if self.config.normuon is not None:
+    if config.normuon is not None:
       y, stat = y
-      scale = self.neuron_scale(i, neuron_norm.to_matrix(stat, h.shape, red, outs), red, outs, a,
-                                placement)
-      scale = neuron_norm.from_matrix(scale, h.shape, red, outs, keepdims=True)
-      y = (y.astype(jnp.float32) * scale).astype(dtype)
-    fan = lambda axes: int(np.prod([h.shape[ax] for ax in axes]))
-    return self.assemble([matrix_views.Piece(h, lambda y: y)], lambda parts: parts[0],
-                         [y.astype(dtype)], [(fan(red), fan(outs))], a)
+      scale = views.expand(self.neuron_scale(i, stat, views, a, placement))
+      y = y.astype(jnp.float32) * scale
+    y = y.astype(dtype)
+    if config.adaptive:
+      # optax's dual-norm scale <mu_hat, NS(mu_hat)> over the whole leaf, before shape scaling.
+      y = jnp.sum(h * y) * y
+    if config.shape_scaling:
+      red, out = views.piece_axes()
+      fans = [(math.prod(p[ax] for ax in red), math.prod(p[ax] for ax in out))
+              for p in views.piece_shapes(h.shape)]
+      if len(set(fans)) == 1:   # one factor (every view alike): the scalar of finish_grouped
+        y = self.width_scale(*fans[0]) * y
+      else:   # each view's factor over its rows or columns, cast as a scalar factor would be
+        along = jnp.concatenate([jnp.broadcast_to(jnp.asarray(self.width_scale(*f), y.dtype), (n,))
+                                 for f, n in zip(fans, views.sizes)])
+        shape = [1] * y.ndim
+        shape[views.axis] = y.shape[views.axis]
+        y = jnp.reshape(jnp.tile(along, views.groups), shape) * y
+    if a is not None:
+      y = jnp.where(a, y, jnp.zeros((), y.dtype))
+    return y
 
   def finish_grouped(self, i, plan, results, a):
     """Leaf ``i``'s update from its pieces' results of the batched NS calls."""
     pieces, merge = plan
     dtype = self.g_leaves[i].dtype
     if self.config.normuon is not None:
-      (y, colsum), = [results[(i, j)] for j in range(len(pieces))]   # one piece: checked at init
-      red, out = matrix_views.normalize_dimension_numbers(self.specs[i], self.g_leaves[i].shape,
-                                                          self.paths[i])
-      scale = self.neuron_scale(i, colsum, red, out, a)
-      ys = [(y.astype(jnp.float32) * scale[:, None, :]).astype(dtype)]
+      views = matrix_views.geometry(self.specs[i], self.g_leaves[i].shape, self.paths[i])
+      sv = views.statistic()
+      red, out = views.piece_axes()
+      stat_shapes = sv.piece_shapes(views.statistic_shape(self.g_leaves[i].shape))
+      pairs = [results[(i, j)] for j in range(len(pieces))]
+      stat = sv.merge([neuron_norm.from_matrix(c, shape, red, out, keepdims=True)
+                       for (_, c), shape in zip(pairs, stat_shapes)])
+      scales = sv.split(self.neuron_scale(i, stat, views, a))
+      ys = [(y.astype(jnp.float32) * neuron_norm.to_matrix(f, shape, red, out)[:, None, :]
+             ).astype(dtype) for (y, _), f, shape in zip(pairs, scales, stat_shapes)]
     else:
       ys = [results[(i, j)].astype(dtype) for j in range(len(pieces))]
     return self.assemble(pieces, merge, ys, [y.shape[1:] for y in ys], a)
@@ -568,8 +612,9 @@ def _with_column_sums(ns, on: bool):
 
 def _normuon_nu_init(weight_dimension_numbers, params, dtype):
   """NorMuon's ``nu``: per Muon leaf the leaf's shape without its reduction
-  axes (one entry per output neuron of each matrix), zeros; an empty array
-  for leaves Muon passes through."""
+  axes (one entry per output neuron of each matrix; a view axis on the
+  reduction side stays, one entry per view), zeros; an empty array for
+  leaves Muon passes through."""
   leaves, treedef = jax.tree.flatten(params)
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
   specs = _leaf_specs(weight_dimension_numbers, params, treedef)
@@ -578,12 +623,8 @@ def _normuon_nu_init(weight_dimension_numbers, params, dtype):
     if s is None:
       out.append(jnp.zeros((0,), dtype or jnp.float32))
       continue
-    if not isinstance(s, DIMENSION_NUMBER_TYPES):
-      raise ValueError(f"normuon: the leaf at {path or '<root>'} is declared with MatrixViews; "
-                       f"NorMuon's per-neuron statistics take MuonDimensionNumbers only")
-    red, _ = matrix_views.normalize_dimension_numbers(s, jnp.shape(x), path)
-    out.append(jnp.zeros(neuron_norm.state_shape(jnp.shape(x), red),
-                         dtype or jnp.float32))
+    views = matrix_views.geometry(s, jnp.shape(x), path)
+    out.append(jnp.zeros(neuron_norm.state_shape(jnp.shape(x), views), dtype or jnp.float32))
   return treedef.unflatten(out)
 
 
@@ -639,7 +680,7 @@ def _unsequenced(step: _MuonStep, leaf_shardings):
     active.append(a)
 
   # Leaves on a multi-device mesh: whole matrices per device (all-to-all).
-  distributed = _place_ns_inputs(mu_hat, specs, leaf_shardings, paths)
+  plan, distributed = _place_ns_inputs(mu_hat, specs, leaf_shardings, paths, step.ns_budget)
   # Cut every other Muon leaf into (batch, rows, cols) families; group them by shape.
   plans = [None] * len(mu_hat)
   groups: dict[tuple, list[tuple[int, int]]] = {}
@@ -653,12 +694,11 @@ def _unsequenced(step: _MuonStep, leaf_shardings):
 
   results: dict[tuple[int, int], jax.Array] = {}
   if distributed:
-    where = list(distributed.items())
-    ys = distributed_ns.orthogonalize_sharded(
-        [mu_hat[i] for i, _ in where], [p for _, (p, _) in where],
-        [ax for _, (_, ax) in where], config.ns, max_elements=step.ns_budget)
-    for (i, _), y in zip(where, ys):
-      results[(i, 0)] = y
+    leaf_of = {k: i for i, k in distributed.items()}
+    for members in plan.rounds():
+      ys = plan.orthogonalize([mu_hat[leaf_of[k]] for k in members], config.ns, members)
+      for k, y in zip(members, ys):
+        results[(leaf_of[k], 0)] = y
   for members in groups.values():
     mats = [plans[i][0][j].matrix for i, j in members]
     for k, parts in _chunked(mats, step.ns_budget, _replicated_ns(config.ns)):
@@ -669,9 +709,9 @@ def _unsequenced(step: _MuonStep, leaf_shardings):
     if s is None:
       out.append(h)
     elif i in distributed:
+      leaf = plan.leaves[distributed[i]]
       out.append(step.in_leaf_layout(
-          step.finish_distributed(i, h, results[(i, 0)], distributed[i][1], active[i],
-                                  distributed[i][0])))
+          step.finish_distributed(i, h, results[(i, 0)], leaf.views, active[i], leaf.placement)))
     else:
       out.append(step.in_leaf_layout(step.finish_grouped(i, plans[i], results, active[i])))
   return out, mu_leaves
@@ -718,35 +758,32 @@ def _sequenced(step: _MuonStep, p_leaves, leaf_shardings, grad_fn, finish):
   leaves, new momentum leaves)``.
   """
   seq = _Sequencer(step, p_leaves, grad_fn, finish)
-  distributed = _place_ns_inputs(step.g_leaves, step.specs, leaf_shardings, step.paths)
+  plan, distributed = _place_ns_inputs(step.g_leaves, step.specs, leaf_shardings, step.paths,
+                                       step.ns_budget, step.ns_input_dtype)
   if distributed:
-    _sequenced_distributed(seq, distributed)
+    _sequenced_distributed(seq, plan, distributed)
   _sequenced_grouped(seq, distributed)
   return seq.new_p, seq.mu_leaves
 
 
-def _sequenced_distributed(seq: _Sequencer, distributed):
+def _sequenced_distributed(seq: _Sequencer, plan, distributed):
   """The leaves of the all-to-all Newton-Schulz, one round at a time: a
-  device's share of a round is at most ``ns_max_elements``, so the sharded
-  step too holds one round at a time."""
+  device's share of a round is at most ``ns_max_elements`` a family, so
+  the sharded step too holds one round at a time."""
   step = seq.step
-  where = list(distributed.items())
-  for members in distributed_ns.rounds(
-      [step.g_leaves[i] for i, _ in where], [p for _, (p, _) in where],
-      [ax for _, (_, ax) in where], step.ns_budget):
-    leaves = [where[k][0] for k in members]
+  leaf_of = {k: i for i, k in distributed.items()}
+  for members in plan.rounds():
+    leaves = [leaf_of[k] for k in members]
     started = {}
     for i, (g, m, p) in zip(leaves, seq.barrier(leaves)):
       started[i] = step.momentum(i, seq.grad_fn(g), m) + (p,)
-    ys = distributed_ns.orthogonalize_sharded(
-        [started[i][1] for i in leaves], [distributed[i][0] for i in leaves],
-        [distributed[i][1] for i in leaves], step.config.ns,
-        max_elements=step.ns_budget)
-    for i, y in zip(leaves, ys):
+    ys = plan.orthogonalize([started[i][1] for i in leaves], step.config.ns, members)
+    for i, k, y in zip(leaves, members, ys):
       stored, h, a, p = started[i]
+      leaf = plan.leaves[k]
       seq.mu_leaves[i] = stored
       seq.new_p[i] = seq.finished(
-          i, step.finish_distributed(i, h, y, distributed[i][1], a, distributed[i][0]), p)
+          i, step.finish_distributed(i, h, y, leaf.views, a, leaf.placement), p)
     seq.done = leaves
 
 

@@ -25,7 +25,11 @@ writes the parameter.
 Layouts: the statistics are ``(batch, cols)`` in the Newton-Schulz layout
 (:func:`fuseopt.optim.matrix_views.split`'s); the state ``v`` of a leaf has
 the leaf's shape without its reduction axes (``(cols,)`` for a 2-D weight,
-``(layers, cols)`` for a stacked one).
+``(layers, cols)`` for a stacked one). A leaf of matrix views keeps one
+``v_j`` per output neuron of each view: views cut along an output axis share
+the leaf's layout (each column belongs to one view); views cut along a
+reduction axis keep that axis with one entry per view (``groups *
+len(sizes)``), since every view has all the leaf's output neurons.
 """
 
 from __future__ import annotations
@@ -37,18 +41,42 @@ import jax.numpy as jnp
 
 from fuseopt.kernels.newton_schulz import layout
 
-__all__ = ["column_sums", "from_matrix", "normalize", "state_shape", "to_matrix"]
+__all__ = ["column_sums", "from_matrix", "normalize", "normalize_views", "state_shape",
+           "to_matrix"]
 
 
 def column_sums(y) -> jax.Array:
-  """fp32 sums of squares over the rows of each ``(batch, rows, cols)`` matrix."""
-  y32 = y.astype(jnp.float32)
-  return jnp.sum(y32 * y32, axis=1)
+  """fp32 sums of squares over the rows of each ``(batch, rows, cols)`` matrix.
+
+  Summed as a fixed pairwise tree (the lower half of the rows added to the
+  upper half, elementwise, until one row is left; an odd count gets a zero
+  row), not by a reduction: XLA tiles a reduction by the whole shape, so the
+  same matrix's sums came out differently in a batch of 8 and a batch of 2
+  on the CPU. The tree's order is the matrix's own, whatever the batch, so
+  the sharded step (a few matrices a device) sums as the unsharded one."""
+  s = y.astype(jnp.float32)
+  return _pairwise_sum(s * s, axis=1)
 
 
-def state_shape(shape, red) -> tuple[int, ...]:
-  """The shape of a leaf's ``v``: the leaf's without its reduction axes."""
-  return tuple(d for a, d in enumerate(shape) if a not in red)
+def _pairwise_sum(s, axis: int):
+  """Sum over ``axis`` as a fixed pairwise tree of elementwise adds. The
+  terms are materialised first (an optimization barrier), so no compiler
+  fuses a product into an add (a fused multiply-add rounds once, and XLA
+  may fuse in one program and not in another)."""
+  s = jnp.moveaxis(jax.lax.optimization_barrier(s), axis, 0)
+  while s.shape[0] > 1:
+    if s.shape[0] % 2:
+      s = jnp.concatenate([s, jnp.zeros_like(s[:1])], axis=0)
+    half = s.shape[0] // 2
+    s = s[:half] + s[half:]
+  return s[0]
+
+
+def state_shape(shape, views: layout.Views) -> tuple[int, ...]:
+  """The shape of a leaf's ``v``: the leaf's without its reduction axes (a
+  view axis among them stays, one entry per view)."""
+  stat = views.statistic_shape(shape)
+  return tuple(d for a, d in enumerate(stat) if a not in views.red or a == views.axis)
 
 
 def _keepdims_shape(shape, red):
@@ -83,10 +111,33 @@ def normalize(colsum, v_old, *, rows: int, cols: int, b2, eps):
   """``(scale, v_new)``, both ``(batch, cols)`` fp32: the per-column factor
   that turns the NS output ``O`` into NorMuon's update (``O * scale``, before
   Muon's width scaling) and the new second moment."""
-  v_new = b2 * v_old.astype(jnp.float32) + (1 - b2) * (colsum / rows)
+  # Each product materialised before its add, and the norm summed as a fixed
+  # tree: the same bits in the sharded step's replicated computation as in
+  # the unsharded step's, whatever each compiler fuses (see _pairwise_sum).
+  old, new = jax.lax.optimization_barrier((b2 * v_old.astype(jnp.float32),
+                                           (1 - b2) * (colsum / rows)))
+  v_new = old + new
   d = 1.0 / (jnp.sqrt(v_new) + eps)
-  norm2 = jnp.sum(colsum * (d * d), axis=1, keepdims=True)
+  norm2 = _pairwise_sum(colsum * (d * d), axis=1)[:, None]
   # A zero matrix has a zero update whatever the factor: keep it finite.
   tiny = jnp.finfo(jnp.float32).tiny
   r = math.sqrt(min(rows, cols)) * jax.lax.rsqrt(jnp.maximum(norm2, tiny))
   return d * r, v_new
+
+
+def normalize_views(stat, v_old, *, views: layout.Views, shape, b2, eps):
+  """:func:`normalize` for every view of a leaf of ``shape``: ``stat`` (the
+  column sums of squares) and ``v_old`` in the statistic layout of
+  :class:`~fuseopt.kernels.newton_schulz.layout.Views`; returns ``(scale,
+  v_new)`` in that layout. Each view is normalised as the matrix it is."""
+  sv = views.statistic()
+  red, out = views.piece_axes()
+  scales, moments = [], []
+  for c, v, pshape in zip(sv.split(stat), sv.split(v_old), views.piece_shapes(shape)):
+    rows = math.prod(pshape[a] for a in red)
+    cols = math.prod(pshape[a] for a in out)
+    s, vn = normalize(to_matrix(c, pshape, red, out), to_matrix(v, pshape, red, out),
+                      rows=rows, cols=cols, b2=b2, eps=eps)
+    scales.append(from_matrix(s, pshape, red, out, keepdims=True))
+    moments.append(from_matrix(vn, pshape, red, out, keepdims=True))
+  return sv.merge(scales), sv.merge(moments)

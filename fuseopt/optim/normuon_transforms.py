@@ -86,9 +86,10 @@ def scale_by_normuon(
       (stochastically rounded, seed stream ``STREAM_NU``).
     Everything else: as :func:`~fuseopt.optim.scale_by_muon` (without
     ``adaptive`` and ``preconditioning``, which NorMuon replaces). Matrices
-    are declared with :class:`~fuseopt.optim.MuonDimensionNumbers`
-    (:class:`~fuseopt.optim.MatrixViews` are refused: the statistics follow
-    the leaf's output axes).
+    are declared with :class:`~fuseopt.optim.MuonDimensionNumbers` or
+    :class:`~fuseopt.optim.MatrixViews`; each view has its own second
+    moment per output neuron (a view axis on the reduction side stays in
+    ``nu``, one entry per view).
 
   Returns:
     A transformation whose state is :class:`NorMuonState` ``(count, mu, nu,

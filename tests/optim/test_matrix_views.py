@@ -9,6 +9,7 @@ import pytest
 from fuseopt.optim.matrix_views import MatrixViews, mla_kv_b_proj_views
 from fuseopt.optim.muon_transforms import MuonDimensionNumbers as MDN
 from fuseopt.optim.muon_transforms import muon, scale_by_muon
+from fuseopt.optim.normuon_transforms import normuon
 
 F32 = dict(ns_dtype=jnp.float32, implementation="xla", coeffs="jordan")
 
@@ -79,6 +80,38 @@ def test_views_on_a_stacked_multi_axis_leaf():
     want, _ = ref.update(x.reshape(heads * L, d, -1), ref.init(x.reshape(heads * L, d, -1)))
     got = jnp.moveaxis(u["w"].reshape(L, d, heads, dk + dv)[..., part], 2, 0)
     _close(got.reshape(heads * L, d, -1), want)
+
+
+def _normuon_steps(params, grads, dims, n=2):
+  tx = normuon(learning_rate=1.0, muon_weight_dimension_numbers=dims, **F32)
+  state = tx.init(params)
+  for _ in range(n):
+    u, state = jax.jit(tx.update)(grads, state, params)
+  return u, state.inner_states["muon"].inner_state[0].nu
+
+
+@pytest.mark.parametrize("side", ["output", "reduction"])
+def test_normuon_views_are_separate_matrices_with_their_own_second_moments(side):
+  """NorMuon on a packed leaf: each view is normalised as the matrix it is,
+  with one second moment per output neuron of each view. Views cut the
+  output axis: ``nu`` has the leaf's columns (each belongs to one view);
+  views cut the reduction axis: ``nu`` keeps that axis, one entry per view."""
+  axis = 1 if side == "output" else 0
+  g = jax.random.normal(jax.random.key(7), (24 + 40, 48) if axis == 0 else (48, 24 + 40))
+  a, b = jnp.split(g, [24], axis=axis)
+  spec = MatrixViews(MDN(0, 1), axis=axis, sizes=(24, 40))
+  u, nu = _normuon_steps({"w": g}, {"w": g}, {"w": spec})
+  sep, sep_nu = _normuon_steps({"a": a, "b": b}, {"a": a, "b": b}, {"a": MDN(), "b": MDN()})
+  _close(u["w"], jnp.concatenate([sep["a"], sep["b"]], axis=axis))
+  if side == "output":
+    assert nu["w"].shape == (64,)
+    _close(nu["w"], jnp.concatenate([sep_nu["a"], sep_nu["b"]]))
+  else:
+    assert nu["w"].shape == (2, 48)
+    _close(nu["w"], jnp.stack([sep_nu["a"], sep_nu["b"]]))
+  # The whole leaf as one matrix gives another update: the views really are apart.
+  whole, _ = _normuon_steps({"w": g}, {"w": g}, {"w": MDN()})
+  assert float(jnp.max(jnp.abs(whole["w"] - u["w"]))) > 1e-2
 
 
 def test_bad_views_raise():

@@ -144,13 +144,6 @@ def test_bad_hyperparameters_are_refused_by_name(kwargs, match):
     fo.scale_by_normuon(**kwargs)
 
 
-def test_matrix_views_are_refused_naming_the_leaf():
-  params = {"gate_up": jnp.ones((16, 64))}
-  views = {"gate_up": fo.MatrixViews(MDN(0, 1), axis=1, sizes=(32, 32))}
-  with pytest.raises(ValueError, match="gate_up.*MatrixViews"):
-    fo.scale_by_normuon(weight_dimension_numbers=views).init(params)
-
-
 def test_builder_normuon_from_yaml():
   cfg = fo.OptimConfig.from_yaml("""
 optimizer: normuon

@@ -80,7 +80,7 @@ def test_distributed_ns_places_each_matrix_on_one_device():
 
   def run(*xs):
     where = [sharding_lib.placement_of(x) for x in xs]
-    assert all(distributed.supported(x.shape, w, *a) for x, w, a in zip(xs, where, axes))
+    assert all(distributed.supported(x.shape, w, a) for x, w, a in zip(xs, where, axes))
     return distributed.orthogonalize_sharded(xs, where, axes, ns)
 
   got = jax.jit(run)(*placed)
@@ -89,12 +89,14 @@ def test_distributed_ns_places_each_matrix_on_one_device():
     assert g.sharding.is_equivalent_to(x.sharding, x.ndim)
 
 
-def test_unsupported_layout_is_refused_by_supported():
+def test_supported_takes_any_sharded_side_axis_and_refuses_uneven_shards():
   mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,))
   where = sharding_lib.Placement(mesh, P(None, None, "x"))
-  # output axes (1, 2) with the second one sharded: not a contiguous block
-  assert not distributed.supported((4, 16, 64), where, (0,), (1, 2))
-  assert distributed.supported((4, 16, 64), where, (0,), (2, 1))
+  # output axes (1, 2) with the second one sharded: a segment of its own
+  assert distributed.supported((4, 16, 64), where, ((0,), (1, 2)))
+  assert distributed.supported((4, 16, 64), where, ((0,), (2, 1)))
+  why = distributed.why_not((4, 16, 60), where, ((0,), (1, 2)))
+  assert why is not None and "evenly" in why
 
 
 _SIG = re.compile(r"custom_call @(?:tpu_custom_call|__gpu\$xla\.gpu\.triton)\(.*\} : \((.*)\) ->")
@@ -180,14 +182,19 @@ def test_sharded_muon_step_is_bitwise_the_unsharded_step(family_run, kind, axis)
                                     err_msg=f"step {t} {jax.tree_util.keystr(path)}")
 
 
-def test_rounds_bound_each_devices_share_and_never_leave_a_lone_matrix():
+def test_rounds_bound_each_devices_share_and_a_lone_matrix_still_runs_batched():
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
   where = sharding_lib.Placement(mesh, P("fsdp", None))
   leaves = [jax.ShapeDtypeStruct((64, 32), jnp.float32)] * 33
   axes = [((0,), (1,))] * 33
-  # Two matrices a device: rounds of 16; 33 = 16 + 16 + 1, the last one joins the round before.
-  got = distributed.rounds(leaves, [where] * 33, axes, max_elements=2 * 64 * 32)
-  assert [len(r) for r in got] == [16, 17] and sum(got, []) == list(range(33))
+  # Two matrices a device: rounds of 16; 33 = 16 + 16 + 1.
+  plan = distributed.Plan(leaves, [where] * 33, axes, max_elements=2 * 64 * 32)
+  got = plan.rounds()
+  assert [len(r) for r in got] == [16, 16, 1] and sum(got, []) == list(range(33))
+  # The last round's lone matrix gets a padding slot: its device runs a
+  # batch of two, as the unsharded step runs the family batched.
+  key, = plan.families
+  assert plan.min_batch(key) == 2
   # A budget of one matrix gives every device one a round, as the unsharded
   # step runs one a call; nothing is merged into the round before.
   assert [len(r) for r in distributed.rounds(leaves, [where] * 33, axes, 64 * 32)] == [8] * 4 + [1]
