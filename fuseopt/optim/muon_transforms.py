@@ -212,7 +212,10 @@ def _optax_newton_schulz(x, table, preconditioning, eps):
   if preconditioning == "frobenius":
     x /= jnp.linalg.norm(x, ord="fro") + eps
   elif preconditioning == "spectral":
-    x /= jnp.linalg.norm(x, ord=2) + eps
+    # The SVD behind ord=2 takes no bf16/f16 (jnp.linalg raises): the norm is
+    # taken in fp32, the division stays in the iteration's dtype.
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    x /= (jnp.linalg.norm(x.astype(wide), ord=2) + eps).astype(x.dtype)
   first = {"aol": aol_first, "schatten": schatten_first}.get(preconditioning, base)
   table = table.astype(x.dtype)
   for i in range(table.shape[0]):

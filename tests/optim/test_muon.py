@@ -265,3 +265,17 @@ def test_ns_matmul_pallas_runs_the_update_kernel_and_matches(impl, monkeypatch):
                              rtol=0, atol=2e-2)
   with pytest.raises(ValueError, match="ns_matmul"):
     scale_by_muon(ns_matmul="cublas")
+
+
+@pytest.mark.parametrize("ns_dtype", [jnp.bfloat16, jnp.float32])
+def test_spectral_preconditioning_runs_in_every_ns_dtype(ns_dtype):
+  """The spectral norm's SVD takes no bf16: it is taken in fp32, so the
+  default bf16 iteration runs (it raised inside jnp.linalg before)."""
+  import fuseopt.optim as fo
+  params = {"w": jnp.ones((24, 16)) + jnp.eye(24, 16)}
+  tx = fo.muon(0.02, preconditioning="spectral", ns_coeffs=(3.4445, -4.775, 2.0315),
+               ns_dtype=ns_dtype)
+  grads = jax.tree.map(lambda x: jnp.sin(jnp.arange(x.size, dtype=jnp.float32)).reshape(x.shape),
+                       params)
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  assert bool(jnp.all(jnp.isfinite(updates["w"]))) and float(jnp.abs(updates["w"]).max()) > 0
