@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="compile every case with the real compilers for a target (no hardware) "
                           "and compare with bench/results/compiled/<target>.json")
   c.add_argument("--target", required=True,
-                 help="a target of fuseopt.targets (v5e, v6e, h200, l4, rtx4090) or 'all'")
+                 help="a target of fuseopt.targets (v5e, v6e, v5p, h200, l4, rtx4090) or 'all'")
   c.add_argument("--all", action="store_true", dest="full",
                  help="also every config of every search space (the full sweep)")
   c.add_argument("--update", action="store_true", help="write the fresh figures into the JSON")
@@ -247,6 +247,12 @@ def cmd_report(args, out=print) -> int:
   changed = compiled.render_readme(args.readme, args.results / "compiled")
   if changed is not None:
     out(f"{args.readme}: compiled-figures table {'updated' if changed else 'unchanged'}")
+  from fuseopt.benchmarks import scale
+  scaling = args.readme.parent / "docs" / "scaling.md"
+  if scaling.exists():
+    changed = scale.render(scaling, args.results / "compiled")
+    if changed is not None:
+      out(f"{scaling}: measured-at-scale table {'updated' if changed else 'unchanged'}")
   return 0
 
 

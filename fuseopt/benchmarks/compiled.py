@@ -31,7 +31,13 @@ Cases (:func:`cases`):
   (:func:`fuseopt.optim.step`) and through ``tx.update`` +
   ``optax.apply_updates``, beside optax's own recipe;
 - ``sharded/...``: the AdamW and hybrid steps on 8 devices, FSDP
-  placements, on Explicit and Auto meshes, beside optax's.
+  placements, on Explicit and Auto meshes, beside optax's;
+- ``scale/...``: the hybrid step of 8.8 B to 80 B models in the layouts real
+  codebases use, on 8 to 1024 devices (:mod:`fuseopt.benchmarks.scale`).
+
+Sharded and scale cases place the optimizer state like the parameters and
+donate it (:func:`shard_like_params`): their figures are of the program users
+run.
 
 The figures of every case and target are committed under
 ``bench/results/compiled/<target>.json``; :func:`compare` is the gate
@@ -167,7 +173,7 @@ class Case:
   """
   id: str
   build: Callable[[targets_lib.Target], tuple[Callable, tuple, tuple]]
-  kind: str = "kernel"               # "kernel", "step" or "sharded"
+  kind: str = "kernel"               # "kernel", "step", "sharded" or "scale"
   devices: int = 1
   implementations: tuple[str, ...] = ("triton", "mosaic_tpu")
   full_only: bool = False            # only in the full sweep (``full=True``)
@@ -183,6 +189,13 @@ class Case:
   # Mosaic GPU kernels: only GPUs of compute capability 9.0, even in the full
   # sweep (fuseopt refuses the others before lowering).
   sm90_only: bool = False
+  # The targets the case belongs to (``None``: every target with its device
+  # count); the scale cases name theirs.
+  on_targets: tuple[str, ...] | None = None
+  # A compile failure is a figure of the case (a step that does not fit the
+  # device, a layout that does not compile yet), recorded as ``{"error"}``;
+  # the tests then hold the case to it (see tests/compile/tier.py).
+  records_failure: bool = False
 
 
 class CompileFailure(AssertionError):
@@ -624,12 +637,41 @@ def _fsdp_spec(x):
   return P()
 
 
+def hybrid_tx(variant: str, shardings=None, dims=None, **options):
+  """The hybrid Muon + AdamW recipe of the sharded cases: fuseopt's (bf16
+  AdamW moments, Jordan's coefficients; ``shardings`` on an Auto mesh;
+  ``options`` of :func:`fuseopt.optim.muon`) or optax's ``contrib.muon`` on
+  the same split (``dims``: the Muon dimension numbers, the 1.2 B tree's by
+  default)."""
+  import optax
+
+  import fuseopt.optim as fo
+  from fuseopt.benchmarks.cases import muon as muon_cases
+  dims = dims or muon_cases.muon_dims
+  if variant == "optax":
+    return optax.contrib.muon(0.02, ns_coeffs=muon_cases.COEFFS, weight_decay=0.1,
+                              adam_weight_decay=0.1, muon_weight_dimension_numbers=dims)
+  return fo.muon(0.02, coeffs="jordan", weight_decay=0.1, adam_weight_decay=0.1,
+                 adam_moment_dtype=BF16, muon_weight_dimension_numbers=dims, shardings=shardings,
+                 **options)
+
+
+def sharded_step_args(t, tx, tree, shardings, *, fused: bool):
+  """``(step, (params, state, grads), donate)`` of one sharded step: params
+  and grads placed by ``shardings``, the state placed like the params
+  (:func:`shard_like_params`), params and state donated: the program a user
+  runs."""
+  placed = targets_lib.avals(t, tree, shardings)
+  state = jax.eval_shape(tx.init, placed)
+  mesh = jax.tree.leaves(shardings)[0].mesh
+  return _step_fn(tx, fused), (placed, shard_like_params(state, placed, mesh), placed), (0, 1)
+
+
 def sharded_cases() -> list[Case]:
   from jax.sharding import AxisType, NamedSharding
 
   from fuseopt.benchmarks import workloads
   import fuseopt.optim as fo
-  from fuseopt.benchmarks.cases import muon as muon_cases
   import optax
   out = []
   for axis_type in (AxisType.Explicit, AxisType.Auto):
@@ -648,25 +690,13 @@ def sharded_cases() -> list[Case]:
           tree = workloads.llama_tree(F32)
           specs = jax.tree.map(_fsdp_spec, tree)
           shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
-          placed = targets_lib.avals(t, tree, shardings)
-          auto = axis_type == AxisType.Auto
-          if variant == "optax":
-            tx = (optax.adamw(1e-3, weight_decay=0.1) if recipe == "adamw" else
-                  optax.contrib.muon(0.02, ns_coeffs=muon_cases.COEFFS, weight_decay=0.1,
-                                     adam_weight_decay=0.1,
-                                     muon_weight_dimension_numbers=muon_cases.muon_dims))
-            fused = False
-          elif recipe == "adamw":
-            tx = fo.adamw(1e-3, weight_decay=0.1, shardings=shardings if auto else None)
-            fused = True
+          auto = shardings if axis_type == AxisType.Auto else None
+          if recipe == "adamw":
+            tx = (optax.adamw(1e-3, weight_decay=0.1) if variant == "optax" else
+                  fo.adamw(1e-3, weight_decay=0.1, shardings=auto))
           else:
-            tx = fo.muon(0.02, coeffs="jordan", weight_decay=0.1, adam_weight_decay=0.1,
-                         adam_moment_dtype=BF16, muon_weight_dimension_numbers=muon_cases.muon_dims,
-                         shardings=shardings if auto else None)
-            fused = True
-          state = jax.eval_shape(tx.init, placed)
-          state = _with_state_shardings(t, state, mesh)
-          return _step_fn(tx, fused), (placed, state, placed), (0, 1)
+            tx = hybrid_tx(variant, auto)
+          return sharded_step_args(t, tx, tree, shardings, fused=variant != "optax")
         kind = "explicit" if axis_type == AxisType.Explicit else "auto"
         out.append(Case(f"sharded/{recipe}/{variant}/llama1.2b-fsdp8-{kind}", build,
                         kind="sharded", devices=8, expect_kernels=variant != "optax",
@@ -675,24 +705,61 @@ def sharded_cases() -> list[Case]:
   return out
 
 
-def _with_state_shardings(t, state, mesh):
-  """eval_shape's structs keep their shardings; leaves without one (counts)
-  are replicated on ``mesh``."""
-  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+def shard_like_params(state, params, mesh):
+  """``state`` (``jax.eval_shape(tx.init, params)``) placed as a user places
+  it: like the parameters.
 
-  def one(x):
-    if isinstance(x, jax.ShapeDtypeStruct):
-      s = x.sharding if isinstance(x.sharding, jax.sharding.NamedSharding) else rep
-      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-    return x
-  return jax.tree.map(one, state)
+  On an Explicit mesh ``eval_shape`` already gives every state leaf its
+  sharding; on Auto axes it gives none, and placing those structs replicated
+  would compile a step whose optimizer state arrives whole on every device
+  (and cannot be donated into the sharded output). A state leaf found under a
+  parameter's key path (Adam's moments, Muon's momentum, a mantissa
+  companion, inside any ``optax.chain``/``partition`` wrapper) takes that
+  parameter's spec, keeping only the entries whose dimension is the
+  parameter's (a per-neuron moment's reduced axis is replicated); anything
+  else (counts, coefficient tables) is replicated.
+  """
+  P, NamedSharding = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
+  rep = NamedSharding(mesh, P())
+  by_path = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    spec = x.sharding.spec if isinstance(getattr(x, "sharding", None), NamedSharding) else P()
+    by_path[tuple(str(k) for k in path)] = (tuple(x.shape), spec)
+
+  def spec_for(path, x):
+    keys = tuple(str(k) for k in path)
+    for j in range(len(keys)):
+      if keys[j:] in by_path:
+        shape, spec = by_path[keys[j:]]
+        if len(shape) != len(x.shape):
+          return P()
+        spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+        return P(*[e if a == b else None for e, a, b in zip(spec, x.shape, shape)])
+    return P()
+
+  def one(path, x):
+    if not isinstance(x, jax.ShapeDtypeStruct):
+      return x
+    s = x.sharding
+    if not isinstance(s, NamedSharding) or not any(s.spec):
+      s = NamedSharding(mesh, spec_for(path, x)) if x.shape else rep
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+  return jax.tree_util.tree_map_with_path(one, state)
 
 
-def cases(target, *, full: bool = False, kinds: tuple[str, ...] = ("kernel", "step", "sharded"),
+# Targets that exist for the scale cases: their other cases (kernels, the
+# 1.2 B steps) belong to the full sweep only.
+SCALE_ONLY_TARGETS = ("v5p",)
+KINDS = ("kernel", "step", "sharded", "scale")
+
+
+def cases(target, *, full: bool = False, kinds: tuple[str, ...] = KINDS,
           baselines: bool = False) -> list[Case]:
-  """The cases that apply to ``target``: its backend's kernels, the steps
-  and (where it has an 8-device topology) the sharded steps. ``full`` adds
-  every config of every search space, ``baselines`` optax's steps."""
+  """The cases that apply to ``target``: its backend's kernels, the steps,
+  (where it has an 8-device topology) the sharded steps and the scale cases
+  that name it. ``full`` adds every config of every search space and the
+  cases CI leaves out, ``baselines`` optax's steps."""
+  from fuseopt.benchmarks import scale
   t = targets_lib.get(target)
   every = []
   if "kernel" in kinds:
@@ -701,10 +768,15 @@ def cases(target, *, full: bool = False, kinds: tuple[str, ...] = ("kernel", "st
     every += step_cases() + variant_step_cases()
   if "sharded" in kinds and 8 in t.topologies:
     every += sharded_cases()
+  if "scale" in kinds:
+    every += scale.cases()
+
   def selected(c):
-    in_ci = not c.full_only and (c.ci_targets is None or t.name in c.ci_targets)
+    in_ci = not c.full_only and (c.ci_targets is None and t.name not in SCALE_ONLY_TARGETS
+                                 or t.name in (c.ci_targets or ()))
     return (t.implementation in c.implementations and (full or in_ci)
             and c.devices in t.topologies and (baselines or not c.baseline)
+            and (c.on_targets is None or t.name in c.on_targets)
             and (not c.sm90_only or t.compute_capability == (9, 0)))
   return [c for c in every if selected(c)]
 
@@ -807,7 +879,7 @@ def versions_match(doc: dict[str, Any] | None) -> bool:
 
 
 # ------------------------------------------------------------------ runner --
-def run(target, *, full: bool = False, kinds=("kernel", "step", "sharded"), match: str | None = None,
+def run(target, *, full: bool = False, kinds=KINDS, match: str | None = None,
         jobs: int = 1, baselines: bool = True, log=print) -> dict[str, dict]:
   """Compiles every case of ``target`` (in ``jobs`` worker processes when
   ``jobs > 1``); returns ``{case id: figures or {"error": message}}``."""
@@ -893,12 +965,30 @@ def _gb(v) -> str:
   return f"{v / (1 << 30):.2f} GiB"
 
 
-def _why(error: str) -> str:
+_HBM = re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM")
+
+
+def requested_bytes(error: str) -> int | None:
+  """What a step that does not fit asked for, from libtpu's
+  ``RESOURCE_EXHAUSTED`` message (``None`` if it says no figure)."""
+  m = _HBM.search(error)
+  if not m:
+    return None
+  # libtpu's units are binary: a v5e's 16 GiB show as "available HBM (15.75G)".
+  scale = 1 << {"K": 10, "M": 20, "G": 30, "T": 40}[m.group(2)]
+  return int(float(m.group(1)) * scale)
+
+
+def why_failed(error: str) -> str:
+  """A failure in a few words: "does not fit (17.97 GiB)", "does not trace",
+  "does not compile: NotImplementedError"."""
   if "RESOURCE_EXHAUSTED" in error or "Ran out of memory" in error:
-    return "does not fit"
+    want = requested_bytes(error)
+    return "does not fit" + (f" ({_gb(want)})" if want else "")
   if "ShardingTypeError" in error:
     return "does not trace"
-  return "does not compile"
+  m = re.search(r"compile for \S+ \([^)]*\): (\w+(?:Error|Exception))", error)
+  return "does not compile" + (f": {m.group(1)}" if m else "")
 
 
 def _coll(fig) -> str:
@@ -918,6 +1008,11 @@ def markdown(root: Path | str = RESULTS_DIR) -> str:
   for name, doc in docs:
     cs = doc["cases"]
     kernels = [k for k in cs if k.startswith("kernel/")]
+    if not kernels and not any(ours in cs for _, ours, _ in _TABLE_ROWS):
+      out.append(f"**{doc['device_kind']}** (`{name}`): the scale cases only "
+                 f"([scaling.md](docs/scaling.md#measured-at-scale))")
+      out.append("")
+      continue
     env = doc.get("environment", {})
     compiler = (f"libtpu {env['libtpu']}" if "libtpu" in env and doc["platform"] == "tpu"
                 else f"XLA + ptxas (nvcc {env.get('nvidia-cuda-nvcc-cu12', '?')})")
@@ -938,7 +1033,7 @@ def markdown(root: Path | str = RESULTS_DIR) -> str:
         continue
       b = b or {}
       secs = lambda f: (f"{f['lower_s'] + f['compile_s']:.0f}" if "lower_s" in f else "-")
-      theirs_temp = _gb(b.get("temp_bytes")) if "error" not in b else _why(b["error"])
+      theirs_temp = _gb(b.get("temp_bytes")) if "error" not in b else why_failed(b["error"])
       out.append(f"| {label} | {_gb(a.get('temp_bytes'))} | {theirs_temp} | "
                  f"{a.get('kernels', '-')} | {_coll(a) if ours.startswith('sharded') else '-'} | "
                  f"{_coll(b) if ours.startswith('sharded') else '-'} | {secs(a)} / {secs(b)} |")
@@ -946,22 +1041,28 @@ def markdown(root: Path | str = RESULTS_DIR) -> str:
   return "\n".join(out).rstrip() + "\n"
 
 
-def render_readme(readme: Path | str = "README.md", root: Path | str = RESULTS_DIR) -> bool | None:
-  """Replaces what lies between the compiled-table markers of ``readme``;
-  ``None`` when it has neither marker."""
-  readme = Path(readme)
-  text = readme.read_text()
-  start = re.search(rf"^{re.escape(COMPILED_START)}[ \t]*\n", text, re.M)
-  end = re.search(rf"^{re.escape(COMPILED_END)}[ \t]*$", text, re.M)
+def render_between(path: Path | str, start_marker: str, end_marker: str, body: str) -> bool | None:
+  """Replaces what lies between the two marker lines of ``path`` with
+  ``body``; ``None`` when it has neither marker, else whether it changed."""
+  path = Path(path)
+  text = path.read_text()
+  start = re.search(rf"^{re.escape(start_marker)}[ \t]*\n", text, re.M)
+  end = re.search(rf"^{re.escape(end_marker)}[ \t]*$", text, re.M)
   if not start and not end:
     return None
   if not start or not end or end.start() < start.end():
-    raise ValueError(f"{readme}: needs the markers {COMPILED_START} and {COMPILED_END}, "
+    raise ValueError(f"{path}: needs the markers {start_marker} and {end_marker}, "
                      "each on a line of its own, in that order")
-  new = text[:start.end()] + markdown(root) + text[end.start():]
+  new = text[:start.end()] + body + text[end.start():]
   if new != text:
-    readme.write_text(new)
+    path.write_text(new)
   return new != text
+
+
+def render_readme(readme: Path | str = "README.md", root: Path | str = RESULTS_DIR) -> bool | None:
+  """Replaces what lies between the compiled-table markers of ``readme``;
+  ``None`` when it has neither marker."""
+  return render_between(readme, COMPILED_START, COMPILED_END, markdown(root))
 
 
 def main(target: str, *, full: bool = False, update: bool = False, match: str | None = None,
@@ -978,16 +1079,31 @@ def main(target: str, *, full: bool = False, update: bool = False, match: str | 
       continue
     out(f"== {name} ({targets_lib.get(name).device_kind})")
     fresh = run(name, full=full, match=match, jobs=jobs, baselines=baselines, log=out)
-    base_ids = {c.id for c in cases(name, full=full, baselines=True) if c.baseline}
-    errors = {k: v for k, v in fresh.items() if "error" in v}
-    bad += len([k for k in errors if k not in base_ids])
-    for k in errors:
-      if k in base_ids:
-        out(f"note {k}: optax's baseline does not compile here")
+    every = {c.id: c for c in cases(name, full=full, baselines=True)}
+    # optax's baselines and the cases whose failure is a figure (a step that
+    # does not fit) are written failed, so that the tables can say why.
+    recorded = {k for k, c in every.items() if c.baseline or c.records_failure}
     doc = load(name, root)
+    errors = {k: v for k, v in fresh.items() if "error" in v}
+    for k in errors:
+      if k not in recorded:
+        bad += 1
+      elif every[k].baseline:
+        out(f"note {k}: optax's baseline does not compile here ({why_failed(errors[k]['error'])})")
+      else:
+        was = (doc or {}).get("cases", {}).get(k)
+        if was is not None and "error" not in was and not update:
+          out(f"FAIL {k}: compiled before, now {why_failed(errors[k]['error'])}")
+          bad += 1
+        else:
+          out(f"note {k}: {why_failed(errors[k]['error'])} (a recorded figure)")
     enforced = versions_match(doc)
     for cid, fig in fresh.items():
       if "error" in fig:
+        continue
+      was = (doc or {}).get("cases", {}).get(cid)
+      if was is not None and "error" in was:
+        out(f"note {cid}: compiles now (recorded: {why_failed(was['error'])}); record it with --update")
         continue
       if not full and fuseopt_spills(fig["spills"]):
         out(f"FAIL {cid}: ptxas spills in a default config: {fuseopt_spills(fig['spills'])}")
@@ -1000,10 +1116,9 @@ def main(target: str, *, full: bool = False, update: bool = False, match: str | 
         out(f"{'FAIL' if enforced else 'moved'} {cid}: {'; '.join(fails)}")
         bad += len(fails) if enforced else 0
     if update:
-      # A fuseopt case that fails is not written (its test then fails); an
-      # optax baseline that fails is, so that the tables can say why.
-      base_ids = {c.id for c in cases(name, full=full, baselines=True) if c.baseline}
-      keep = {k: v for k, v in fresh.items() if "error" not in v or k in base_ids}
+      # A fuseopt case that fails is not written (its test then fails), unless
+      # its failure is a figure.
+      keep = {k: v for k, v in fresh.items() if "error" not in v or k in recorded}
       path = write(name, keep, root)
       lost = len(fresh) - len(keep)
       out(f"{path}: {len(keep)} cases written" + (f" ({lost} failed, not written)" if lost else ""))

@@ -75,11 +75,17 @@ class Target:
 _TPU_SOURCE = ("libtpu's own topology description (jax.experimental.topologies), "
                "named as in Cloud TPU's accelerator types")
 TARGETS: dict[str, Target] = {t.name: t for t in (
-    Target("v5e", "tpu", "TPU v5 lite", 1, {1: "v5e:2x2", 8: "v5e:2x4"}, "mosaic_tpu",
+    Target("v5e", "tpu", "TPU v5 lite", 1,
+           {1: "v5e:2x2", 8: "v5e:2x4", 64: "v5e:8x8", 256: "v5e:16x16"}, "mosaic_tpu",
            source=_TPU_SOURCE),
     Target("v6e", "tpu", "TPU v6 lite", 1, {1: "v6e:2x2", 8: "v6e:2x4"}, "mosaic_tpu",
            source=_TPU_SOURCE),
-    Target("h200", "gpu", "NVIDIA H200", 132, {1: "1x1x1", 8: "1x1x8"}, "triton",
+    # One device a chip: its two TensorCores run as one (megacore).
+    Target("v5p", "tpu", "TPU v5", 2, {1: "v5p:2x2x1", 1024: "v5p:8x8x16"}, "mosaic_tpu",
+           source=_TPU_SOURCE),
+    # XLA's deviceless GPU topology is slices x hosts x devices a host.
+    Target("h200", "gpu", "NVIDIA H200", 132,
+           {1: "1x1x1", 8: "1x1x8", 64: "1x8x8", 256: "1x32x8"}, "triton",
            spec="h200.txtpb", compute_capability=(9, 0), source="h200.txtpb"),
     Target("l4", "gpu", "NVIDIA L4", 58, {1: "1x1x1"}, "triton",
            spec="l4.txtpb", compute_capability=(8, 9), source="l4.txtpb"),

@@ -8,7 +8,7 @@ from fuseopt.benchmarks import compiled
 
 
 def test_every_target_is_described():
-  assert set(targets.TARGETS) == {"v5e", "v6e", "h200", "l4", "rtx4090"}
+  assert set(targets.TARGETS) == {"v5e", "v6e", "v5p", "h200", "l4", "rtx4090"}
   for t in targets.TARGETS.values():
     assert t.platform in ("gpu", "tpu")
     assert 1 in t.topologies
@@ -23,7 +23,7 @@ def test_every_target_is_described():
 
 
 def test_unknown_target_lists_the_known_ones():
-  with pytest.raises(targets.UnknownTarget, match="known targets: v5e, v6e, h200, l4, rtx4090"):
+  with pytest.raises(targets.UnknownTarget, match="known targets: v5e, v6e, v5p, h200, l4, rtx4090"):
     targets.get("h100")
 
 
@@ -134,12 +134,30 @@ def test_every_case_id_is_unique_and_names_its_target_backend():
         assert any(f"/{b}/" in cid for b in backends), (name, cid)
     assert any(i.startswith("step/") for i in ids)
     assert any(i.startswith("sharded/") for i in ids) == (8 in t.topologies)
+  # v5p is there for the scale cases: CI compiles nothing else on it.
+  assert {c.kind for c in compiled.cases("v5p")} <= {"scale"}
+  assert any(c.id.startswith("scale/") for c in compiled.cases("v5p", full=True))
+
+
+def test_a_step_that_does_not_fit_is_a_figure():
+  error = ("scale/hybrid/optax/llama8.8b-fsdp256 does not compile for v5e (TPU v5 lite): "
+           "JaxRuntimeError: RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
+           "required for HLO temporaries (17.97G) exceeds available HBM (15.75G).")
+  assert compiled.requested_bytes(error) == int(17.97 * 2**30)
+  assert compiled.why_failed(error) == "does not fit (17.97 GiB)"
+  assert compiled.why_failed("x does not compile for v6e (TPU v6 lite): NotImplementedError: "
+                             "Mosaic kernels cannot be automatically partitioned") == (
+      "does not compile: NotImplementedError")
+  # Only the cases whose failure is a figure are written failed.
+  scale_ids = {c.id for c in compiled.cases("v5e", full=True, kinds=("scale",)) if c.records_failure}
+  assert "scale/hybrid/fuseopt_step/llama8.8b-fsdp256" in scale_ids
+  assert not any(c.records_failure for c in compiled.cases("v5e", full=True, kinds=("sharded",)))
 
 
 def test_cli_refuses_an_unknown_target(capsys):
   from fuseopt import cli
   assert cli.main(["compile-check", "--target", "h100"]) == 2
-  assert "known targets: v5e, v6e, h200" in capsys.readouterr().err
+  assert "known targets: v5e, v6e, v5p, h200" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(targets.missing("h200") is not None, reason="the compile extra is not installed")

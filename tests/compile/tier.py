@@ -30,7 +30,26 @@ def check(target: str, case_id: str) -> None:
   if why:
     pytest.skip(why)
   case = {c.id: c for c in compiled.cases(target)}[case_id]
-  figures = compiled.compile_case(target, case)   # raises CompileFailure with the message
+  recorded = ((compiled.load(target) or {}).get("cases") or {}).get(case_id)
+  if case.records_failure and recorded and "error" in recorded and not UPDATE:
+    # A failure that is a figure (a layout that does not compile yet, a step
+    # that does not fit): held to it; compiling now is progress to record.
+    try:
+      figures = compiled.compile_case(target, case)
+    except compiled.CompileFailure as e:
+      assert compiled.why_failed(str(e)) == compiled.why_failed(recorded["error"]), (
+          f"{target}: {case_id} fails otherwise than recorded: {e}")
+      pytest.xfail(f"{compiled.why_failed(str(e))} (recorded)")
+    print(f"{target}: {case_id} compiles now (recorded: {compiled.why_failed(recorded['error'])}): "
+          f"record it with `fuseopt compile-check --target {target} --all --match {case_id} --update`")
+    return
+  try:
+    figures = compiled.compile_case(target, case)   # raises CompileFailure with the message
+  except compiled.CompileFailure as e:
+    if UPDATE and case.records_failure:
+      compiled.write(target, {case_id: {"error": str(e)}})
+      return
+    raise
   # fuseopt's kernels must not spill in default and heuristic configs (the
   # full sweep may, documented); XLA's own fusions are reported only.
   ours = compiled.fuseopt_spills(figures["spills"])

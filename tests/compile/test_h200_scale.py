@@ -1,0 +1,11 @@
+"""The compile tier's scale cases for the target `h200` (see tests/compile/tier.py)."""
+import pytest
+
+from tests.compile import tier
+
+TARGET = "h200"
+
+
+@pytest.mark.parametrize("case_id", tier.case_ids(TARGET, ("scale",)))
+def test_compiles(case_id):
+  tier.check(TARGET, case_id)
