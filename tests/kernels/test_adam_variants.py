@@ -47,17 +47,15 @@ def _grads(key, shape, steps=STEPS):
 
 # ----------------------------------------------------- cautious weight decay --
 def _old_adam_math(s, p32, g32, mu32, nu32):
-  """The plain AdamW formula of adam_math without the cautious flag (nesterov
-  off, apply on), its products rounded alone as adam_math's are."""
+  """adam_math as it was before the cautious flag (nesterov off, apply on)."""
   S = adam_math_lib
-  r = lambda x: adam_math_lib.rounded(s, x)
   keep_old = s(S.APPLY) == 0
   g32 = g32 * s(S.GRAD_SCALE)
-  mu_new = r(s(S.OMB1) * g32) + r(s(S.B1) * mu32)
-  nu_new = r(s(S.OMB2) * (g32 * g32)) + r(s(S.B2) * nu32)
-  u = (mu_new * s(S.INV_BC1)) / (jnp.sqrt(r(nu_new * s(S.INV_BC2)) + s(S.EPS_ROOT)) + s(S.EPS))
-  u = u + r(s(S.WD) * p32)
-  return (jnp.where(keep_old, p32, p32 + r(s(S.NEG_LR) * u)), jnp.where(keep_old, mu32, mu_new),
+  mu_new = s(S.OMB1) * g32 + s(S.B1) * mu32
+  nu_new = s(S.OMB2) * (g32 * g32) + s(S.B2) * nu32
+  u = (mu_new / s(S.BC1)) / (jnp.sqrt(nu_new / s(S.BC2) + s(S.EPS_ROOT)) + s(S.EPS))
+  u = u + s(S.WD) * p32
+  return (jnp.where(keep_old, p32, p32 + s(S.NEG_LR) * u), jnp.where(keep_old, mu32, mu_new),
           jnp.where(keep_old, nu32, nu_new))
 
 

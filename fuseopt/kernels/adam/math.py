@@ -28,12 +28,9 @@ from fuseopt.kernels import pallas_common
 # APPLY is 1.0, or 0.0 to keep p, mu and nu as they are (a skipped step);
 # CAUTIOUS is 1.0 to decay only where the update and the parameter agree in
 # sign (cautious weight decay), 0.0 for the plain decoupled decay.
-# INV_BC1, INV_BC2 and INV_BC1_NEXT are the reciprocals of the bias
-# corrections (:func:`adam_math`); NEG_ZERO is -0.0, made from the step count
-# at run time (:func:`rounded`).
-(NEG_LR, B1, OMB1, B2, OMB2, EPS, EPS_ROOT, INV_BC1, INV_BC2, INV_BC1_NEXT, WD, GRAD_SCALE, APPLY,
- CAUTIOUS, NEG_ZERO) = range(15)
-N_SCALARS_USED = NEG_ZERO + 1
+(NEG_LR, B1, OMB1, B2, OMB2, EPS, EPS_ROOT, BC1, BC2, BC1_NEXT, WD, GRAD_SCALE, APPLY,
+ CAUTIOUS) = range(14)
+N_SCALARS_USED = CAUTIOUS + 1
 N_SCALARS = 16   # padded to a power of two (Triton block shapes)
 N_SEEDS = 4      # uint32s: the param, mu and nu seeds, then the leaf's global index base
 SEED_BASE = 3    # (sharding: the shard's first element's global flat index)
@@ -51,56 +48,30 @@ ADAM_FLOPS_PER_ELEMENT = 14
 ADAM_TRANSCENDENTALS_PER_ELEMENT = 1
 
 
-def rounded(s, x):
-  """``x`` rounded to fp32 on its own, whatever the compiler: ``x + (-0.0)``,
-  the ``-0.0`` read from the scalar vector (``NEG_ZERO``).
-
-  Adding -0.0 is the identity on every fp32 value (-0 and NaN included), but
-  no compiler drops an add of a value it does not know. A product passed
-  through it is rounded before it meets the next add: a compiler that
-  contracts a multiply and an add into a fused multiply-add (XLA's CPU and
-  GPU backends, ptxas) can contract it only with this add, which gives the
-  same rounded product, never with the next one. Without it, whether and
-  which product of ``a*b + c*d`` is contracted depends on how the compiler
-  emits the loop (its vector width, hence the leaf's or the shard's shape)
-  and on the compiler's release.
-  """
-  return x + s(NEG_ZERO)
-
-
 def adam_math(s, p32, g32, mu32, nu32, *, nesterov: bool, apply: bool):
   """fp32 math of one element block; ``s`` indexes the scalar vector.
 
   The operation order follows optax (clip's ``g * scale``, scale_by_adam,
   add_decayed_weights, scale_by_learning_rate, apply_updates), so fp32
   moments match optax to the last bit wherever the compiler keeps that order.
-  Every product that meets an add is :func:`rounded` first, so no compiler
-  can contract it with that add. The bias corrections are applied as products by their fp32 reciprocals,
-  computed once a step: a division by a step constant is what XLA rewrites
-  into such a product in some programs and not in others (jax 0.12's XLA:CPU
-  did it in an unsharded step and not in the same step sharded, 1-2 ulp
-  apart), and Triton and Mosaic never do; written as the product, every
-  backend, block size, grid and sharding computes the same value on every
-  jax release.
   Where ``APPLY`` is 0 the outputs are the inputs (the direction is 0): a
   select, so a skipped step costs no second pass; a stored bf16 value comes
   back bit for bit through the stochastic rounding, which leaves values that
   are already bf16 unchanged.
   """
-  r = functools.partial(rounded, s)
   keep_old = s(APPLY) == 0
   g32 = g32 * s(GRAD_SCALE)
-  mu_new = r(s(OMB1) * g32) + r(s(B1) * mu32)
-  nu_new = r(s(OMB2) * (g32 * g32)) + r(s(B2) * nu32)
+  mu_new = s(OMB1) * g32 + s(B1) * mu32
+  nu_new = s(OMB2) * (g32 * g32) + s(B2) * nu32
   if nesterov:
-    mu_hat = r(s(B1) * (mu_new * s(INV_BC1_NEXT))) + r(s(OMB1) * (g32 * s(INV_BC1)))
+    mu_hat = s(B1) * (mu_new / s(BC1_NEXT)) + s(OMB1) * (g32 / s(BC1))
   else:
-    mu_hat = mu_new * s(INV_BC1)
-  nu_hat = r(nu_new * s(INV_BC2))
+    mu_hat = mu_new / s(BC1)
+  nu_hat = nu_new / s(BC2)
   u = mu_hat / (jnp.sqrt(nu_hat + s(EPS_ROOT)) + s(EPS))
   if apply:
-    u = u + r(s(WD) * decayed_param(s, u, p32))
-    out = jnp.where(keep_old, p32, p32 + r(s(NEG_LR) * u))
+    u = u + s(WD) * decayed_param(s, u, p32)
+    out = jnp.where(keep_old, p32, p32 + s(NEG_LR) * u)
   else:
     out = jnp.where(keep_old, jnp.zeros_like(u), u)
   return out, jnp.where(keep_old, mu32, mu_new), jnp.where(keep_old, nu32, nu_new)
@@ -253,22 +224,11 @@ def adam_scalars(*, count, learning_rate=0.0, b1=0.9, b2=0.999, eps=1e-8, eps_ro
   bc2 = _bias_correction(b2, count)
   bc1_next = _bias_correction(b1, optax_safe_increment(count)) if nesterov else bc1
   vals = [-learning_rate if not isinstance(learning_rate, (int, float)) else -float(learning_rate),
-          b1, 1 - b1, b2, 1 - b2, eps, eps_root, 1 / bc1, 1 / bc2, 1 / bc1_next, weight_decay,
-          grad_scale,
+          b1, 1 - b1, b2, 1 - b2, eps, eps_root, bc1, bc2, bc1_next, weight_decay, grad_scale,
           jnp.where(apply, 1.0, 0.0) if isinstance(apply, jax.Array) else float(bool(apply)),
-          jnp.where(cautious, 1.0, 0.0) if isinstance(cautious, jax.Array) else float(cautious),
-          _neg_zero(count)]
+          jnp.where(cautious, 1.0, 0.0) if isinstance(cautious, jax.Array) else float(cautious)]
   vals = [_f32(v) for v in vals]
   return jnp.stack(vals + [jnp.float32(0)] * (N_SCALARS - len(vals)))
-
-
-def _neg_zero(count):
-  """-0.0 as the bits ``0x80000000 | (count >> 31)`` (``count`` is in
-  [1, 2**31), so the shift is 0): a value no compiler can fold where the
-  count is traced, as it could fold a float expression such as
-  ``-abs(count * 0.0)``, or a constant, through to :func:`rounded`'s adds."""
-  bits = (count.astype(jnp.uint32) >> 31) | jnp.uint32(0x80000000)
-  return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def check_cautious(flag):
