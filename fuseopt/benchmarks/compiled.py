@@ -782,8 +782,36 @@ def cases(target, *, full: bool = False, kinds: tuple[str, ...] = KINDS,
 
 
 # ------------------------------------------------------------ baseline --
-def results_path(target, root: Path | str = RESULTS_DIR) -> Path:
-  return Path(root) / f"{targets_lib.get(target).name}.json"
+def results_path(target, root: Path | str = RESULTS_DIR, *, jax_version: str | None = None) -> Path:
+  """Where the figures of ``target`` for a jax release live (default: the
+  running one). Figures are exact for one set of compilers, and each jax
+  release brings its own (libtpu, the CUDA plugin), so each release keeps its
+  own file: ``<root>/jax-<release>/<target>.json``. ``<root>/<target>.json``
+  is the file of the release it records (jax 0.11.2's, written before the
+  releases were keyed): used for that release, and read, not enforced
+  (:func:`versions_match`), by a release that has no file of its own."""
+  name = targets_lib.get(target).name
+  version = jax_version or jax.__version__
+  keyed = Path(root) / f"jax-{version}" / f"{name}.json"
+  legacy = Path(root) / f"{name}.json"
+  return keyed if keyed.exists() or not legacy.exists() else legacy
+
+
+def _recorded_jax(path: Path) -> str | None:
+  try:
+    return json.loads(path.read_text()).get("environment", {}).get("jax")
+  except (OSError, ValueError):
+    return None
+
+
+def write_path(target, root: Path | str = RESULTS_DIR) -> Path:
+  """Where ``--update`` writes the running release's figures: its own file,
+  never another release's (:func:`results_path`)."""
+  name = targets_lib.get(target).name
+  legacy = Path(root) / f"{name}.json"
+  if legacy.exists() and _recorded_jax(legacy) == jax.__version__:
+    return legacy
+  return Path(root) / f"jax-{jax.__version__}" / f"{name}.json"
 
 
 def environment() -> dict[str, str]:
@@ -808,8 +836,8 @@ def write(target, figures: dict[str, dict], root: Path | str = RESULTS_DIR, *,
           merge: bool = True) -> Path:
   """Writes ``{case id: figures}`` for ``target`` (merged into what is there)."""
   t = targets_lib.get(target)
-  path = results_path(t, root)
-  old = load(t, root) if merge else None
+  path = write_path(t, root)
+  old = json.loads(path.read_text()) if merge and path.exists() else None
   cases_ = dict(old["cases"]) if old else {}
   cases_.update(figures)
   # Cases that no longer exist (renamed or removed) leave the file.
@@ -999,8 +1027,11 @@ def _coll(fig) -> str:
 
 
 def markdown(root: Path | str = RESULTS_DIR) -> str:
-  """The README's compiled-figures table: fuseopt beside optax per target."""
-  docs = [(t, load(t, root)) for t in targets_lib.TARGETS]
+  """The README's compiled-figures table: fuseopt beside optax per target,
+  from ``<root>/<target>.json`` whatever jax runs (each heading names the
+  release and compilers of its figures)."""
+  paths = [(t, Path(root) / f"{t}.json") for t in targets_lib.TARGETS]
+  docs = [(t, json.loads(p.read_text()) if p.exists() else None) for t, p in paths]
   docs = [(t, d) for t, d in docs if d]
   if not docs:
     return "_No compiled figures yet: run `fuseopt compile-check --target NAME --update`._\n"

@@ -39,8 +39,10 @@ Update the baseline (after an intended change, or to take in new cases)::
 
     fuseopt regression --update        # writes bench/baseline/cpu.json
 
-Figures depend on the XLA version, so the baseline records jax's version;
-with another version the comparison is reported but not enforced.
+Figures depend on the XLA version, so each jax release has its own baseline
+(``bench/baseline/cpu-jax-<release>.json``; ``cpu.json`` is jax 0.11.2's) and
+the baseline records jax's version; with another version the comparison is
+reported but not enforced.
 """
 
 from __future__ import annotations
@@ -157,9 +159,23 @@ def repo_root() -> Path:
   return here if (here / "pyproject.toml").exists() else Path.cwd()
 
 
-def default_baseline_path() -> Path:
+def default_baseline_path(*, write: bool = False) -> Path:
+  """The running jax release's baseline. XLA's CPU figures move between
+  releases, so each release keeps its own, ``bench/baseline/cpu-jax-<release>.json``;
+  ``bench/baseline/cpu.json`` is the baseline of the release it records (jax
+  0.11.2's): used for that release, and read (compared, not enforced) by a
+  release without a file of its own. ``write``: where ``--update`` writes,
+  never another release's file."""
   env = os.environ.get("FUSEOPT_BASELINE")
-  return Path(env) if env else repo_root() / DEFAULT_BASELINE
+  if env:
+    return Path(env)
+  keyed = repo_root() / DEFAULT_BASELINE.with_name(f"cpu-jax-{jax.__version__}.json")
+  legacy = repo_root() / DEFAULT_BASELINE
+  if keyed.exists() or not legacy.exists():
+    return keyed
+  if write and json.loads(legacy.read_text()).get("meta", {}).get("jax") != jax.__version__:
+    return keyed
+  return legacy
 
 
 def variant_id(op: str, case: str, variant: str) -> str:
@@ -388,7 +404,7 @@ def main(update: bool = False, *, baseline_path=None, ops=None, rows=None, timin
   """``fuseopt regression [--update] [--timing]``; returns the exit status."""
   use_test_devices()
   t0 = time.perf_counter()
-  path = Path(baseline_path) if baseline_path else default_baseline_path()
+  path = Path(baseline_path) if baseline_path else default_baseline_path(write=update)
   if not update and not path.exists():
     out(f"no baseline at {path}: run `fuseopt regression --update` to create it")
     return 1

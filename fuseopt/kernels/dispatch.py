@@ -349,8 +349,8 @@ def interpret_arg(implementation: str, interpret: bool) -> Any:
   if not interpret:
     return False
   if implementation == "mosaic_tpu":
-    from jax.experimental.pallas import tpu as pltpu
-    return pltpu.InterpretParams()
+    from fuseopt import compat   # race detection where the release raises on one
+    return compat.tpu_interpret_params()
   if implementation == "mosaic_gpu":
     from jax.experimental.pallas import mosaic_gpu as plgpu
     return plgpu.InterpretGPUParams()

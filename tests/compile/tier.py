@@ -2,7 +2,8 @@
 
 Each case of :func:`fuseopt.benchmarks.compiled.cases` is compiled for the
 target by its real compiler (libtpu, or XLA + ptxas) and its figures are
-held against ``bench/results/compiled/<target>.json``: a compile failure,
+held against the running jax release's figures (``bench/results/compiled/
+jax-<release>/<target>.json``, :func:`fuseopt.benchmarks.compiled.results_path`): a compile failure,
 a figure that grows, or a ptxas spill in a default config fails. Where the
 ``compile`` extra is not installed the tier skips, naming the missing
 package. ``FUSEOPT_COMPILED_UPDATE=1`` writes the fresh figures into the
@@ -68,6 +69,12 @@ def check(target: str, case_id: str) -> None:
   fails, notes = compiled.compare(figures, base)
   for n in notes:
     print(f"{target}: {case_id}: {n}")
-  if compiled.versions_match(doc):
+  if not compiled.versions_match(doc):
+    # Another compiler set's figures (jax release, libtpu, CUDA plugin): compiled,
+    # spills checked, figures reported, never compared as a gate.
+    print(f"{target}: {case_id}: {compiled.results_path(target)} records "
+          f"{doc.get('environment')}, not the installed compilers: figures not enforced"
+          + (f" ({'; '.join(fails)})" if fails else ""))
+  else:
     assert not fails, f"{target}: {case_id}: " + "; ".join(fails) + (
         f" (if intended: fuseopt compile-check --target {target} --update)")
