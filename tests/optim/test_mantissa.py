@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import fuseopt.optim as fo
+from fuseopt.optim import fusion
 from fuseopt.kernels import mantissa as bits
 from fuseopt.optim import MuonDimensionNumbers as MDN
 
@@ -197,3 +198,77 @@ def test_muonclip_and_config_refuse_mantissa():
     fo.OptimConfig(optimizer="muonclip", learning_rate=0.1, bf16_params="mantissa")
   with pytest.raises(ValueError, match="bf16_params must be one of"):
     fo.OptimConfig(optimizer="adamw", learning_rate=0.1, bf16_params="mantisa")
+
+
+# ------------------------------------------------------------- composition --
+_LABELS = {"b": "plain", "stack": "tracked", "w": "tracked"}
+
+
+def _composed(kind):
+  """(transformation on the bf16 params with the tracked part in mantissa
+  mode, the same on fp32 params without it, the leaves a companion covers)."""
+  adamw = lambda **kw: fo.adamw(3e-3, weight_decay=0.1, **kw)
+  if kind == "optax.partition":
+    return (optax.partition({"tracked": adamw(bf16_params="mantissa"), "plain": optax.sgd(1e-2)},
+                            _LABELS),
+            optax.partition({"tracked": adamw(), "plain": optax.sgd(1e-2)}, _LABELS),
+            ("stack", "w"))
+  if kind == "fusion.partition":
+    make = lambda **kw: fusion.partition(
+        {"tracked": adamw(**kw), "plain": fo.adam(1e-3, **kw)}, _LABELS)
+    return make(bf16_params="mantissa"), make(), ("b", "stack", "w")
+  if kind == "optax.masked":
+    mask = {"b": False, "stack": True, "w": True}
+    return (optax.masked(adamw(bf16_params="mantissa"), mask), optax.masked(adamw(), mask),
+            ("stack", "w"))
+  if kind == "optax.chain":
+    return (optax.chain(optax.scale_by_schedule(lambda c: 1.0), adamw(bf16_params="mantissa")),
+            optax.chain(optax.scale_by_schedule(lambda c: 1.0), adamw()), ("b", "stack", "w"))
+  config = {"frozen": dict(frozen=("b",)),
+            "trainable": dict(trainable=("w", "stack")),
+            "param_groups": dict(param_groups=[
+                {"name": "no_decay", "patterns": ["b"], "weight_decay": 0.0},
+                {"name": "rest", "patterns": ["*"], "learning_rate_multiplier": 0.5}])}[kind]
+  make = lambda **kw: fo.build_optimizer(fo.OptimConfig(
+      optimizer="adamw", learning_rate=3e-3, weight_decay=0.1, **config, **kw), steps=10)
+  covered = ("stack", "w") if kind in ("frozen", "trainable") else ("b", "stack", "w")
+  return make(bf16_params="mantissa"), make(), covered
+
+
+COMPOSED = ["optax.partition", "fusion.partition", "optax.masked", "optax.chain", "frozen",
+            "trainable", "param_groups"]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["step", "update"])
+@pytest.mark.parametrize("kind", COMPOSED)
+def test_composes_and_master_params_reads_every_recipe(kind, fused):
+  """Inside partitions, masks, chains, the builder's freeze and groups:
+  the covered leaves' masters follow the fp32 run bit for bit (bf16
+  gradients), and master_params returns every other leaf as it is."""
+  tx16, tx32, covered = _composed(kind)
+  p16, p32 = _bf16_start()
+  s16, s32 = tx16.init(p16), tx32.init(p32)
+  step16, step32 = _runner(tx16, fused), _runner(tx32, fused)
+  for t in range(3):
+    g = _grads(t + 1)
+    p16, s16 = step16(jax.tree.map(lambda x: x.astype(jnp.bfloat16), g), s16, p16)
+    p32, s32 = step32(g, s32, p32)
+    masters = fo.master_params(p16, s16)
+    for name in SHAPES:
+      if name in covered:
+        _assert_bitwise(masters[name], p32[name], f"{kind} step {t} {name}")
+      else:
+        assert masters[name] is p16[name], (kind, name)
+
+
+def test_master_params_names_what_does_not_match():
+  p16, _ = _bf16_start()
+  state = fo.adamw(1e-3, bf16_params="mantissa").init(p16)
+  with pytest.raises(ValueError, match=r"params have \['extra'\] that the state lacks"):
+    fo.master_params({**p16, "extra": p16["b"]}, state)
+  with pytest.raises(ValueError, match=r"the state has \['w'\] that params lack"):
+    fo.master_params({k: v for k, v in p16.items() if k != "w"}, state)
+  with pytest.raises(ValueError, match=r"the leaf at \['w'\] has shape \(32, 48\).*\(48, 32\)"):
+    fo.master_params({**p16, "w": p16["w"].T}, state)
+  with pytest.raises(ValueError, match="do not match the companion tree"):
+    fo.master_params([p16["b"], p16["stack"], p16["w"]], state)
