@@ -1100,6 +1100,11 @@ def _muon_branch(direction_tx, decay, learning_rate, weight_decay, weight_decay_
       d, s = decayed[i], specs[i]
       # A mantissa-tracked leaf is a (bf16, uint16) pair: its fp32 master.
       p32 = mantissa.master_of(p)
+      if mantissa.is_tracked(p):
+        # u (the width factor times O) made once: the adds below then meet
+        # one product each, which every program contracts alike (sharded or
+        # not); see docs/muon.md, exact bf16 parameters.
+        u = jax.lax.optimization_barrier(u)
       if d and s is not None:
         u = u + jnp.where(_active(u, s), weight_decay_lib.decay_term(u, p32, weight_decay, cautious),
                           0.0)
