@@ -17,13 +17,16 @@ The visible bf16 half is the master truncated toward zero (within one bf16
 ulp, see :mod:`fuseopt.kernels.mantissa`). :func:`master_params` returns the
 fp32 masters of a state.
 
-Gradients: bf16 parameters have bf16 gradients, and the wrapped optimizer
-gets them widened to fp32 (:func:`widen`), each leaf materialised once, so its
-pass is the very program an fp32 run compiles for fp32 gradients of the same
-values (a compiler that contracts ``a*b + c*d`` into a fused multiply-add
-picks which product to fuse per program, so a pass that widens in registers
-could round a rare element otherwise). Updates of a tracked leaf are fp32
-whatever the gradients' dtype (see :func:`track_mantissa`).
+Gradients: bf16 parameters have bf16 gradients. Through ``update`` the
+wrapped optimizer gets them widened to fp32 (:func:`widen`), each leaf made
+once in memory, so its pass is the very program an fp32 run compiles for fp32
+gradients of the same values (a compiler that contracts ``a*b + c*d`` into a
+fused multiply-add picks which product to fuse per program, so a pass that
+widens in registers may round a rare element otherwise); updates of a tracked
+leaf are fp32 whatever the gradients' dtype (see :func:`track_mantissa`). In
+:func:`fuseopt.optim.step` the Adam kernels widen a tracked leaf's gradient
+in registers, and once in memory where XLA compiles the pass (the ``xla``
+reference, interpret mode), :func:`fuseopt.kernels.adam_update`.
 
 Composition: the wrapper runs inside :func:`optax.partition`,
 :func:`optax.masked`, :func:`optax.chain` and the builder's ``frozen=`` /
@@ -134,25 +137,12 @@ def _masters(params, companion):
   return jax.tree.map(bits.join, params, companion)
 
 
-def _narrow(g) -> bool:
-  dtype = jnp.result_type(g)
-  return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
-
-
 def widen(grads):
-  """``grads`` with every floating leaf narrower than fp32 widened to fp32.
-
-  Each widened leaf passes an ``optimization_barrier``: it is made once, in
-  memory, and the optimizer's pass reads an fp32 array exactly as an fp32
-  run's pass does. Fused into that pass instead, the widening would make it
-  another program, and a compiler that contracts multiply-adds picks which
-  product of ``b1*mu + (1-b1)*g`` to fuse per program (XLA's CPU backend was
-  seen to differ in rare elements). Costs one fp32 copy of a bf16 gradient
-  leaf while its update runs.
-  """
-  return jax.tree.map(
-      lambda g: jax.lax.optimization_barrier(jnp.astype(g, jnp.float32)) if _narrow(g) else g,
-      grads)
+  """``grads`` with every floating leaf narrower than fp32 widened to fp32,
+  each made once in memory (:func:`fuseopt.kernels.mantissa.widen_once`),
+  so the wrapped optimizer's ``update`` is the program an fp32 run compiles
+  for fp32 gradients of the same values."""
+  return jax.tree.map(bits.widen_once, grads)
 
 
 def _split(tree):
@@ -209,7 +199,7 @@ def track_mantissa(tx, owner: str = "track_mantissa") -> fusion.FusedTransformat
     rule = fusion.require_apply(tx, owner)
     check_bf16_params(owner, params)
     tracked = jax.tree.map(Tracked, params, state.companion)
-    new, inner = rule.apply(widen(grads), state.inner_state, tracked, ctx)
+    new, inner = rule.apply(grads, state.inner_state, tracked, ctx)
     hi = jax.tree.map(lambda x: x.hi if is_tracked(x) else x, new, is_leaf=is_tracked)
     lo = jax.tree.map(lambda x, c: x.lo if is_tracked(x) else c, new, state.companion,
                       is_leaf=is_tracked)

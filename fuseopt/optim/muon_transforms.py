@@ -1088,6 +1088,11 @@ def _muon_branch(direction_tx, decay, learning_rate, weight_decay, weight_decay_
       raise fusion.NotFusable("muon: a weight-decay schedule has no in-place rule")
     treedef = jax.tree.structure(grads)
     p_leaves = treedef.flatten_up_to(params)
+    # A mantissa-tracked leaf's momentum follows its fp32 master's run: the
+    # gradient widened to fp32 (fused into the momentum pass, no copy).
+    grads = treedef.unflatten([
+        g.astype(jnp.float32) if mantissa.is_tracked(p) and g.dtype == jnp.bfloat16 else g
+        for g, p in zip(treedef.flatten_up_to(grads), p_leaves)])
     count_inc = optax.safe_increment(muon_state.count)
     neg_lr = -(learning_rate(lr_state.count) if callable(learning_rate) else learning_rate)
     if weight_decay_mask is None:
