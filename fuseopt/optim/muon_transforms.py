@@ -1088,11 +1088,6 @@ def _muon_branch(direction_tx, decay, learning_rate, weight_decay, weight_decay_
       raise fusion.NotFusable("muon: a weight-decay schedule has no in-place rule")
     treedef = jax.tree.structure(grads)
     p_leaves = treedef.flatten_up_to(params)
-    # A mantissa-tracked leaf's momentum follows its fp32 master's run: the
-    # gradient widened to fp32 (fused into the momentum pass, no copy).
-    grads = treedef.unflatten([
-        g.astype(jnp.float32) if mantissa.is_tracked(p) and g.dtype == jnp.bfloat16 else g
-        for g, p in zip(treedef.flatten_up_to(grads), p_leaves)])
     count_inc = optax.safe_increment(muon_state.count)
     neg_lr = -(learning_rate(lr_state.count) if callable(learning_rate) else learning_rate)
     if weight_decay_mask is None:
@@ -1105,11 +1100,6 @@ def _muon_branch(direction_tx, decay, learning_rate, weight_decay, weight_decay_
       d, s = decayed[i], specs[i]
       # A mantissa-tracked leaf is a (bf16, uint16) pair: its fp32 master.
       p32 = mantissa.master_of(p)
-      if mantissa.is_tracked(p):
-        # u (the width factor times O) made once: the adds below then meet
-        # one product each, which every program contracts alike (sharded or
-        # not); see docs/muon.md, exact bf16 parameters.
-        u = jax.lax.optimization_barrier(u)
       if d and s is not None:
         u = u + jnp.where(_active(u, s), weight_decay_lib.decay_term(u, p32, weight_decay, cautious),
                           0.0)
