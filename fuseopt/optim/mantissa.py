@@ -242,8 +242,8 @@ def master_params(params, state):
   if not found:
     return jax.tree.map(lambda p: jnp.asarray(p).astype(jnp.float32), params)
   p_paths, p_leaves = _paths(params)
-  treedef = jax.tree.structure(params)
-  covers = [_companion_leaves(params, p_paths, treedef, s.companion) for s in found]
+  treedef = jax.tree.structure(params, is_leaf=_is_masked)
+  covers = [_companion_leaves(p_paths, treedef, s.companion) for s in found]
   out = []
   for i, (path, p) in enumerate(zip(p_paths, p_leaves)):
     los = [c[i] for c in covers if not _is_masked(c[i])]
@@ -272,7 +272,7 @@ def _paths(tree):
   return [jax.tree_util.keystr(k) or "<root>" for k, _ in flat], [x for _, x in flat]
 
 
-def _companion_leaves(params, p_paths, treedef, companion):
+def _companion_leaves(p_paths, treedef, companion):
   """One entry per leaf of ``params``: its companion, or a MaskedNode.
 
   A tree that does not match raises a ValueError naming the leaves one tree
