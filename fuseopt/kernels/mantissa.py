@@ -67,3 +67,20 @@ def split_once(x32) -> tuple[jax.Array, jax.Array]:
   The barrier makes the value once (one uint32 buffer of the leaf's size).
   """
   return _halves(jax.lax.optimization_barrier(_bits(x32)))
+
+
+def widen_once(g) -> jax.Array:
+  """``g`` in fp32 for an fp32 master's step, made once in memory.
+
+  A pass that reads a bf16 gradient and widens it in registers is another
+  program than the fp32 run's, which reads fp32; XLA contracts ``a*b + c*d``
+  (Adam's ``b1*mu + (1-b1)*g``) into a fused multiply-add choosing the
+  product per program, so the two round a rare element differently (seen on
+  XLA's CPU backend). Behind an ``optimization_barrier`` the widened
+  gradient is an fp32 array, and the pass that reads it the fp32 run's
+  program. fp32 (and wider, and non-float) leaves are returned as they are.
+  """
+  dtype = jnp.result_type(g)
+  if not jnp.issubdtype(dtype, jnp.floating) or jnp.finfo(dtype).bits >= 32:
+    return g
+  return jax.lax.optimization_barrier(jnp.asarray(g).astype(jnp.float32))

@@ -17,6 +17,23 @@ The visible bf16 half is the master truncated toward zero (within one bf16
 ulp, see :mod:`fuseopt.kernels.mantissa`). :func:`master_params` returns the
 fp32 masters of a state.
 
+Gradients: bf16 parameters have bf16 gradients. Through ``update`` the
+wrapped optimizer gets them widened to fp32 (:func:`widen`), each leaf made
+once in memory, so its pass is the very program an fp32 run compiles for fp32
+gradients of the same values (a compiler that contracts ``a*b + c*d`` into a
+fused multiply-add picks which product to fuse per program, so a pass that
+widens in registers may round a rare element otherwise); updates of a tracked
+leaf are fp32 whatever the gradients' dtype (see :func:`track_mantissa`). In
+:func:`fuseopt.optim.step` the Adam kernels widen a tracked leaf's gradient
+in registers, and once in memory where XLA compiles the pass (the ``xla``
+reference, interpret mode), :func:`fuseopt.kernels.adam_update`.
+
+Composition: the wrapper runs inside :func:`optax.partition`,
+:func:`optax.masked`, :func:`optax.chain` and the builder's ``frozen=`` /
+``trainable=`` and parameter groups (a masked leaf is an
+:class:`optax.MaskedNode` in the companion tree); the companion is created
+with its parameter's sharding, so a sharded step treats it as the parameter.
+
 In :func:`fuseopt.optim.step` the solver's kernels read and write both halves
 in the one pass they make over the parameter: the rules below hand each solver
 its parameters as :class:`Tracked` pairs.
@@ -120,36 +137,59 @@ def _masters(params, companion):
   return jax.tree.map(bits.join, params, companion)
 
 
+def widen(grads):
+  """``grads`` with every floating leaf narrower than fp32 widened to fp32,
+  each made once in memory (:func:`fuseopt.kernels.mantissa.widen_once`),
+  so the wrapped optimizer's ``update`` is the program an fp32 run compiles
+  for fp32 gradients of the same values."""
+  return jax.tree.map(bits.widen_once, grads)
+
+
+def _split(tree):
+  """fp32 masters as ``(bf16 halves, companions)``, two trees of the same structure."""
+  pairs = jax.tree.map(lambda x: Tracked(*bits.split_once(x)), tree)
+  return (jax.tree.map(lambda t: t.hi, pairs, is_leaf=is_tracked),
+          jax.tree.map(lambda t: t.lo, pairs, is_leaf=is_tracked))
+
+
 def track_mantissa(tx, owner: str = "track_mantissa") -> fusion.FusedTransformation:
   """``tx`` run on fp32 masters of bf16 parameters held as (bf16, uint16) halves.
 
   ``init(params)`` (bf16 params) initialises ``tx`` on the params widened to
-  fp32 (so its state is an fp32 run's) and zero companions. ``update``
-  gives ``tx`` the masters as its params, applies its updates to them in fp32
-  (:func:`optax.apply_updates`) and splits the result: the new companion goes
-  into the state, and the returned updates are the fp32 differences
-  ``new bf16 half - param``, which :func:`optax.apply_updates` adds back to
-  the bf16 params exactly. In :func:`fuseopt.optim.step` the solver's kernels
-  do all of it in their own pass.
+  fp32 (so its state is an fp32 run's) and zero companions, each placed like
+  its parameter. ``update`` gives ``tx`` the masters as its params and the
+  gradients widened to fp32 (:func:`widen`), applies its fp32 updates to the
+  masters (:func:`optax.apply_updates`) and splits the result: the new
+  companion goes into the state, and the returned update of each leaf is the
+  fp32 difference ``new bf16 half - param``, whatever the gradients' dtype
+  (not optax's "updates in the gradients' dtype": a bf16 update would round
+  the step). :func:`optax.apply_updates` (and
+  :func:`fuseopt.optim.apply_updates`) adds it back to the bf16 param exactly
+  (both are bf16 values, so the fp32 difference is exact unless one step
+  changes the parameter's magnitude by a factor of 2**16 or more), giving the
+  new bf16 half; joined with the companion in the state it is the fp32
+  master. The wrapper must therefore be the last piece to touch the updates
+  (a piece after it would scale the difference). In
+  :func:`fuseopt.optim.step` the solver's kernels do all of it in their own
+  pass.
   """
 
   def init_fn(params):
     check_bf16_params(owner, params)
     wide = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    # zeros_like keeps the parameter's sharding (as the moments' zeros do), so
+    # a sharded step finds the companion where its parameter is.
     return MantissaState(inner_state=tx.init(wide),
                          companion=jax.tree.map(
-                             lambda p: jnp.zeros(jnp.shape(p), bits.COMPANION_DTYPE), params))
+                             lambda p: jnp.zeros_like(p, dtype=bits.COMPANION_DTYPE), params))
 
   def update_fn(updates, state, params=None, **extra_args):
     if params is None:
       raise ValueError(f"{owner}: bf16_params='mantissa' needs params; pass params= to update()")
     check_bf16_params(owner, params)
     masters = _masters(params, state.companion)
-    u, inner = tx.update(updates, state.inner_state, masters, **extra_args)
-    new_masters = optax.apply_updates(masters, u)
-    split = jax.tree.map(bits.split_once, new_masters)
-    hi = jax.tree.map(lambda s: s[0], split, is_leaf=lambda x: isinstance(x, tuple))
-    lo = jax.tree.map(lambda s: s[1], split, is_leaf=lambda x: isinstance(x, tuple))
+    u, inner = tx.update(widen(updates), state.inner_state, masters, **extra_args)
+    hi, lo = _split(optax.apply_updates(masters, u))
     # p + (hi - p) in fp32 is hi (both are bf16 values), and apply_updates'
     # cast back to bf16 keeps it.
     diff = jax.tree.map(lambda h, p: h.astype(jnp.float32) - p.astype(jnp.float32), hi, params)
@@ -184,16 +224,73 @@ def with_bf16_params(tx, bf16_params: str, owner: str):
 def master_params(params, state):
   """The fp32 master parameters of ``params`` under optimizer ``state``.
 
-  Finds the :class:`MantissaState` in ``state`` (at any depth: inside a
-  chain, a ``skip_nonfinite`` or ``MultiSteps`` wrapper...) and joins its
-  companions to ``params``. Without one (``bf16_params="stochastic"``) the
-  params are returned widened to fp32.
+  Finds every :class:`MantissaState` in ``state`` (at any depth: inside a
+  chain, a partition's groups, ``optax.masked``, a ``skip_nonfinite`` or
+  ``MultiSteps`` wrapper...) and joins each parameter to its companion. A
+  leaf that no companion covers (an :class:`optax.MaskedNode` in every
+  companion tree: a frozen leaf, another group's) is returned as it is.
+  Without any (``bf16_params="stochastic"``) the params are returned widened
+  to fp32.
+
+  Raises:
+    ValueError: ``params`` does not match a companion tree (naming the leaves
+      one has and the other lacks, or the leaf whose shapes differ), or two
+      companions cover the same leaf.
   """
   found = [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, MantissaState))
            if isinstance(s, MantissaState)]
   if not found:
     return jax.tree.map(lambda p: jnp.asarray(p).astype(jnp.float32), params)
-  if len(found) > 1:
-    raise ValueError("master_params: the state holds several MantissaStates; pass the one "
-                     "of the optimizer that owns these params")
-  return _masters(params, found[0].companion)
+  p_paths, p_leaves = _paths(params)
+  treedef = jax.tree.structure(params, is_leaf=_is_masked)
+  covers = [_companion_leaves(p_paths, treedef, s.companion) for s in found]
+  out = []
+  for i, (path, p) in enumerate(zip(p_paths, p_leaves)):
+    los = [c[i] for c in covers if not _is_masked(c[i])]
+    if len(los) > 1:
+      raise ValueError(f"master_params: {len(los)} companions in the state cover the leaf at "
+                       f"{path}; pass the state of the optimizer that owns these params")
+    if not los:
+      out.append(p)
+      continue
+    (lo,) = los
+    if jnp.shape(lo) != jnp.shape(p):
+      raise ValueError(f"master_params: the leaf at {path} has shape {jnp.shape(p)}, its "
+                       f"companion in the state {jnp.shape(lo)}; pass the params this state "
+                       f"was made for")
+    out.append(bits.join(p, lo))
+  return treedef.unflatten(out)
+
+
+def _is_masked(x) -> bool:
+  return isinstance(x, optax.MaskedNode)
+
+
+def _paths(tree):
+  """``(key paths as strings, leaves)`` of ``tree``, a MaskedNode counting as a leaf."""
+  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_masked)[0]
+  return [jax.tree_util.keystr(k) or "<root>" for k, _ in flat], [x for _, x in flat]
+
+
+def _companion_leaves(p_paths, treedef, companion):
+  """One entry per leaf of ``params``: its companion, or a MaskedNode.
+
+  A tree that does not match raises a ValueError naming the leaves one tree
+  has and the other lacks (jax's own error names neither)."""
+  c_paths, _ = _paths(companion)
+  if c_paths != p_paths:
+    missing = [k for k in p_paths if k not in set(c_paths)]
+    extra = [k for k in c_paths if k not in set(p_paths)]
+    raise ValueError(
+        "master_params: params do not match the companion tree in the state: "
+        + "; ".join(filter(None, [
+            missing and f"params have {', '.join(missing[:5])} that the state lacks",
+            extra and f"the state has {', '.join(extra[:5])} that params lack",
+            not (missing or extra) and f"params have the leaves {p_paths[:5]}, the state "
+            f"{c_paths[:5]} (another order or nesting)"]))
+        + "; pass the params this state was made for")
+  try:
+    return treedef.flatten_up_to(companion)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"master_params: params ({treedef}) do not match the companion tree in the "
+                     f"state ({jax.tree.structure(companion)}): {e}") from None

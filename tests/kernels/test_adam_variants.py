@@ -138,15 +138,17 @@ def test_cautious_flag_must_be_a_bool(bad):
 
 
 # --------------------------------------------------------- mantissa tracking --
-def _step_pair(run, p32, lo_state, gs, mu, nu, **kw):
+def _step_pair(run, p32, lo_state, gs, mu, nu, tracked_grad_dtype=None, **kw):
   """``STEPS`` steps of the fp32 run on ``p32`` and of the tracked run on
-  ``split(p32)``; asserts after every step that the tracked pair is the fp32
-  master bit for bit, and the moments the same bits."""
+  ``split(p32)`` (fed the same gradient values in ``tracked_grad_dtype``, if
+  given); asserts after every step that the tracked pair is the fp32 master
+  bit for bit, and the moments the same bits."""
   hi, lo = mantissa.split(p32)
   mu_t, nu_t = mu, nu
   for step, g in enumerate(gs, start=1):
     p32, mu, nu = run(p32, g, mu, nu, step, None, **kw)
-    hi, mu_t, nu_t, lo = run(hi, g, mu_t, nu_t, step, lo, **kw)
+    g_t = g if tracked_grad_dtype is None else g.astype(tracked_grad_dtype)
+    hi, mu_t, nu_t, lo = run(hi, g_t, mu_t, nu_t, step, lo, **kw)
     assert hi.dtype == BF16 and lo.dtype == U16
     what = f"{lo_state} step {step}"
     harness.assert_bitwise_equal(mantissa.join(hi, lo), p32, f"{what}: join(hi, lo) vs fp32")
@@ -186,6 +188,39 @@ def test_tracked_params_follow_the_fp32_run_bitwise(request, impl, shape, m_dtyp
   key = harness.fresh_key(request)
   p, _, mu, nu = _leaf(key, shape, m_dtype)
   _step_pair(_leaf_runner(impl), p, impl, _grads(jax.random.fold_in(key, 1), shape), mu, nu, **kw)
+
+
+@pytest.mark.parametrize("impl,shape,m_dtype,kw", LEAF_CASES,
+                         ids=lambda x: str(x) if not isinstance(x, dict) else
+                         "-".join(k for k, v in x.items() if v) or "plain")
+def test_tracked_params_with_bf16_grads_follow_the_fp32_run_bitwise(request, impl, shape,
+                                                                   m_dtype, kw):
+  """bf16 parameters have bf16 gradients: the tracked run fed them in bf16
+  is the fp32 run fed the same values in fp32, bit for bit. In interpret
+  mode XLA compiles the kernel's pass, so the gradient is widened once in
+  memory (kernels.mantissa.widen_once); without it XLA's CPU backend
+  contracts Adam's multiply-adds differently for the two programs."""
+  key = harness.fresh_key(request)
+  p, _, mu, nu = _leaf(key, shape, m_dtype)
+  gs = [g.astype(BF16).astype(F32) for g in _grads(jax.random.fold_in(key, 1), shape)]
+  _step_pair(_leaf_runner(impl), p, impl, gs, mu, nu, tracked_grad_dtype=BF16, **kw)
+
+
+@pytest.mark.parametrize("impl,shape", [("triton", (37, 129)), ("mosaic_tpu", (40, 384)),
+                                        ("mosaic_gpu", (5, 301))])
+def test_tracked_kernels_with_bf16_grads_are_the_reference(request, impl, shape):
+  """A tracked leaf with bf16 gradients: each kernel (interpret mode) gives
+  the reference's outputs (fp32 masters within an ulp: two programs; the
+  halves, moments and companion dtypes exact)."""
+  key = harness.fresh_key(request)
+  p, g, mu, nu = _leaf(key, shape)
+  hi, lo = mantissa.split(p)
+  g = g.astype(BF16)
+  got = _leaf_runner(impl)(hi, g, mu, nu, 2, lo, cautious=True)
+  want = _leaf_runner("xla")(hi, g, mu, nu, 2, lo, cautious=True)
+  assert [x.dtype for x in got] == [BF16, mu.dtype, mu.dtype, U16]
+  _compare([mantissa.join(got[0], got[3])] + list(got[1:3]),
+           [mantissa.join(want[0], want[3])] + list(want[1:3]), f"{impl} tracked, bf16 grads")
 
 
 def test_mosaic_tpu_runs_the_tracked_leaf_in_its_kernel():
@@ -268,6 +303,34 @@ def _tree_pair(run, ps, gs, mus, nus, what, steps=STEPS):
       harness.assert_bitwise_equal(mus_t[i], mus[i], f"{at}: mu")
       harness.assert_bitwise_equal(nus_t[i], nus[i], f"{at}: nu")
   return hs, mus_t, nus_t, los
+
+
+@pytest.mark.parametrize("impl,config", [
+    ("xla", None),
+    ("triton", A.TritonGroupConfig(block=512, num_warps=4, max_leaves_per_launch=16)),
+], ids=["xla", "triton-grouped"])
+def test_grouped_tracked_leaves_with_bf16_grads_follow_the_fp32_run_bitwise(request, impl,
+                                                                           config):
+  """The grouped launch, its tracked leaves fed bf16 gradients and the fp32
+  run the same values in fp32: the same bits (untracked leaves see bf16
+  gradients in both runs)."""
+  key = harness.fresh_key(request)
+  ps, gs, mus, nus = _tree_inputs(key)
+  gs = [[g.astype(BF16).astype(F32) for g in steps] for steps in gs]
+  run = _tree_runner(impl, config)
+  split = [mantissa.split(p) if t else (p, None) for p, t in zip(ps, TRACKED)]
+  hs, los = [s[0] for s in split], [s[1] for s in split]
+  mus_t, nus_t = list(mus), list(nus)
+  for step in range(1, 4):
+    g = [x[step - 1] for x in gs]
+    ps, mus, nus = run(ps, g, mus, nus, step, None)
+    hs, mus_t, nus_t, los = run(hs, [x.astype(BF16) if t else x for x, t in zip(g, TRACKED)],
+                                mus_t, nus_t, step, los)
+    for i in (i for i, t in enumerate(TRACKED) if t):
+      at = f"{impl} step {step} leaf {i}"
+      harness.assert_bitwise_equal(mantissa.join(hs[i], los[i]), ps[i], f"{at}: join")
+      harness.assert_bitwise_equal(mus_t[i], mus[i], f"{at}: mu")
+      harness.assert_bitwise_equal(nus_t[i], nus[i], f"{at}: nu")
 
 
 @pytest.mark.parametrize("impl,config", [

@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import fuseopt.optim as fo
+from fuseopt.optim import fusion
 from fuseopt.kernels import mantissa as bits
 from fuseopt.optim import MuonDimensionNumbers as MDN
 
@@ -34,6 +35,13 @@ FACTORIES = {
 # differently. The Adam kernels' pass is bitwise, and so are Muon matrices
 # whose width factor is 1 (the "w" leaf).
 JNP_PASS = ("muon", "normuon")
+# Muon's fused momentum pass reads its matrices' gradients in their own dtype:
+# with bf16 gradients its masters are not yet within the tolerance of the fp32
+# run fed fp32 gradients (widening them there made the H200 compile of the
+# 1.2 B hybrid recipe hold every matrix's fp32 gradient at once, 3.3 GB; left
+# to do, docs/muon.md). Its update path widens them and holds.
+MUON_BF16_GRADS_FUSED = pytest.mark.xfail(
+    strict=True, reason="Muon's fused step reads bf16 gradients as they are (docs/muon.md)")
 
 
 def _assert_within_ulps(a, b, what):
@@ -48,6 +56,11 @@ def _assert_within_ulps(a, b, what):
 def _tree(seed, scale=1.0):
   keys = jax.random.split(jax.random.key(seed), len(SHAPES))
   return {n: scale * jax.random.normal(k, s) for k, (n, s) in zip(keys, sorted(SHAPES.items()))}
+
+
+def _grads(seed):
+  """fp32 gradients whose values are bf16 values (what a bf16 model gives)."""
+  return jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), _tree(seed))
 
 
 def _bf16_start():
@@ -67,46 +80,76 @@ def _assert_bitwise(a, b, what, rtol=0.0):
                                     err_msg=f"{what} {jax.tree_util.keystr(path)}")
 
 
+def _runner(tx, fused, apply=optax.apply_updates):
+  """``jit(fo.step)``, or ``jit(tx.update + apply)``."""
+  if fused:
+    return jax.jit(lambda g, s, p: fo.step(tx, g, s, p))
+
+  def one(g, s, p):
+    u, s = tx.update(g, s, p)
+    return apply(p, u), s
+  return jax.jit(one)
+
+
+@pytest.mark.parametrize("grad_dtype", [jnp.float32, jnp.bfloat16], ids=["gf32", "gbf16"])
 @pytest.mark.parametrize("fused", [True, False], ids=["step", "update"])
 @pytest.mark.parametrize("name", sorted(FACTORIES))
-def test_masters_follow_an_fp32_run_bit_for_bit(name, fused):
-  """Same gradients, five steps: the joined masters equal the fp32 params of
-  an fp32 run of the same optimizer, and the wrapped state equals its state.
-  In the fused step bit for bit (the same pass computes both; Muon's jnp
-  pass to a few ulp in rare elements, see JNP_PASS); through
-  ``update`` + ``apply_updates`` to fp32 rounding: the two programs differ
-  around the parameter's add, and XLA's CPU backend may contract a multiply
-  and an add into one fused multiply-add in one program and not the other."""
+def test_masters_follow_an_fp32_run_bit_for_bit(request, name, fused, grad_dtype):
+  """Same gradient values, five steps: the joined masters equal the fp32
+  params of an fp32 run of the same optimizer fed those values in fp32, and
+  the wrapped state equals its state, whatever the gradients' dtype (bf16
+  parameters have bf16 gradients). Bit for bit for the Adam family, in the
+  fused step and through ``update`` + ``apply_updates``; Muon's jnp pass to
+  a few ulp in rare elements (see JNP_PASS), its "w" leaf bitwise."""
+  if fused and name in JNP_PASS and grad_dtype == jnp.bfloat16:
+    request.applymarker(MUON_BF16_GRADS_FUSED)
   make = FACTORIES[name]
   p16, p32 = _bf16_start()
   tx16, tx32 = make(bf16_params="mantissa"), make()
   s16, s32 = tx16.init(p16), tx32.init(p32)
-  if fused:
-    run = lambda tx: jax.jit(lambda g, s, p: fo.step(tx, g, s, p))
-  else:
-    def run(tx):
-      def one(g, s, p):
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s
-      return jax.jit(one)
-  step16, step32 = run(tx16), run(tx32)
+  step16, step32 = _runner(tx16, fused), _runner(tx32, fused)
   for t in range(_STEPS):
-    g = _tree(t + 1)
-    p16, s16 = step16(g, s16, p16)
+    g = _grads(t + 1)
+    p16, s16 = step16(jax.tree.map(lambda x: x.astype(grad_dtype), g), s16, p16)
     p32, s32 = step32(g, s32, p32)
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(p16))
     masters = fo.master_params(p16, s16)
-    if fused and name in JNP_PASS:
+    if name in JNP_PASS:
       _assert_within_ulps(masters, p32, f"{name} step {t} params")
       _assert_bitwise(masters["w"], p32["w"], f"{name} step {t} params")
-      _assert_bitwise(s16.inner_state, s32, f"{name} step {t} state")
+      if fused:
+        _assert_bitwise(s16.inner_state, s32, f"{name} step {t} state")
+      else:
+        _assert_within_ulps(s16.inner_state, s32, f"{name} step {t} state")
     else:
-      rtol = 0.0 if fused else 1e-6
-      _assert_bitwise(masters, p32, f"{name} step {t} params", rtol)
-      _assert_bitwise(s16.inner_state, s32, f"{name} step {t} state", rtol)
+      _assert_bitwise(masters, p32, f"{name} step {t} params")
+      _assert_bitwise(s16.inner_state, s32, f"{name} step {t} state")
     # The visible half is the master truncated toward zero.
     for m, h in zip(jax.tree.leaves(p32), jax.tree.leaves(p16)):
       assert bool(jnp.all(jnp.abs(h.astype(jnp.float32)) <= jnp.abs(m)))
+
+
+@pytest.mark.parametrize("apply", [optax.apply_updates, fo.apply_updates],
+                         ids=["optax", "fuseopt"])
+def test_updates_of_tracked_leaves_are_fp32_and_land_on_the_new_half(apply):
+  """With bf16 gradients the update of a tracked leaf is fp32 (a bf16 one
+  would round the step), and either apply_updates lands exactly on the
+  new bf16 half (fuseopt's stochastic rounding leaves a bf16 value alone)."""
+  tx = fo.adamw(1e-3, weight_decay=0.1, bf16_params="mantissa")
+  p16, _ = _bf16_start()
+  kw = {"seed": 7} if apply is fo.apply_updates else {}
+  unfused, fused = _runner(tx, False, lambda p, u: apply(p, u, **kw)), _runner(tx, True)
+  state = fused_state = tx.init(p16)
+  new = want = p16
+  for t in range(3):   # (the first step's direction is +-1, a bf16 value)
+    g = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _grads(t + 1))
+    updates, _ = jax.jit(tx.update)(g, state, new)
+    assert all(u.dtype == jnp.float32 for u in jax.tree.leaves(updates))
+    new, state = unfused(g, state, new)
+    want, fused_state = fused(g, fused_state, want)
+    _assert_bitwise(fo.master_params(new, state), fo.master_params(want, fused_state),
+                    f"step {t} masters")
+  _assert_bitwise(new, want, "applied update vs fused step")
 
 
 def test_state_holds_a_uint16_companion_shaped_like_the_params():
@@ -164,3 +207,77 @@ def test_muonclip_and_config_refuse_mantissa():
     fo.OptimConfig(optimizer="muonclip", learning_rate=0.1, bf16_params="mantissa")
   with pytest.raises(ValueError, match="bf16_params must be one of"):
     fo.OptimConfig(optimizer="adamw", learning_rate=0.1, bf16_params="mantisa")
+
+
+# ------------------------------------------------------------- composition --
+_LABELS = {"b": "plain", "stack": "tracked", "w": "tracked"}
+
+
+def _composed(kind):
+  """(transformation on the bf16 params with the tracked part in mantissa
+  mode, the same on fp32 params without it, the leaves a companion covers)."""
+  adamw = lambda **kw: fo.adamw(3e-3, weight_decay=0.1, **kw)
+  if kind == "optax.partition":
+    return (optax.partition({"tracked": adamw(bf16_params="mantissa"), "plain": optax.sgd(1e-2)},
+                            _LABELS),
+            optax.partition({"tracked": adamw(), "plain": optax.sgd(1e-2)}, _LABELS),
+            ("stack", "w"))
+  if kind == "fusion.partition":
+    make = lambda **kw: fusion.partition(
+        {"tracked": adamw(**kw), "plain": fo.adam(1e-3, **kw)}, _LABELS)
+    return make(bf16_params="mantissa"), make(), ("b", "stack", "w")
+  if kind == "optax.masked":
+    mask = {"b": False, "stack": True, "w": True}
+    return (optax.masked(adamw(bf16_params="mantissa"), mask), optax.masked(adamw(), mask),
+            ("stack", "w"))
+  if kind == "optax.chain":
+    return (optax.chain(optax.scale_by_schedule(lambda c: 1.0), adamw(bf16_params="mantissa")),
+            optax.chain(optax.scale_by_schedule(lambda c: 1.0), adamw()), ("b", "stack", "w"))
+  config = {"frozen": dict(frozen=("b",)),
+            "trainable": dict(trainable=("w", "stack")),
+            "param_groups": dict(param_groups=[
+                {"name": "no_decay", "patterns": ["b"], "weight_decay": 0.0},
+                {"name": "rest", "patterns": ["*"], "learning_rate_multiplier": 0.5}])}[kind]
+  make = lambda **kw: fo.build_optimizer(fo.OptimConfig(
+      optimizer="adamw", learning_rate=3e-3, weight_decay=0.1, **config, **kw), steps=10)
+  covered = ("stack", "w") if kind in ("frozen", "trainable") else ("b", "stack", "w")
+  return make(bf16_params="mantissa"), make(), covered
+
+
+COMPOSED = ["optax.partition", "fusion.partition", "optax.masked", "optax.chain", "frozen",
+            "trainable", "param_groups"]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["step", "update"])
+@pytest.mark.parametrize("kind", COMPOSED)
+def test_composes_and_master_params_reads_every_recipe(kind, fused):
+  """Inside partitions, masks, chains, the builder's freeze and groups:
+  the covered leaves' masters follow the fp32 run bit for bit (bf16
+  gradients), and master_params returns every other leaf as it is."""
+  tx16, tx32, covered = _composed(kind)
+  p16, p32 = _bf16_start()
+  s16, s32 = tx16.init(p16), tx32.init(p32)
+  step16, step32 = _runner(tx16, fused), _runner(tx32, fused)
+  for t in range(3):
+    g = _grads(t + 1)
+    p16, s16 = step16(jax.tree.map(lambda x: x.astype(jnp.bfloat16), g), s16, p16)
+    p32, s32 = step32(g, s32, p32)
+    masters = fo.master_params(p16, s16)
+    for name in SHAPES:
+      if name in covered:
+        _assert_bitwise(masters[name], p32[name], f"{kind} step {t} {name}")
+      else:
+        assert masters[name] is p16[name], (kind, name)
+
+
+def test_master_params_names_what_does_not_match():
+  p16, _ = _bf16_start()
+  state = fo.adamw(1e-3, bf16_params="mantissa").init(p16)
+  with pytest.raises(ValueError, match=r"params have \['extra'\] that the state lacks"):
+    fo.master_params({**p16, "extra": p16["b"]}, state)
+  with pytest.raises(ValueError, match=r"the state has \['w'\] that params lack"):
+    fo.master_params({k: v for k, v in p16.items() if k != "w"}, state)
+  with pytest.raises(ValueError, match=r"the leaf at \['w'\] has shape \(32, 48\).*\(48, 32\)"):
+    fo.master_params({**p16, "w": p16["w"].T}, state)
+  with pytest.raises(ValueError, match="do not match the companion tree"):
+    fo.master_params([p16["b"], p16["stack"], p16["w"]], state)

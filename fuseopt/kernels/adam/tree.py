@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from fuseopt.kernels import dispatch
 from fuseopt.kernels import elementwise_tiling
+from fuseopt.kernels import mantissa
 from fuseopt.kernels import sharding as sharding_lib
 from fuseopt.kernels.adam import reference
 from fuseopt.kernels.adam.math import SEED_BASE, no_derivative
@@ -68,6 +69,11 @@ def _run_leaf(impl, scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, interp
       if reason is not None:
         dispatch.log_fallback(OP_NAME, impl, reason, runs="the reference")
         impl = "xla"
+  if lo is not None and (impl == "xla" or interpret):
+    # A tracked leaf's pass compiled by XLA reads its gradient in fp32, as an
+    # fp32 master's run does (mantissa.widen_once); a compiled kernel widens
+    # it in registers.
+    g = mantissa.widen_once(g)
   if n == 0 or impl == "xla":
     # In the leaf's own shape: a reshape between a donated input and its
     # in-place output makes XLA copy the leaf.
@@ -158,8 +164,11 @@ def _run_group(impl, members, scalars, seeds, ps, gs, mus, nus, *, nesterov, int
                              by_size=apply):
     chunk = [members[j] for j in chunk]
     flat = lambda arrays: [arrays[i].reshape(-1) for i in chunk]
+    # (in interpret mode XLA compiles the pass: a tracked leaf's gradient
+    # widened once, as in run_leaf)
+    widen = mantissa.widen_once if tracked and interpret else (lambda g: g)
     args = (jnp.stack([scalars[i] for i in chunk]), jnp.stack([seeds[i] for i in chunk]),
-            flat(ps) if apply else None, flat(gs), flat(mus), flat(nus),
+            flat(ps) if apply else None, [widen(g) for g in flat(gs)], flat(mus), flat(nus),
             flat(los) if tracked else None)
     kw = dict(nesterov=nesterov, config=cfg, interpret=dispatch.interpret_arg(impl, interpret),
               index_maps=tuple(index_maps[i] for i in chunk))
