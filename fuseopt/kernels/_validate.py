@@ -15,6 +15,7 @@ import numbers
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -31,8 +32,10 @@ def concrete_float(value: Any) -> float | None:
     arr = np.asarray(value)
   except Exception:  # an object numpy cannot read: not ours to judge here
     return None
-  if arr.shape != () or not (np.issubdtype(arr.dtype, np.floating)
-                             or np.issubdtype(arr.dtype, np.integer)):
+  # jnp.issubdtype knows ml_dtypes' floats (a bf16 scalar from
+  # optax.inject_hyperparams(..., hyperparam_dtype=bf16)); np.issubdtype does not.
+  if arr.shape != () or not (jnp.issubdtype(arr.dtype, jnp.floating)
+                             or jnp.issubdtype(arr.dtype, jnp.integer)):
     return None
   return float(arr)
 
