@@ -168,12 +168,14 @@ def test_cli_writes_then_gates_the_figures(tmp_path, capsys):
   args = ["compile-check", "--target", "h200", "--match", "kernel/stochastic_round/triton/1048576/",
           "--results", str(tmp_path)]
   assert cli.main(args + ["--update"]) == 0
-  doc = json.loads((tmp_path / "h200.json").read_text())
+  path = compiled.results_path("h200", tmp_path)   # the running release's own file
+  assert path == compiled.write_path("h200", tmp_path)
+  doc = json.loads(path.read_text())
   (cid, fig), = doc["cases"].items()
   assert fig["kernels"] == 1 and fig["temp_bytes"] == 0 and fig["spills"] == []
   assert cli.main(args) == 0                       # the same figures pass
   fig["kernels"] = 0                               # a baseline with fewer launches
-  (tmp_path / "h200.json").write_text(json.dumps(doc))
+  path.write_text(json.dumps(doc))
   capsys.readouterr()
   assert cli.main(args) == 1
   assert "kernels grew: 0 -> 1" in capsys.readouterr().out
