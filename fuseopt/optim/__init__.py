@@ -10,10 +10,10 @@ from fuseopt.optim import schedules
 from fuseopt.optim.updates import apply_updates
 
 # Adam/AdamW on bf16 moments, and the fused step.
-from fuseopt.optim.fused_adam import adam
-from fuseopt.optim.fused_adam import adamw
-from fuseopt.optim.fused_adam import bf16_moments
-from fuseopt.optim.fused_adam import scale_by_adam
+from fuseopt.optim.adam_transforms import adam
+from fuseopt.optim.adam_transforms import adamw
+from fuseopt.optim.adam_transforms import bf16_moments
+from fuseopt.optim.adam_transforms import scale_by_adam
 from fuseopt.optim.step import step
 
 # Muon, its matrix views and its split from logical axes; QK-Clip.

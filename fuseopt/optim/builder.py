@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fuseopt.optim import fused_adam
+from fuseopt.optim import adam_transforms
 from fuseopt.optim import muon_transforms
 from fuseopt.optim import fusion
 from fuseopt.optim import groups as groups_lib
@@ -72,12 +72,12 @@ def _betas(config: OptimConfig, b1="b1", b2="b2", eps="eps") -> dict[str, Any]:
 
 def _adam(config, rate, weight_decay):
   kw = {**_betas(config), **config.optimizer_kwargs}
-  return fused_adam.adam(rate, moment_dtype=_moments(config) or jnp.float32, **kw)
+  return adam_transforms.adam(rate, moment_dtype=_moments(config) or jnp.float32, **kw)
 
 
 def _adamw(config, rate, weight_decay):
   kw = {**_betas(config), **config.optimizer_kwargs}
-  return fused_adam.adamw(rate, weight_decay=weight_decay,
+  return adam_transforms.adamw(rate, weight_decay=weight_decay,
                           moment_dtype=_moments(config) or jnp.float32,
                           cautious_weight_decay=config.cautious_weight_decay, **kw)
 

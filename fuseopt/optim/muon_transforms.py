@@ -52,7 +52,7 @@ from fuseopt.kernels import sharding as kernel_sharding
 from fuseopt.kernels.newton_schulz import distributed as distributed_ns
 from fuseopt.kernels.newton_schulz import layout as ns_layout
 from fuseopt.optim import _checks
-from fuseopt.optim import fused_adam
+from fuseopt.optim import adam_transforms
 from fuseopt.optim import fusion
 from fuseopt.optim import groups as groups_lib
 from fuseopt.optim import mantissa
@@ -226,7 +226,7 @@ def _optax_newton_schulz(x, table, preconditioning, eps):
 def _orthogonalize(x, *, coeffs, steps, ns_dtype, eps, preconditioning, gram, implementation, interpret,
                    ns_matmul="xla"):
   """Newton-Schulz on a ``(batch, rows, cols)`` array."""
-  if preconditioning == "frobenius" and jnp.dtype(x.dtype) in fused_adam.KERNEL_DTYPES:
+  if preconditioning == "frobenius" and jnp.dtype(x.dtype) in adam_transforms.KERNEL_DTYPES:
     config = None if ns_matmul == "xla" else kernels.TiledConfig(matmul=ns_matmul)
     return kernels.newton_schulz(x, coeffs=coeffs, steps=steps, ns_dtype=ns_dtype, eps=eps,
                                  gram=gram, implementation=implementation, interpret=interpret,
@@ -237,7 +237,7 @@ def _orthogonalize(x, *, coeffs, steps, ns_dtype, eps, preconditioning, gram, im
   if isinstance(coeffs, str):
     raise ValueError(f"muon: preconditioning={preconditioning!r} and {x.dtype} matrices need a "
                      f"numeric coefficient table, got coeffs={coeffs!r}")
-  if jnp.dtype(x.dtype) in fused_adam.KERNEL_DTYPES:
+  if jnp.dtype(x.dtype) in adam_transforms.KERNEL_DTYPES:
     x = x.astype(ns_dtype)
   table = jnp.asarray(coeffs)
   return jax.vmap(lambda m: _optax_newton_schulz(m, table, preconditioning, eps))(x)
@@ -470,7 +470,7 @@ class _MuonStep:
     a = _active(g, s) if self.config.skip_inactive and s is not None else None
     # fp32 math for fp32/bf16 (bf16 momentum is stored stochastically
     # rounded); other dtypes keep optax's arithmetic in their own dtype.
-    wide = (jnp.float32 if {jnp.result_type(g), jnp.result_type(m)} <= set(fused_adam.KERNEL_DTYPES)
+    wide = (jnp.float32 if {jnp.result_type(g), jnp.result_type(m)} <= set(adam_transforms.KERNEL_DTYPES)
             else jnp.promote_types(jnp.result_type(g), jnp.result_type(m)))
     g32, m32 = g.astype(wide), m.astype(wide)
     m_new = (1 - beta) * g32 + beta * m32
@@ -1017,7 +1017,7 @@ def _scale_by_muon(
     raise ValueError(f"scale_by_muon: ns_steps must be an integer >= 1 (a static value), "
                      f"got {ns_steps!r}")
   kernel_coeffs, kernel_steps = _resolve_coeffs(coeffs, ns_coeffs, ns_steps)
-  mu_dtype = fused_adam._optax_dtype(mu_dtype)
+  mu_dtype = adam_transforms._optax_dtype(mu_dtype)
   ns_dtype = jnp.dtype(ns_dtype)
   if ns_matmul not in ("xla", "pallas"):
     raise ValueError(f"scale_by_muon: ns_matmul must be 'xla' or 'pallas', got {ns_matmul!r}")
@@ -1102,7 +1102,7 @@ def _adamw(learning_rate, b1, b2, eps, eps_root, weight_decay, mu_dtype, moment_
   ``mu_dtype`` or the parameter's, nu in the parameter's)."""
   if moment_dtype is not None:
     mu_dtype = moment_dtype
-  return fused_adam.adamw(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
+  return adam_transforms.adamw(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
                          weight_decay=weight_decay, nesterov=nesterov, moment_dtype=moment_dtype,
                          implementation=implementation, interpret=interpret,
                          shardings=shardings, cautious_weight_decay=cautious)

@@ -9,7 +9,7 @@ from optax._src import alias, transform, update
 from optax.contrib import _muon  # the places optax's tests read
 
 import fuseopt.optim as fo
-from fuseopt.optim import fused_adam
+from fuseopt.optim import adam_transforms
 from tests.conformance import _optax_suite
 
 _ORIGINAL = {name: [getattr(m, a) for m, a in places]
@@ -19,8 +19,8 @@ _ORIGINAL = {name: [getattr(m, a) for m, a in places]
 @pytest.mark.parametrize("mode", ["fp32", "bf16"])
 def test_patched_replaces_every_place_and_restores(mode):
   with _optax_suite.patched(mode):
-    assert isinstance(optax.adam(1e-3), fused_adam.FusedAdamTransformation)
-    assert isinstance(alias.adamw(1e-3), fused_adam.FusedAdamTransformation)
+    assert isinstance(optax.adam(1e-3), adam_transforms.FusedAdamTransformation)
+    assert isinstance(alias.adamw(1e-3), adam_transforms.FusedAdamTransformation)
     assert transform.scale_by_adam is optax.scale_by_adam
     assert update.apply_updates is fo.apply_updates
     assert _muon.muon is optax.contrib.muon and _muon.scale_by_muon is optax.contrib.scale_by_muon
@@ -45,4 +45,4 @@ def test_loaded_optax_tests_captured_the_substitutes():
   captured = [c.cell_contents for c in test.__closure__ or ()]
   functions = [x for c in captured for x in (c if isinstance(c, (tuple, list)) else (c,))
                if callable(x)]
-  assert any(getattr(f, "__module__", "") == "fuseopt.optim.fused_adam" for f in functions), functions
+  assert any(getattr(f, "__module__", "") == "fuseopt.optim.adam_transforms" for f in functions), functions

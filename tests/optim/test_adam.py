@@ -160,10 +160,10 @@ def test_mixed_dtype_tree_runs_and_keeps_dtypes():
 
 
 def test_public_names_resolve_to_the_functions():
-  import fuseopt.optim.fused_adam  # noqa: F401  (the module's name must not shadow the function)
+  import fuseopt.optim.adam_transforms  # noqa: F401  (the module's name must not shadow the function)
   params = {"w": jnp.ones((4,), F32)}
   tx = fo.adam(1e-3)
-  assert callable(fo.adam) and fo.adam.__module__ == "fuseopt.optim.fused_adam"
+  assert callable(fo.adam) and fo.adam.__module__ == "fuseopt.optim.adam_transforms"
   assert hasattr(tx, "fuseopt_adam") and tx.init(params)[0].mu["w"].dtype == BF16
   assert isinstance(fo.bf16_moments(), optax.GradientTransformation)
 

@@ -1,8 +1,8 @@
 """Adam and AdamW with bf16-stored moments, as drop-in optax transforms.
 
-(The module's name is historical: it holds the drop-in transforms, whose
-``update`` runs the unfused Adam kernels, and the in-place rule through which
-:func:`fuseopt.optim.step` fuses the whole step.)
+(The module holds the drop-in transforms, whose ``update`` runs the unfused
+Adam kernels, and the in-place rule through which :func:`fuseopt.optim.step`
+fuses the whole step.)
 
 The moments are stored in ``moment_dtype`` (bf16 by default) and widened to
 fp32 inside :func:`fuseopt.kernels.adam_update`, which writes them back with
