@@ -16,12 +16,15 @@ def test_every_exported_name_resolves():
 
 
 def test_config_types_exported():
-  assert fk.GramTritonConfig(128, 64, 8, 3).bm == 128
+  assert fk.SymTritonConfig(128, 64, 8, 3).bm == 128
   assert fk.AdamTritonGroupConfig.__module__ == "fuseopt.kernels.adam"
-  for name in ("ElementwiseTritonConfig", "ElementwiseMosaicConfig", "FusedTritonConfig",
-               "FusedMosaicConfig", "GramMosaicConfig", "UpdateTritonConfig", "UpdateMosaicConfig",
+  for name in ("ElementwiseTritonConfig", "ElementwiseMosaicTPUConfig", "FusedTritonConfig",
+               "FusedMosaicTPUConfig", "SymMosaicTPUConfig", "GemmTritonConfig", "GemmMosaicTPUConfig",
                "TiledConfig"):
     assert isinstance(getattr(fk, name), type), name
+  for name in ("ElementwiseMosaicConfig", "FusedMosaicConfig", "GramMosaicConfig", "GramTritonConfig",
+               "UpdateTritonConfig", "UpdateMosaicConfig"):
+    assert not hasattr(fk, name), name
 
 
 def _run(code):

@@ -8,9 +8,8 @@ One folder per op (:mod:`.stochastic_round`, :mod:`.adam`,
 (:mod:`.dispatch`). Each op's block-size config types are exported here with
 the op's name in front and the backend's name behind (``AdamTritonGroupConfig``,
 ``ElementwiseMosaicTPUConfig``), so ``config=`` can be built from this
-namespace alone; the names they had before (``ElementwiseMosaicConfig``,
-``GramTritonConfig``, ``UpdateMosaicConfig``...) stay as aliases of the same
-classes. See docs/kernels.md, "Anatomy of an op".
+namespace alone; each class has that one name. See docs/kernels.md,
+"Anatomy of an op".
 
 ``fuseopt.kernels.newton_schulz`` is the function; its package's modules are
 imported by their full names (``from fuseopt.kernels.newton_schulz import sym``).
@@ -64,30 +63,18 @@ from fuseopt.kernels.newton_schulz.sym import MosaicGPUConfig as SymMosaicGPUCon
 from fuseopt.kernels.newton_schulz.sym import MosaicTPUConfig as SymMosaicTPUConfig
 from fuseopt.kernels.newton_schulz.sym import TritonConfig as SymTritonConfig
 
-# The names the configs had before (aliases of the same classes).
-ElementwiseMosaicConfig = ElementwiseMosaicTPUConfig
-FusedMosaicConfig = FusedMosaicTPUConfig
-GramMosaicConfig = SymMosaicTPUConfig
-GramTritonConfig = SymTritonConfig
-UpdateMosaicConfig = GemmMosaicTPUConfig
-UpdateTritonConfig = GemmTritonConfig
-
 __all__ = (
     "AdamMosaicGPUGroupConfig",
     "AdamTritonGroupConfig",
-    "ElementwiseMosaicConfig",
     "ElementwiseMosaicGPUConfig",
     "ElementwiseMosaicTPUConfig",
     "ElementwiseTritonConfig",
-    "FusedMosaicConfig",
     "FusedMosaicGPUConfig",
     "FusedMosaicTPUConfig",
     "FusedTritonConfig",
     "GemmMosaicGPUConfig",
     "GemmMosaicTPUConfig",
     "GemmTritonConfig",
-    "GramMosaicConfig",
-    "GramTritonConfig",
     "JORDAN",
     "orthogonalize_sharded",
     "POLAR_EXPRESS",
@@ -99,8 +86,6 @@ __all__ = (
     "SymTritonConfig",
     "TiledConfig",
     "sharding",
-    "UpdateMosaicConfig",
-    "UpdateTritonConfig",
     "adam_update",
     "adam_update_reference",
     "adam_update_tree",

@@ -62,7 +62,6 @@ class MosaicTPUConfig:
 
 
 # The name this config had before the Mosaic GPU backend existed.
-MosaicConfig = MosaicTPUConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -84,7 +84,7 @@ def test_kernel_matches_reference(request, backend, case):
 
 @pytest.mark.parametrize("backend,configs", [
     ("triton", (A.TritonConfig(256, 4), A.TritonConfig(2048, 8))),
-    ("mosaic_tpu", (A.MosaicConfig(16), A.MosaicConfig(32)))])
+    ("mosaic_tpu", (A.MosaicTPUConfig(16), A.MosaicTPUConfig(32)))])
 def test_block_size_does_not_change_bits(backend, configs):
   p, g, mu, nu = _inputs(jax.random.key(3), (64, 128), F32, F32, BF16)
   outs = [adam_update(p, g, mu, nu, count=3, implementation=backend, interpret=True,
@@ -200,7 +200,7 @@ def test_errors_name_the_parameter():
     adam_update(p, g, mu, nu, count=1.0)
   with pytest.raises(TypeError, match="config must be a TritonConfig"):
     adam_update(p, g, mu, nu, count=1, implementation="triton", interpret=True,
-                config=A.MosaicConfig())
+                config=A.MosaicTPUConfig())
   with pytest.raises(ValueError, match="power of two"):
     A.TritonConfig(block=1000)
   with pytest.raises(ValueError, match="implementation='cuda'"):

@@ -63,9 +63,9 @@ def test_newton_schulz_kernels_declare_their_products(estimates, impl, path):
   b, m, n = 2, 512, 1024   # multiples of every default block: no padding
   x = jax.ShapeDtypeStruct((b, m, n), jnp.float32)
   if path == "fused":
-    config = kernels.FusedTritonConfig() if impl == "triton" else kernels.FusedMosaicConfig()
+    config = kernels.FusedTritonConfig() if impl == "triton" else kernels.FusedMosaicTPUConfig()
   else:
-    update = kernels.UpdateTritonConfig() if impl == "triton" else kernels.UpdateMosaicConfig()
+    update = kernels.GemmTritonConfig() if impl == "triton" else kernels.GemmMosaicTPUConfig()
     config = kernels.TiledConfig(matmul=update)
   _traced(lambda x: kernels.newton_schulz(x, coeffs="jordan", steps=5, implementation=impl,
                                           interpret=True, config=config), x)

@@ -22,20 +22,20 @@ HYPER = dict(learning_rate=3e-3, b1=0.9, b2=0.999, eps=1e-8, eps_root=1e-12,
 # (stochastic rounding): (view, block)
 CASES = [
     # ragged last dim: full-extent columns; rows a multiple of 8 dividing them
-    ((40, 300), A.MosaicConfig(16), ((40, 300), (8, 300)), ((40, 300), (8, 300))),
+    ((40, 300), A.MosaicTPUConfig(16), ((40, 300), (8, 300)), ((40, 300), (8, 300))),
     # rows with no such divisor: the whole extent, or a ragged edge block
-    ((50, 300), A.MosaicConfig(16), ((50, 300), (50, 300)), ((50, 300), (8, 300))),
+    ((50, 300), A.MosaicTPUConfig(16), ((50, 300), (50, 300)), ((50, 300), (8, 300))),
     # whole tiles per slab: leading dims merged into the rows; columns split
-    ((4, 32, 256), A.MosaicConfig(16), ((128, 256), (16, 128)), ((128, 256), (16, 128))),
+    ((4, 32, 256), A.MosaicTPUConfig(16), ((128, 256), (16, 128)), ((128, 256), (16, 128))),
     # rows not a multiple of 16: one slab a step, rows and columns split
-    ((3, 40, 256), A.MosaicConfig(16), ((3, 40, 256), (None, 8, 128)),
+    ((3, 40, 256), A.MosaicTPUConfig(16), ((3, 40, 256), (None, 8, 128)),
      ((3, 40, 256), (None, 8, 128))),
     # small slabs: several a step
-    ((6, 5, 128), A.MosaicConfig(64), ((6, 5, 128), (3, 5, 128)), ((6, 5, 128), (3, 5, 128))),
+    ((6, 5, 128), A.MosaicTPUConfig(64), ((6, 5, 128), (3, 5, 128)), ((6, 5, 128), (3, 5, 128))),
     # the whole leaf in one block
-    ((37, 129), A.MosaicConfig(512), ((37, 129), (37, 129)), ((37, 129), (37, 129))),
+    ((37, 129), A.MosaicTPUConfig(512), ((37, 129), (37, 129)), ((37, 129), (37, 129))),
     # 1-D: flat lanes
-    ((4096,), A.MosaicConfig(16), ((32, 128), (16, 128)), ((32, 128), (16, 128))),
+    ((4096,), A.MosaicTPUConfig(16), ((32, 128), (16, 128)), ((32, 128), (16, 128))),
 ]
 IDS = [f"{s}-{c.block_rows}" for s, c, _, _ in CASES]
 
@@ -85,7 +85,7 @@ def test_every_config_tiles_natively_within_vmem(shape, config, stream_bytes, ra
 
 
 def test_tiling_falls_back_to_flat_lanes_or_none():
-  cfg = A.MosaicConfig(512)
+  cfg = A.MosaicTPUConfig(512)
   # 16 rows of a 100k-wide ragged last dim overflow VMEM: flat lanes if they exist
   assert E.mosaic_tiling((1024, 100_001), cfg, stream_bytes=28).view == (800_008, 128)
   assert E.mosaic_tiling((16, 100_001), cfg, stream_bytes=28) is None
@@ -112,7 +112,7 @@ def test_adam_native_tiling_is_bitwise_the_reference_and_the_flat_view(shape, co
   want_ref = run(p, g, mu, nu, "xla", None)
   flat = lambda a: None if a is None else a.reshape(-1)
   # The flat (rows, 128) view: the kernel's tiling before it kept the layout.
-  want_flat = run(flat(p), flat(g), flat(mu), flat(nu), "mosaic_tpu", A.MosaicConfig(16))
+  want_flat = run(flat(p), flat(g), flat(mu), flat(nu), "mosaic_tpu", A.MosaicTPUConfig(16))
   for i, (a, b, c) in enumerate(zip(got, want_ref, want_flat)):
     harness.assert_bitwise_equal(a, b, f"{shape} out {i} vs reference")
     harness.assert_bitwise_equal(a.reshape(-1), c, f"{shape} out {i} vs flat view")

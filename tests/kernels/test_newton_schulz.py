@@ -142,8 +142,8 @@ SYM_CASES = {
     "triton": [((2, 100, 200), {}, gram.TritonConfig(64, 64, 4, 3)),       # ragged, wide
                ((1, 96, 40), {}, gram.TritonConfig(64, 32, 4, 3)),         # tall (K < m)
                ((1, 100, 100), dict(alpha=0.5, beta=-2.0, gamma=3.0), gram.TritonConfig(64, 32, 4, 3))],
-    "mosaic_tpu": [((2, 100, 200), {}, gram.MosaicConfig(128, 128)),
-                   ((1, 200, 200), dict(alpha=0.5, beta=-2.0, gamma=3.0), gram.MosaicConfig(128, 128))],
+    "mosaic_tpu": [((2, 100, 200), {}, gram.MosaicTPUConfig(128, 128)),
+                   ((1, 200, 200), dict(alpha=0.5, beta=-2.0, gamma=3.0), gram.MosaicTPUConfig(128, 128))],
 }
 
 
@@ -169,7 +169,7 @@ def test_sym_kernel(request, impl):
 def test_poly_kernel(request, impl):
   x = _randn(harness.fresh_key(request), (1, 80, 120))
   a = gram.sym_reference(x)
-  cfg = gram.TritonConfig(32, 32, 4, 3) if impl == "triton" else gram.MosaicConfig(128, 128)
+  cfg = gram.TritonConfig(32, 32, 4, 3) if impl == "triton" else gram.MosaicTPUConfig(128, 128)
   got = poly.poly(a, b=-4.775, c=2.0315, implementation=impl, interpret=_interp(impl), config=cfg)
   _assert_tile_close(got, poly.poly_reference(a, b=-4.775, c=2.0315), impl)
 
@@ -180,7 +180,7 @@ def test_update_kernel(request, impl):
   b = _randn(k1, (2, 100, 100))
   x = _randn(k2, (2, 100, 200))
   cfg = (update.TritonConfig(32, 32, 32, 4, 3) if impl == "triton"
-         else update.MosaicConfig(128, 128, 128))
+         else update.MosaicTPUConfig(128, 128, 128))
   for a in (3.4445, 0.0):
     got = update.matmul(b, x, a=a, implementation=impl, interpret=_interp(impl), config=cfg)
     _assert_tile_close(got, update.matmul_reference(b, x, a=a), f"{impl} a={a}")
@@ -201,8 +201,8 @@ def _tiled(impl, pallas_update):
   if impl == "triton":
     return ns.TiledConfig(sym=gram.TritonConfig(32, 32, 4, 3),
                           matmul=update.TritonConfig(32, 32, 32, 4, 3) if pallas_update else None)
-  return ns.TiledConfig(sym=gram.MosaicConfig(128, 128),
-                        matmul=update.MosaicConfig(128, 128, 128) if pallas_update else None)
+  return ns.TiledConfig(sym=gram.MosaicTPUConfig(128, 128),
+                        matmul=update.MosaicTPUConfig(128, 128, 128) if pallas_update else None)
 
 
 OP_CASES = [

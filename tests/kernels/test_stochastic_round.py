@@ -193,7 +193,7 @@ def test_config_validation():
   with pytest.raises(ValueError, match="power of two"):
     sr.TritonConfig(block=1000)
   with pytest.raises(ValueError, match="multiple of 16"):
-    sr.MosaicConfig(block_rows=24)
+    sr.MosaicTPUConfig(block_rows=24)
 
 
 def test_under_jit_with_traced_seed_and_offset():

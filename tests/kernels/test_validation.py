@@ -17,7 +17,7 @@ from fuseopt.kernels import adam as A
 from fuseopt.kernels import adam_update, newton_schulz, newton_schulz_reference
 from fuseopt.kernels import stochastic_round as sr
 from fuseopt.kernels import stochastic_round_bf16
-from fuseopt.kernels.elementwise_tiling import MosaicConfig, TritonConfig
+from fuseopt.kernels.elementwise_tiling import MosaicTPUConfig, TritonConfig
 from tests.kernels import harness
 from tests.kernels.test_adam_kernel import _compare
 
@@ -220,7 +220,7 @@ def test_adam_update_traced_scalars_are_used_unchecked():
 
 
 @pytest.mark.parametrize("implementation,config", [
-    ("triton", MosaicConfig(256)), ("mosaic_tpu", TritonConfig(512))])
+    ("triton", MosaicTPUConfig(256)), ("mosaic_tpu", TritonConfig(512))])
 def test_wrong_backend_config_is_a_type_error(implementation, config):
   x = jnp.ones((4096,), F32)
   with pytest.raises(TypeError, match="adam_update: config must be"):

@@ -46,7 +46,6 @@ from fuseopt.kernels.adam.math import check_companion as _check_companion
 from fuseopt.kernels.adam.math import check_leaf as _check
 from fuseopt.kernels.adam.math import optax_safe_increment
 from fuseopt.kernels.adam.triton import TritonGroupConfig
-from fuseopt.kernels.elementwise_tiling import MosaicConfig
 from fuseopt.kernels.elementwise_tiling import MosaicGPUConfig
 from fuseopt.kernels.elementwise_tiling import MosaicTPUConfig
 from fuseopt.kernels.elementwise_tiling import TritonConfig
@@ -68,7 +67,7 @@ mosaic_heuristic = _mosaic_tpu.heuristic
 triton_heuristic = _triton.heuristic
 triton_group_heuristic = _triton.group_heuristic
 
-__all__ = ["MosaicConfig", "MosaicGPUConfig", "MosaicTPUConfig", "TritonConfig",
+__all__ = ["MosaicGPUConfig", "MosaicTPUConfig", "TritonConfig",
            "TritonGroupConfig", "adam_scalars", "adam_seeds", "adam_update",
            "adam_update_reference", "adam_update_tree", "optax_safe_increment"]
 

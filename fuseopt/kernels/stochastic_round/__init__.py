@@ -28,7 +28,6 @@ import jax.numpy as jnp
 from fuseopt.kernels import counter_hash
 from fuseopt.kernels import dispatch
 from fuseopt.kernels import sharding as sharding_lib
-from fuseopt.kernels.elementwise_tiling import MosaicConfig
 from fuseopt.kernels.elementwise_tiling import MosaicGPUConfig
 from fuseopt.kernels.elementwise_tiling import MosaicTPUConfig
 from fuseopt.kernels.elementwise_tiling import TritonConfig
@@ -45,7 +44,7 @@ TRITON_SEARCH_SPACE = _triton.SEARCH_SPACE
 MOSAIC_SEARCH_SPACE = _mosaic_tpu.SEARCH_SPACE
 mosaic_heuristic = _mosaic_tpu.heuristic
 
-__all__ = ["MosaicConfig", "MosaicGPUConfig", "MosaicTPUConfig", "TritonConfig",
+__all__ = ["MosaicGPUConfig", "MosaicTPUConfig", "TritonConfig",
            "stochastic_round_bf16", "stochastic_round_reference"]
 
 

@@ -37,7 +37,6 @@ F32 = jnp.float32
 BACKENDS = {"triton": triton, "mosaic_tpu": mosaic_tpu, "mosaic_gpu": mosaic_gpu}
 
 # The names these had before the backends had modules of their own.
-MosaicConfig = MosaicTPUConfig
 MOSAIC_VMEM_BUDGET = mosaic_tpu.VMEM_BUDGET
 MOSAIC_VMEM_LIMIT = mosaic_tpu.VMEM_LIMIT
 TRITON_MAX_M = triton.MAX_M

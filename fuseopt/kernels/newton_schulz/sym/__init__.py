@@ -51,7 +51,6 @@ F32 = jnp.float32
 BACKENDS = {"triton": triton, "mosaic_tpu": mosaic_tpu, "mosaic_gpu": mosaic_gpu}
 
 # The names these had before the backends had modules of their own.
-MosaicConfig = MosaicTPUConfig
 TRITON_SEARCH_SPACE = triton.SEARCH_SPACE
 MOSAIC_SEARCH_SPACE = mosaic_tpu.SEARCH_SPACE
 triton_heuristic = triton.heuristic
