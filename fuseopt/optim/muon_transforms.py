@@ -436,10 +436,17 @@ class _MuonStep:
   per-leaf pieces of the direction (:meth:`momentum`, :meth:`assemble`)."""
 
   def __init__(self, config: _MuonConfig, updates, mu, count, ns_input_dtype, grad_fn=None,
-               nu=None):
+               nu=None, param_leaves=None):
     self.config = config
     self.ns_input_dtype = ns_input_dtype
     self.g_leaves, self.treedef = jax.tree.flatten(updates)
+    # The dtype a leaf's direction is finished in: the gradient's (optax's
+    # convention for the updates it returns), except for a mantissa-tracked
+    # parameter in the fused step, whose master is fp32: there the direction
+    # stays fp32, as an fp32 run's would (a bf16 one would round the step
+    # before it reaches the master). It lives only inside the fused pass.
+    self.out_dtypes = [jnp.float32 if p is not None and mantissa.is_tracked(p) else g.dtype
+                       for g, p in zip(self.g_leaves, param_leaves or [None] * len(self.g_leaves))]
     # The most matrix elements one NS call takes, on this step's platform.
     self.platform = kernels.current_platform(self.g_leaves)
     self.ns_budget = (config.ns_max_elements if config.ns_max_elements is not None else
@@ -482,7 +489,8 @@ class _MuonStep:
       h = beta * (m_new / self.bc2.astype(wide)) + (1 - beta) * (g32 / self.bc1.astype(wide))
     else:
       h = m_new / self.bc1.astype(wide)
-    ns_dtype = self.ns_input_dtype if s is not None and self.ns_input_dtype else g.dtype
+    ns_dtype = (self.ns_input_dtype if s is not None and self.ns_input_dtype
+                else self.out_dtypes[i])
     return stored, h.astype(ns_dtype), a
 
   def assemble(self, pieces, merge, ys, fans, a):
@@ -556,7 +564,7 @@ class _MuonStep:
     the statistic layout)``). The same arithmetic as :meth:`finish_grouped`,
     per element: per-view factors are broadcast along the view axis."""
     config = self.config
-    dtype = self.g_leaves[i].dtype
+    dtype = self.out_dtypes[i]
     if config.normuon is not None:
       y, stat = y
       scale = views.expand(self.neuron_scale(i, stat, views, a, placement))
@@ -584,7 +592,7 @@ class _MuonStep:
   def finish_grouped(self, i, plan, results, a):
     """Leaf ``i``'s update from its pieces' results of the batched NS calls."""
     pieces, merge = plan
-    dtype = self.g_leaves[i].dtype
+    dtype = self.out_dtypes[i]
     if self.config.normuon is not None:
       views = matrix_views.geometry(self.specs[i], self.g_leaves[i].shape, self.paths[i])
       sv = views.statistic()
@@ -660,7 +668,8 @@ def _direction(config: _MuonConfig, updates, mu, count, ns_input_dtype=None, pla
   if grad_fn is None:
     grad_fn = lambda g: g
   step = _MuonStep(config, updates, mu, count, ns_input_dtype,
-                   grad_fn=grad_fn if finish is None else None, nu=nu)
+                   grad_fn=grad_fn if finish is None else None, nu=nu,
+                   param_leaves=param_leaves if finish is not None else None)
   leaf_shardings = kernel_sharding.flatten_shardings(
       config.shardings if placement is None else placement, mu, owner="scale_by_muon",
       strict=True)
@@ -800,7 +809,7 @@ def _ns_stages(step: _MuonStep, seq: _Sequencer, distributed):
       stored, h, _ = step.momentum(i, seq.grad_fn(g), step.m_old[i])
       seq.mu_leaves[i], seq.new_p[i] = stored, seq.finish(i, h, seq.p_leaves[i])
     elif i not in distributed:
-      dtype = jnp.dtype(step.ns_input_dtype or g.dtype)
+      dtype = jnp.dtype(step.ns_input_dtype or step.out_dtypes[i])
       for j, shape in enumerate(_piece_shapes(g, s, step.paths[i])):
         groups.setdefault(shape[1:] + (dtype,), []).append((i, j, shape[0]))
   stages = []
