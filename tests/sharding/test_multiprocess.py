@@ -27,8 +27,10 @@ def _free_port() -> int:
 def test_two_processes_match_one(tmp_path):
   out = tmp_path / "result.npz"
   port = _free_port()
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
-             XLA_FLAGS="")   # each worker sets its own 4 devices
+  # Each worker sets its own 4 devices; the instruction set stays the one of
+  # this process (tests/conftest.py: XLA:CPU without FMA), so both sides round alike.
+  isa = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_cpu_max_isa")]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), XLA_FLAGS=" ".join(isa))
   worker = Path(__file__).with_name("multiprocess_worker.py")
   procs = [subprocess.Popen([sys.executable, str(worker), str(i), str(port), str(out)],
                             env=env, cwd=ROOT, stdout=subprocess.PIPE,
