@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "real compilers and compare with bench/results/compiled (= compile-check)")
   _add_selection(r)
 
-  p = sub.add_parser("report", help="render the README performance table from bench/results/**.json")
+  p = sub.add_parser("report", help="render the README performance table from bench/results/**.json, the compiled "
+                     "tables of docs/compile_tier.md and the scale table of docs/scaling.md")
   p.add_argument("--results", type=Path, default=Path("bench/results"))
   p.add_argument("--readme", type=Path, default=Path("README.md"))
   p.add_argument("--include-cpu", action="store_true", help="also render CPU results")
@@ -244,9 +245,11 @@ def cmd_report(args, out=print) -> int:
   from fuseopt.benchmarks import compiled
   changed = report.render_readme(args.readme, args.results, include_cpu=args.include_cpu)
   out(f"{args.readme}: performance table {'updated' if changed else 'unchanged'}")
-  changed = compiled.render_readme(args.readme, args.results / "compiled")
-  if changed is not None:
-    out(f"{args.readme}: compiled-figures table {'updated' if changed else 'unchanged'}")
+  tier_page = args.readme.parent / "docs" / "compile_tier.md"
+  if tier_page.exists():
+    changed = compiled.render_tables(tier_page, args.results / "compiled")
+    if changed is not None:
+      out(f"{tier_page}: compiled-figures tables {'updated' if changed else 'unchanged'}")
   from fuseopt.benchmarks import scale
   scaling = args.readme.parent / "docs" / "scaling.md"
   if scaling.exists():

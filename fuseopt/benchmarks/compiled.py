@@ -1026,12 +1026,20 @@ def _coll(fig) -> str:
   return ", ".join(f"{v['count']} {k}" for k, v in c.items()) or "none"
 
 
+def sweep_record(target: str, root: Path | str = RESULTS_DIR) -> dict[str, Any] | None:
+  """The figures the docs' tables render: ``<root>/<target>.json``, jax
+  0.11.2's full sweep with optax's baselines beside fuseopt's (whatever jax
+  runs; each table names the release). The newer releases' files hold the
+  CI cases the gate compares, without the baselines."""
+  path = Path(root) / f"{targets_lib.get(target).name}.json"
+  return json.loads(path.read_text()) if path.exists() else None
+
+
 def markdown(root: Path | str = RESULTS_DIR) -> str:
-  """The README's compiled-figures table: fuseopt beside optax per target,
+  """The compiled-figures tables of docs/compile_tier.md: fuseopt beside optax per target,
   from ``<root>/<target>.json`` whatever jax runs (each heading names the
   release and compilers of its figures)."""
-  paths = [(t, Path(root) / f"{t}.json") for t in targets_lib.TARGETS]
-  docs = [(t, json.loads(p.read_text()) if p.exists() else None) for t, p in paths]
+  docs = [(t, sweep_record(t, root)) for t in targets_lib.TARGETS]
   docs = [(t, d) for t, d in docs if d]
   if not docs:
     return "_No compiled figures yet: run `fuseopt compile-check --target NAME --update`._\n"
@@ -1041,7 +1049,7 @@ def markdown(root: Path | str = RESULTS_DIR) -> str:
     kernels = [k for k in cs if k.startswith("kernel/")]
     if not kernels and not any(ours in cs for _, ours, _ in _TABLE_ROWS):
       out.append(f"**{doc['device_kind']}** (`{name}`): the scale cases only "
-                 f"([scaling.md](docs/scaling.md#measured-at-scale))")
+                 f"([scaling.md](scaling.md#measured-at-scale))")
       out.append("")
       continue
     env = doc.get("environment", {})
@@ -1090,10 +1098,11 @@ def render_between(path: Path | str, start_marker: str, end_marker: str, body: s
   return new != text
 
 
-def render_readme(readme: Path | str = "README.md", root: Path | str = RESULTS_DIR) -> bool | None:
-  """Replaces what lies between the compiled-table markers of ``readme``;
+def render_tables(page: Path | str = "docs/compile_tier.md",
+                  root: Path | str = RESULTS_DIR) -> bool | None:
+  """Replaces what lies between the compiled-table markers of ``page``;
   ``None`` when it has neither marker."""
-  return render_between(readme, COMPILED_START, COMPILED_END, markdown(root))
+  return render_between(page, COMPILED_START, COMPILED_END, markdown(root))
 
 
 def main(target: str, *, full: bool = False, update: bool = False, match: str | None = None,

@@ -300,7 +300,7 @@ def markdown(root=None) -> str:
          "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | --- | ---: |"]
   for model, layout, where, n, t, ours, theirs in rows():
     if t not in docs:
-      docs[t] = (compiled.load(t, root) or {}).get("cases", {})
+      docs[t] = (compiled.sweep_record(t, root) or {}).get("cases", {})
     a = _cells(docs[t].get(ours))
     b = _cells(docs[t].get(theirs)) if theirs else ("no views",) + ("-",) * 4
     gemm = ', `ns_matmul="pallas"`' if f"/{PALLAS_GEMM}/" in ours else ""
