@@ -29,6 +29,7 @@ def _add_selection(p):
 
 
 def build_parser() -> argparse.ArgumentParser:
+  from fuseopt import targets
   ap = argparse.ArgumentParser(prog="fuseopt", description="fuseopt: fused optimizer kernels for JAX")
   sub = ap.add_subparsers(dest="command", required=True)
 
@@ -67,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="compile every case with the real compilers for a target (no hardware) "
                           "and compare with bench/results/compiled/<target>.json")
   c.add_argument("--target", required=True,
-                 help="a target of fuseopt.targets (v5e, v6e, v5p, h200, l4, rtx4090) or 'all'")
+                 help=f"a target of fuseopt.targets ({', '.join(targets.TARGETS)}) or 'all'")
   c.add_argument("--all", action="store_true", dest="full",
                  help="also every config of every search space (the full sweep)")
   c.add_argument("--update", action="store_true", help="write the fresh figures into the JSON")

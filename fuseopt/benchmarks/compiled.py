@@ -747,9 +747,6 @@ def shard_like_params(state, params, mesh):
   return jax.tree_util.tree_map_with_path(one, state)
 
 
-# Targets that exist for the scale cases: their other cases (kernels, the
-# 1.2 B steps) belong to the full sweep only.
-SCALE_ONLY_TARGETS = ("v5p",)
 KINDS = ("kernel", "step", "sharded", "scale")
 
 
@@ -772,7 +769,7 @@ def cases(target, *, full: bool = False, kinds: tuple[str, ...] = KINDS,
     every += scale.cases()
 
   def selected(c):
-    in_ci = not c.full_only and (c.ci_targets is None and t.name not in SCALE_ONLY_TARGETS
+    in_ci = not c.full_only and (c.ci_targets is None and t.ci_shared_cases
                                  or t.name in (c.ci_targets or ()))
     return (t.implementation in c.implementations and (full or in_ci)
             and c.devices in t.topologies and (baselines or not c.baseline)
@@ -1105,11 +1102,17 @@ def render_tables(page: Path | str = "docs/compile_tier.md",
   return render_between(page, COMPILED_START, COMPILED_END, markdown(root))
 
 
+def target_names(target: str) -> list[str]:
+  """The targets ``compile-check --target`` means: every entry of
+  :data:`fuseopt.targets.TARGETS` for ``"all"``, else the one named."""
+  return list(targets_lib.TARGETS) if target == "all" else [targets_lib.get(target).name]
+
+
 def main(target: str, *, full: bool = False, update: bool = False, match: str | None = None,
          jobs: int = 1, baselines: bool = True, root: Path | str = RESULTS_DIR, out=print) -> int:
   """``fuseopt compile-check``: compile, compare with (or ``update``) the
   committed figures; 1 if anything fails to compile or regresses."""
-  names = list(targets_lib.TARGETS) if target == "all" else [targets_lib.get(target).name]
+  names = target_names(target)
   bad = 0
   for name in names:
     why = targets_lib.missing(name)

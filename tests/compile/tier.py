@@ -1,4 +1,4 @@
-"""The compile tier's shared test body: one test file per target.
+"""The compile tier's shared test body and its parametrisation over the targets.
 
 Each case of :func:`fuseopt.benchmarks.compiled.cases` is compiled for the
 target by its real compiler (libtpu, or XLA + ptxas) and its figures are
@@ -24,6 +24,18 @@ UPDATE = os.environ.get("FUSEOPT_COMPILED_UPDATE") == "1"
 
 def case_ids(target: str, kinds: tuple[str, ...]) -> list[str]:
   return [c.id for c in compiled.cases(target, kinds=kinds)]
+
+
+def params(kind: str) -> list:
+  """``(target, case_id)`` of every CI case of ``kind`` on every target of
+  :data:`fuseopt.targets.TARGETS` (which cases CI compiles where is
+  :func:`fuseopt.benchmarks.compiled.cases`'s to say). Each target's cases of
+  a kind form one xdist group, so that ``--dist loadgroup`` spreads the
+  groups over the workers and keeps one target's compiler in one process
+  per group."""
+  return [pytest.param(name, case_id, id=f"{name}/{case_id}",
+                       marks=pytest.mark.xdist_group(f"compile-{name}-{kind}"))
+          for name in targets.TARGETS for case_id in case_ids(name, (kind,))]
 
 
 def check(target: str, case_id: str) -> None:
