@@ -271,11 +271,6 @@ def _S(shape, dtype=F32):
   return jax.ShapeDtypeStruct(tuple(shape), dtype)
 
 
-# The config classes renamed for their backends keep, in the figures' keys,
-# the names the committed figures were recorded under.
-FIGURE_CONFIG_NAMES = {"MosaicTPUConfig": "MosaicConfig", "MosaicGPUGroupConfig": "GroupConfig"}
-
-
 def _cfg_name(cfg) -> str:
   if cfg is None:
     return "heuristic"
@@ -285,8 +280,7 @@ def _cfg_name(cfg) -> str:
     if isinstance(v, dict):
       v = "-".join(f"{a}{b}" for a, b in v.items()) if v else "none"
     parts.append(f"{k}={v}")
-  name = type(cfg).__name__
-  return f"{FIGURE_CONFIG_NAMES.get(name, name)}({','.join(parts)})"
+  return f"{type(cfg).__name__}({','.join(parts)})"
 
 
 def _dt(d) -> str:
