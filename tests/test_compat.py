@@ -10,7 +10,7 @@ import jax
 import pytest
 
 from fuseopt import compat
-from fuseopt.benchmarks import compiled, regression
+from fuseopt.benchmarks import compile_results, regression
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +36,7 @@ def test_interpret_arg_takes_the_shim(monkeypatch):
 
 
 def _doc(jax_version, **cases):
-  return {"schema": compiled.SCHEMA, "environment": {"jax": jax_version}, "cases": cases}
+  return {"schema": compile_results.SCHEMA, "environment": {"jax": jax_version}, "cases": cases}
 
 
 def test_compiled_figures_are_kept_per_release(tmp_path):
@@ -45,17 +45,17 @@ def test_compiled_figures_are_kept_per_release(tmp_path):
   keyed = tmp_path / f"jax-{here}" / "v6e.json"
   # Only another release's legacy file: read (not enforced), never written over.
   legacy.write_text(json.dumps(_doc("0.0.1")))
-  assert compiled.results_path("v6e", tmp_path) == legacy
-  assert compiled.write_path("v6e", tmp_path) == keyed
-  assert not compiled.versions_match(compiled.load("v6e", tmp_path))
+  assert compile_results.results_path("v6e", tmp_path) == legacy
+  assert compile_results.write_path("v6e", tmp_path) == keyed
+  assert not compile_results.versions_match(compile_results.load("v6e", tmp_path))
   # The running release's own file wins.
   keyed.parent.mkdir()
   keyed.write_text(json.dumps(_doc(here)))
-  assert compiled.results_path("v6e", tmp_path) == keyed
+  assert compile_results.results_path("v6e", tmp_path) == keyed
   # A legacy file of the running release is its file.
   keyed.unlink()
   legacy.write_text(json.dumps(_doc(here)))
-  assert compiled.results_path("v6e", tmp_path) == compiled.write_path("v6e", tmp_path) == legacy
+  assert compile_results.results_path("v6e", tmp_path) == compile_results.write_path("v6e", tmp_path) == legacy
 
 
 def test_cpu_baseline_is_kept_per_release(tmp_path, monkeypatch):

@@ -118,12 +118,12 @@ def compile_and_dump(target: str, case_id: str, dump: str | Path) -> dict:
   """Compiles ``case_id`` for ``target`` with XLA dumping into ``dump``; its figures."""
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}").strip()
   import jax
-  from fuseopt.benchmarks import compiled
-  for case in compiled.cases(target, kinds=("step", "sharded")):
+  from fuseopt.benchmarks import compile_cases, compile_harness
+  for case in compile_cases.cases(target, kinds=("step", "sharded")):
     if case.id == case_id:
       if case.devices > 1:
         jax.config.update("jax_num_cpu_devices", case.devices)
-      return compiled.compile_case(target, case)
+      return compile_harness.compile_case(target, case)
   raise KeyError(f"no case {case_id!r} for {target}")
 
 

@@ -197,13 +197,13 @@ SCALE_CASES = (
 def step_args(t, sc: ScaleCase, variant: str, mesh):
   """``(step, args, donate)`` of ``sc``'s step on ``mesh`` (an Auto mesh of
   ``t``'s devices)."""
-  from fuseopt.benchmarks import compiled
+  from fuseopt.benchmarks import compile_cases
   params = tree(sc.model, sc.layout)
   placed = shardings(params, mesh, placement(sc.where))
   dims = muon_dims(sc.model, sc.layout)
   options = {"ns_matmul": "pallas"} if variant == PALLAS_GEMM else {}
-  tx = compiled.hybrid_tx(variant, placed if variant != "optax" else None, dims, **options)
-  return compiled.sharded_step_args(t, tx, params, placed, fused=variant != "optax")
+  tx = compile_cases.hybrid_tx(variant, placed if variant != "optax" else None, dims, **options)
+  return compile_cases.sharded_step_args(t, tx, params, placed, fused=variant != "optax")
 
 
 PALLAS_GEMM = "fuseopt_step_pallas_gemm"
@@ -221,14 +221,14 @@ def mesh_of(t, sc: ScaleCase):
 
 
 def cases() -> list:
-  """The scale cases as compile-tier :class:`~fuseopt.benchmarks.compiled.Case`s
+  """The scale cases as compile-tier :class:`~fuseopt.benchmarks.compile_harness.Case`s
   (kind ``"scale"``): ``scale/hybrid/<variant>/<model>[-<layout>]-<placement>``."""
-  from fuseopt.benchmarks import compiled
+  from fuseopt.benchmarks import compile_harness
   out = []
   for sc in SCALE_CASES:
     for variant in variants(sc):
       build = lambda t, sc=sc, variant=variant: step_args(t, sc, variant, mesh_of(t, sc))
-      out.append(compiled.Case(
+      out.append(compile_harness.Case(
           f"scale/hybrid/{variant}/{sc.id}", build, kind="scale",
           devices=placement(sc.where).devices, implementations=("triton", "mosaic_tpu"),
           expect_kernels=variant != "optax", baseline=variant == "optax",
@@ -291,8 +291,8 @@ def rows():
 
 def markdown(root=None) -> str:
   """docs/scaling.md's "Measured at scale" table, from the committed figures."""
-  from fuseopt.benchmarks import compiled
-  root = compiled.RESULTS_DIR if root is None else root
+  from fuseopt.benchmarks import compile_results, compiled
+  root = compile_results.RESULTS_DIR if root is None else root
   docs = {}
   out = ["| model, layout | devices | fuseopt temp | fuseopt arguments | fuseopt collectives (bytes) "
          "| fuseopt launches | optax temp | optax arguments | optax collectives (bytes) "

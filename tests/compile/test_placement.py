@@ -17,7 +17,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import fuseopt.optim as fo
 from fuseopt import targets
-from fuseopt.benchmarks import compiled, scale
+from fuseopt.benchmarks import compile_cases, compile_results, scale
 
 
 def _per_device_bytes(args) -> int:
@@ -49,7 +49,7 @@ def test_state_is_placed_like_the_params_on_an_auto_mesh(make, dtype):
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
   params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         tree, shardings)
-  state = compiled.shard_like_params(jax.eval_shape(make(shardings).init, params), params, mesh)
+  state = compile_cases.shard_like_params(jax.eval_shape(make(shardings).init, params), params, mesh)
   seen = 0
   for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
     name = jax.tree_util.keystr(path)
@@ -70,7 +70,7 @@ def test_state_is_placed_like_the_params_on_an_auto_mesh(make, dtype):
 def _sharded_cases():
   out = []
   for name in targets.TARGETS:
-    for c in compiled.cases(name, full=True, kinds=("sharded", "scale"), baselines=True):
+    for c in compile_cases.cases(name, full=True, kinds=("sharded", "scale"), baselines=True):
       out.append(pytest.param(name, c, id=f"{name}:{c.id}"))
   return out
 
@@ -97,7 +97,7 @@ def test_every_sharded_case_shards_its_arguments(target, case):
   assert per_device <= bound, (
       f"{case.id}: {per_device / 2**30:.2f} GiB of arguments a device, "
       f"{bound / 2**30:.2f} GiB with every matrix and its state sharded")
-  fig = ((compiled.load(t) or {}).get("cases") or {}).get(case.id)
+  fig = ((compile_results.load(t) or {}).get("cases") or {}).get(case.id)
   if fig and "argument_bytes" in fig:
     # The compiled figure includes the target's tile padding (a TPU pads an
     # (128256, 8) shard's columns to its 128-lane tiles): a few percent.

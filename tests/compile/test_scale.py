@@ -5,7 +5,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from fuseopt.benchmarks import compiled, scale
+from fuseopt.benchmarks import compile_results, scale
 from fuseopt.optim.matrix_views import MatrixViews, MuonDimensionNumbers
 
 
@@ -60,7 +60,7 @@ def test_the_table_says_what_does_not_fit_and_what_does_not_compile(tmp_path):
          "of memory on HBM, the total memory required for HLO temporaries (16.86G) exceeds "
          "available HBM (15.75G).")
   views = "x does not compile for v5e (TPU v5 lite): NotImplementedError: Mosaic kernels cannot"
-  doc = {"schema": compiled.SCHEMA, "target": "v5e", "environment": {}, "cases": {
+  doc = {"schema": compile_results.SCHEMA, "target": "v5e", "environment": {}, "cases": {
       "scale/hybrid/fuseopt_step/llama8.8b-fsdp256": fig,
       "scale/hybrid/optax/llama8.8b-fsdp256": {"error": oom},
       "scale/hybrid/fuseopt_step/llama8.8b-packed-fsdp256": {"error": views}}}

@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 
 from fuseopt import targets
-from fuseopt.benchmarks import compiled
+from fuseopt.benchmarks import compile_cases, compile_harness, compile_results, compiled
 
 
 def test_every_target_is_described():
@@ -57,7 +57,7 @@ def test_collectives_are_counted_with_their_result_bytes():
       "  %a2a-done = bf16[2,64,64]{2,1,0} all-to-all-done(%a2a-start)",
       "  ROOT %ar = f32[16]{0} all-reduce(f32[16]{0} %y), to_apply=%add",
   ])
-  got = compiled.collectives(hlo)
+  got = compile_harness.collectives(hlo)
   assert got == {"all-gather": {"count": 1, "bytes": 8 * 1024 * 4},
                  "all-to-all": {"count": 1, "bytes": 2 * 64 * 64 * 2},
                  "all-reduce": {"count": 1, "bytes": 64}}
@@ -67,30 +67,30 @@ def test_kernel_launches_are_counted_per_backend():
   hlo = ('%a = f32[8] custom-call(%x), custom_call_target="tpu_custom_call"\n'
          '%b = f32[8] custom-call(%x), custom_call_target="__gpu$xla.gpu.triton"\n'
          '%c = f32[8] custom-call(%x), custom_call_target="__cublas$gemm"\n')
-  assert compiled.kernel_launches(hlo) == 2
+  assert compile_harness.kernel_launches(hlo) == 2
 
 
 def test_the_gate_fails_on_growth_and_reports_shrinking():
   base = {"temp_bytes": 100, "argument_bytes": 10, "output_bytes": 10, "alias_bytes": 10,
           "kernels": 3, "collectives": {"all-to-all": {"count": 2, "bytes": 64}}, "spills": []}
   same = dict(base)
-  assert compiled.compare(same, base)[0] == []
+  assert compile_results.compare(same, base)[0] == []
   grown = dict(base, temp_bytes=101, kernels=4,
                collectives={"all-to-all": {"count": 2, "bytes": 65},
                             "all-gather": {"count": 1, "bytes": 8}})
-  fails, _ = compiled.compare(grown, base)
+  fails, _ = compile_results.compare(grown, base)
   assert any("temp_bytes grew" in f for f in fails)
   assert any("kernels grew" in f for f in fails)
   assert any("all-to-all bytes grew" in f for f in fails)
   assert any("all-gather count grew" in f for f in fails)
   less_in_place = dict(base, alias_bytes=5)
-  assert any("alias_bytes shrank" in f for f in compiled.compare(less_in_place, base)[0])
+  assert any("alias_bytes shrank" in f for f in compile_results.compare(less_in_place, base)[0])
   better = dict(base, temp_bytes=50)
-  fails, notes = compiled.compare(better, base)
+  fails, notes = compile_results.compare(better, base)
   assert not fails and any("temp_bytes shrank" in n for n in notes)
   spilled = dict(base, spills=["fuseopt_ns_sym: 8 B spill stores, 8 B spill loads"])
-  assert any("spills" in n for n in compiled.compare(spilled, base)[1])   # reported
-  assert compiled.compare(same, None) == ([], ["not in the baseline (new case)"])
+  assert any("spills" in n for n in compile_results.compare(spilled, base)[1])   # reported
+  assert compile_results.compare(same, None) == ([], ["not in the baseline (new case)"])
 
 
 def test_ptxas_spills_are_parsed_per_kernel():
@@ -102,10 +102,10 @@ def test_ptxas_spills_are_parsed_per_kernel():
          "ptxas info    : Compiling entry function 'fuseopt_adam_update' for 'sm_90a'",
          "ptxas info    : Function properties for fuseopt_adam_update",
          "    16 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads"]
-  got = compiled.spills(log)
+  got = compile_harness.spills(log)
   assert got == ["fuseopt_adam_update: 8 B spill stores, 8 B spill loads",
                  "loop_add_fusion_3: 136 B spill stores, 132 B spill loads"]
-  assert compiled.fuseopt_spills(got) == ["fuseopt_adam_update: 8 B spill stores, 8 B spill loads"]
+  assert compile_harness.fuseopt_spills(got) == ["fuseopt_adam_update: 8 B spill stores, 8 B spill loads"]
 
 
 def test_a_spill_warning_inside_another_kernels_report_names_its_own_kernel():
@@ -120,14 +120,14 @@ def test_a_spill_warning_inside_another_kernels_report_names_its_own_kernel():
          "ptxas info    : Compiling entry function 'loop_add_fusion_54' for 'sm_90a'",
          "ptxas info    : Function properties for loop_add_fusion_54",
          "    136 bytes stack frame, 136 bytes spill stores, 136 bytes spill loads"]
-  got = compiled.spills(log)
+  got = compile_harness.spills(log)
   assert got == ["loop_add_fusion_54: 136 B spill stores, 136 B spill loads"]
-  assert compiled.fuseopt_spills(got) == []
+  assert compile_harness.fuseopt_spills(got) == []
 
 
 def test_every_case_id_is_unique_and_names_its_target_backend():
   for name, t in targets.TARGETS.items():
-    ids = [c.id for c in compiled.cases(name, full=True)]
+    ids = [c.id for c in compile_cases.cases(name, full=True)]
     assert len(ids) == len(set(ids)), name
     for cid in ids:
       if cid.startswith("kernel/"):
@@ -137,8 +137,8 @@ def test_every_case_id_is_unique_and_names_its_target_backend():
     assert any(i.startswith("sharded/") for i in ids) == (8 in t.topologies)
     if not t.ci_shared_cases:
       # There for the scale cases: CI compiles nothing else on it.
-      assert {c.kind for c in compiled.cases(name)} <= {"scale"}
-      assert any(c.id.startswith("scale/") for c in compiled.cases(name, full=True))
+      assert {c.kind for c in compile_cases.cases(name)} <= {"scale"}
+      assert any(c.id.startswith("scale/") for c in compile_cases.cases(name, full=True))
 
 
 def test_a_step_that_does_not_fit_is_a_figure():
@@ -151,9 +151,9 @@ def test_a_step_that_does_not_fit_is_a_figure():
                              "Mosaic kernels cannot be automatically partitioned") == (
       "does not compile: NotImplementedError")
   # Only the cases whose failure is a figure are written failed.
-  scale_ids = {c.id for c in compiled.cases("v5e", full=True, kinds=("scale",)) if c.records_failure}
+  scale_ids = {c.id for c in compile_cases.cases("v5e", full=True, kinds=("scale",)) if c.records_failure}
   assert "scale/hybrid/fuseopt_step/llama8.8b-fsdp256" in scale_ids
-  assert not any(c.records_failure for c in compiled.cases("v5e", full=True, kinds=("sharded",)))
+  assert not any(c.records_failure for c in compile_cases.cases("v5e", full=True, kinds=("sharded",)))
 
 
 def test_cli_refuses_an_unknown_target(capsys):
@@ -170,8 +170,8 @@ def test_cli_writes_then_gates_the_figures(tmp_path, capsys):
   args = ["compile-check", "--target", "h200", "--match", "kernel/stochastic_round/triton/1048576/",
           "--results", str(tmp_path)]
   assert cli.main(args + ["--update"]) == 0
-  path = compiled.results_path("h200", tmp_path)   # the running release's own file
-  assert path == compiled.write_path("h200", tmp_path)
+  path = compile_results.results_path("h200", tmp_path)   # the running release's own file
+  assert path == compile_results.write_path("h200", tmp_path)
   doc = json.loads(path.read_text())
   (cid, fig), = doc["cases"].items()
   assert fig["kernels"] == 1 and fig["temp_bytes"] == 0 and fig["spills"] == []
@@ -201,8 +201,8 @@ def test_a_new_target_is_its_entry_alone(new_target, tmp_path):
   # The compile tests are parametrised over it: the cases CI compiles on every
   # target like the one it copies (the costly ones name their targets), in
   # groups of its own.
-  for kind in compiled.KINDS:
-    shared = [c.id for c in compiled.cases("h200", kinds=(kind,)) if c.ci_targets is None]
+  for kind in compile_cases.KINDS:
+    shared = [c.id for c in compile_cases.cases("h200", kinds=(kind,)) if c.ci_targets is None]
     got = [p for p in tier.params(kind) if p.values[0] == name]
     assert [p.values[1] for p in got] == shared, kind
     assert {m.args[0] for p in got for m in p.marks} == ({f"compile-{name}-{kind}"} if shared else set())
@@ -211,4 +211,4 @@ def test_a_new_target_is_its_entry_alone(new_target, tmp_path):
   assert name in compiled.target_names("all") and compiled.target_names(name) == [name]
   check = cli.build_parser()._subparsers._group_actions[0].choices["compile-check"]
   assert name in check.format_help()
-  assert compiled.results_path(name, tmp_path) == tmp_path / f"jax-{jax.__version__}" / f"{name}.json"
+  assert compile_results.results_path(name, tmp_path) == tmp_path / f"jax-{jax.__version__}" / f"{name}.json"
