@@ -216,8 +216,8 @@ def test_adam_tree_runs_per_leaf_bitwise():
       harness.assert_bitwise_equal(a, b, f"leaf {i}")
 
 
-@pytest.mark.parametrize("config", [adam_mosaic_gpu.GroupConfig(128, 2),
-                                    adam_mosaic_gpu.GroupConfig(1024, 8)], ids=str)
+@pytest.mark.parametrize("config", [adam_mosaic_gpu.MosaicGPUGroupConfig(128, 2),
+                                    adam_mosaic_gpu.MosaicGPUGroupConfig(1024, 8)], ids=str)
 @pytest.mark.parametrize("direction", [False, True], ids=["params", "direction"])
 def test_adam_grouped_launch_is_the_per_leaf_kernels_bits(config, direction):
   """Leaves of one dtype signature in one launch (a leaf under 128 elements
@@ -236,9 +236,9 @@ def test_adam_grouped_launch_is_the_per_leaf_kernels_bits(config, direction):
 
 def test_adam_group_configs():
   with pytest.raises(ValueError, match="max_leaves_per_launch"):
-    adam_mosaic_gpu.GroupConfig(1024, 0)
+    adam_mosaic_gpu.MosaicGPUGroupConfig(1024, 0)
   x = [jnp.ones((256,))]
-  for config, group in ((A.TritonGroupConfig(), True), (adam_mosaic_gpu.GroupConfig(), False)):
+  for config, group in ((A.TritonGroupConfig(), True), (adam_mosaic_gpu.MosaicGPUGroupConfig(), False)):
     with pytest.raises(TypeError, match="GroupConfig"):
       adam_update_tree(x, x, x, x, count=1, implementation=MGPU, interpret=True, config=config,
                        group=group)

@@ -259,7 +259,7 @@ def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9,
     if not isinstance(config, (MosaicGPUConfig, group_config)) or (
         not group and isinstance(config, group_config)):
       raise TypeError(f"adam_update: config must be a MosaicGPUConfig (one launch per leaf) "
-                      f"or, with group=True, an adam.mosaic_gpu.GroupConfig for mosaic_gpu, "
+                      f"or, with group=True, a MosaicGPUGroupConfig for mosaic_gpu, "
                       f"got {config!r}")
   ps = [jnp.asarray(p) for p in params] if apply else None
   los = _companions(params_lo, ps, n)

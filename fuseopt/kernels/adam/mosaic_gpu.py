@@ -81,9 +81,7 @@ class MosaicGPUGroupConfig:
 # CPU, a 1-layer Llama tree: 37-43 s for 8 leaves, 142-192 s for 16, against
 # 0.3 s a per-leaf kernel), so the space stops at 8 and no heuristic groups:
 # adam_update_tree runs Mosaic GPU leaves one launch each unless given a
-# GroupConfig.
-# The name this config had before the backends had modules of their own.
-GroupConfig = MosaicGPUGroupConfig
+# MosaicGPUGroupConfig.
 
 GROUP_SEARCH_SPACE = tuple(MosaicGPUGroupConfig(b, k) for b in (256, 1024, 4096) for k in (4, 8))
 
