@@ -4,12 +4,12 @@ call size, and optax's iteration for what the kernel does not cover."""
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from fuseopt import kernels
+from fuseopt.kernels.newton_schulz import coefficients as ns_coefficients
 from fuseopt.optim import _checks
 from fuseopt.optim import adam_transforms
 
@@ -36,19 +36,13 @@ def default_ns_max_elements(platform: str) -> int:
   return DEFAULT_NS_MAX_ELEMENTS.get(platform, DEFAULT_NS_MAX_ELEMENTS_ELSEWHERE)
 
 
-_DION_COEFFS = (
-    (4.0848, -6.8946, 2.9270),
-    (3.9505, -6.3029, 2.6377),
-    (3.7418, -5.5913, 2.3037),
-    (2.8769, -3.1427, 1.2046),
-    (2.8366, -3.0525, 1.2012),
-)
-# optax.contrib.muon's preset names.
-_OPTAX_PRESETS = {"standard": JORDAN_COEFFS, "dion": _DION_COEFFS}
+# optax.contrib.muon's preset names (kernels.newton_schulz.coefficients maps them).
+_OPTAX_PRESETS = ns_coefficients.OPTAX_PRESETS
 _PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten")
 # The default of ns_steps (5, optax's): not an int, so that
 # optax.inject_hyperparams leaves it static (see _checks.StaticDefault).
 _NS_STEPS = _checks.StaticDefault(5)
+
 
 def _coeff_table(ns_coeffs, ns_steps) -> tuple[tuple[float, float, float], ...]:
   """optax's ``ns_coeffs``/``ns_steps`` as a static (steps, 3) table."""
@@ -75,7 +69,7 @@ def _resolve_coeffs(coeffs, ns_coeffs, ns_steps):
   if coeffs is None:
     return _coeff_table(ns_coeffs, ns_steps), None
   if isinstance(coeffs, str):
-    if coeffs not in ("jordan", "polar_express"):
+    if coeffs not in ns_coefficients.SCHEDULES:
       raise ValueError(f"muon: coeffs must be 'jordan', 'polar_express' or a (steps, 3) table, got {coeffs!r}")
     return coeffs, int(ns_steps)
   table = np.asarray(coeffs, np.float64)
