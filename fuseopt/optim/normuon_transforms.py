@@ -22,12 +22,13 @@ import jax.numpy as jnp
 import optax
 
 from fuseopt.optim import _checks
+from fuseopt.optim import muon_newton_schulz
 from fuseopt.optim import muon_transforms
 from fuseopt.optim.muon_transforms import JORDAN_COEFFS, NorMuonState
 
 __all__ = ["NorMuonState", "normuon", "scale_by_normuon"]
 
-_NS_STEPS = muon_transforms._NS_STEPS
+_NS_STEPS = muon_newton_schulz._NS_STEPS
 
 
 def _normuon_args(owner, b2, normuon_eps, nu_dtype):

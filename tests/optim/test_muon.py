@@ -233,7 +233,7 @@ def test_pallas_backends_in_interpret_mode_match_xla():
 
 
 def test_call_plan_never_leaves_a_batched_family_a_lone_matrix():
-  from fuseopt.optim.muon_transforms import _call_plan
+  from fuseopt.optim.muon_calls import _call_plan
   sizes = lambda batches, cap: [sum(b - a for _, a, b in call) for call in _call_plan(batches, 1, cap)]
   assert sizes([3, 3], 5) == [4, 2]         # not [5, 1]
   assert sizes([3], 2) == [3]               # not [2, 1]: two a call can only take three

@@ -62,11 +62,11 @@ def flops(shape) -> float:
 
 def optax_ns(x):
   """optax.contrib's NS on x (bf16 in, bf16 iterates), a stack vmapped: optax
-  0.2.8's expressions as fuseopt.optim.muon_transforms carries them (optax has no
+  0.2.8's expressions as fuseopt.optim.muon_newton_schulz carries them (optax has no
   public function for the iteration alone)."""
-  from fuseopt.optim import muon_transforms
+  from fuseopt.optim import muon_newton_schulz
   table = jnp.tile(jnp.asarray(ns.JORDAN, x.dtype), (STEPS, 1))
-  f = functools.partial(muon_transforms._optax_newton_schulz, table=table,
+  f = functools.partial(muon_newton_schulz._optax_newton_schulz, table=table,
                         preconditioning="frobenius", eps=1e-8)
   for _ in range(x.ndim - 2):
     f = jax.vmap(f)

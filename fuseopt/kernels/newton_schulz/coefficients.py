@@ -13,6 +13,13 @@ Coefficient schedules (``coeffs=``):
   inflated by 1.01, as in the paper. Steps beyond 8 repeat the last row;
 - a user table: shape (3,) (repeated ``steps`` times, 5 by default) or
   (steps, 3), s = 1.
+
+optax.contrib.muon names its presets differently (its ``ns_coeffs``):
+``"standard"`` is Jordan's triple and ``"dion"`` a 5-row table. Both are
+accepted by :func:`fuseopt.optim.muon` and mapped here, once
+(:data:`OPTAX_PRESETS`), to the tables optax holds. The defaults differ by
+design: :func:`fuseopt.optim.muon` takes optax's (Jordan's triple, 5 steps,
+as a table); :func:`newton_schulz` takes ``"polar_express"``.
 """
 
 from __future__ import annotations
@@ -39,6 +46,18 @@ POLAR_EXPRESS_SAFETY = 1.01
 POLAR_EXPRESS = tuple(
     (a / POLAR_EXPRESS_SAFETY, b / POLAR_EXPRESS_SAFETY**3, c / POLAR_EXPRESS_SAFETY**5)
     for a, b, c in _POLAR_EXPRESS_RAW[:-1]) + (_POLAR_EXPRESS_RAW[-1],)
+
+# optax.contrib.muon's ns_coeffs presets, as the tables optax holds.
+DION = (
+    (4.0848, -6.8946, 2.9270),
+    (3.9505, -6.3029, 2.6377),
+    (3.7418, -5.5913, 2.3037),
+    (2.8769, -3.1427, 1.2046),
+    (2.8366, -3.0525, 1.2012),
+)
+OPTAX_PRESETS = {"standard": JORDAN, "dion": DION}
+# The schedules named by fuseopt (coefficient_table's strings).
+SCHEDULES = ("jordan", "polar_express")
 
 DEFAULT_STEPS = 5
 # Gram NS restarts (rebuilds X and R from the original X_0) before these steps.
