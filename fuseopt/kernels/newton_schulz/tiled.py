@@ -20,6 +20,11 @@ from fuseopt.kernels.newton_schulz import gemm as gemm_k
 from fuseopt.kernels.newton_schulz import sym as sym_k
 
 F32 = jnp.float32
+# The TPU's XLA-dot iterate is written behind a barrier from this many
+# elements a call up (see KernelOps.matmul): past every call of the 1.2 B
+# tree's steps (at most one 2048 x 8192 matrix, 2^24), below one
+# 4096 x 14336 matrix.
+TPU_BARRIER_ELEMENTS = 1 << 24
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,11 +83,18 @@ class KernelOps:
   def matmul(self, b, x, *, a=0.0):
     if self.matmul_config == "xla":
       y = gemm_k.gemm_reference(b, x, a=a, out_dtype=self.dtype)
-      # The barrier makes XLA write the iterate in ``dtype`` here: without it
-      # XLA's GPU backend moves the epilogue and the rounding into the next
-      # iteration's fusions, which then read the fp32 product, keeping up to
-      # three fp32 products of a call live (docs/fused_step.md). On a TPU it
-      # costs more than it saves (v6e's hybrid step: 0.97 -> 1.17 GiB).
-      return y if self.impl == "mosaic_tpu" else jax.lax.optimization_barrier(y)
+      # The barrier makes XLA write the iterate in ``dtype`` here. Without it
+      # XLA moves the epilogue and the rounding into the next iteration's
+      # fusions: they read the fp32 product and recompute the iterate from it
+      # (the same bits), so an fp32 product of the call stays live from one
+      # step to the next. XLA's GPU backend kept up to three
+      # (docs/fused_step.md); libtpu two once a call holds more than
+      # TPU_BARRIER_ELEMENTS (the 8.8 B step on 256 x v5e: 898 MiB a device,
+      # 374 MiB with the barrier; docs/scaling.md). On smaller TPU calls
+      # libtpu's own schedule is the smaller one (v6e builder step: 193 MiB,
+      # 217 MiB with the barrier), so they keep it.
+      if self.impl == "mosaic_tpu" and x.size <= TPU_BARRIER_ELEMENTS:
+        return y
+      return jax.lax.optimization_barrier(y)
     return gemm_k.gemm(b, x, a=a, out_dtype=self.dtype, implementation=self.impl,
                        interpret=self.interpret, config=self.matmul_config)
