@@ -32,6 +32,7 @@ also puts the experts axis over the N devices (expert parallel);
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any
 
@@ -289,24 +290,53 @@ def rows():
   return out
 
 
+def records(target: str, root) -> list[tuple[str, dict]]:
+  """``(jax release, {case id: figures})`` of ``target``'s committed records,
+  the newest release first: ``<root>/jax-<release>/<target>.json`` (the CI
+  cases, and the scale sweep where it was run with that release), then
+  ``<root>/<target>.json`` (jax 0.11.2's full sweep)."""
+  from pathlib import Path
+  from fuseopt.benchmarks import compiled
+  def version(path):
+    return tuple(int(v) for v in path.parent.name.removeprefix("jax-").split(".") if v.isdigit())
+  keyed = sorted(Path(root).glob(f"jax-*/{target}.json"), key=version, reverse=True)
+  out = [(p.parent.name.removeprefix("jax-"), json.loads(p.read_text())["cases"]) for p in keyed]
+  legacy = compiled.sweep_record(target, root)
+  if legacy:
+    out.append((legacy.get("environment", {}).get("jax", "0.11.2"), legacy["cases"]))
+  return out
+
+
+def _figures(recs, case_id):
+  """The newest release's figures of ``case_id`` and that release (``(None, None)``: none)."""
+  for release, cases_ in recs:
+    if case_id in cases_:
+      return cases_[case_id], release
+  return None, None
+
+
 def markdown(root=None) -> str:
-  """docs/scaling.md's "Measured at scale" table, from the committed figures."""
-  from fuseopt.benchmarks import compile_results, compiled
+  """docs/scaling.md's "Measured at scale" table, from the committed figures:
+  each row from the newest jax release that recorded it (named in its own
+  column)."""
+  from fuseopt.benchmarks import compile_results
   root = compile_results.RESULTS_DIR if root is None else root
   docs = {}
   out = ["| model, layout | devices | fuseopt temp | fuseopt arguments | fuseopt collectives (bytes) "
          "| fuseopt launches | optax temp | optax arguments | optax collectives (bytes) "
-         "| lower + compile s (fuseopt / optax) |",
-         "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | --- | ---: |"]
+         "| lower + compile s (fuseopt / optax) | jax (fuseopt / optax) |",
+         "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | --- | ---: | --- |"]
   for model, layout, where, n, t, ours, theirs in rows():
     if t not in docs:
-      docs[t] = (compiled.sweep_record(t, root) or {}).get("cases", {})
-    a = _cells(docs[t].get(ours))
-    b = _cells(docs[t].get(theirs)) if theirs else ("no views",) + ("-",) * 4
+      docs[t] = records(t, root)
+    fig_a, rel_a = _figures(docs[t], ours)
+    fig_b, rel_b = _figures(docs[t], theirs) if theirs else (None, None)
+    a = _cells(fig_a)
+    b = _cells(fig_b) if theirs else ("no views",) + ("-",) * 4
     gemm = ', `ns_matmul="pallas"`' if f"/{PALLAS_GEMM}/" in ours else ""
     out.append(f"| {_MODEL_NAMES[model]}, {_LAYOUTS[layout]}, {_where_name(where)}{gemm} "
                f"| {n} × {t} | {a[0]} | {a[1]} | {a[2]} | {a[3]} | {b[0]} | {b[1]} | {b[2]} "
-               f"| {a[4]} / {b[4]} |")
+               f"| {a[4]} / {b[4]} | {rel_a or '-'} / {rel_b or '-'} |")
   return "\n".join(out) + "\n"
 
 

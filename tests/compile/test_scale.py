@@ -76,3 +76,22 @@ def test_the_table_says_what_does_not_fit_and_what_does_not_compile(tmp_path):
   assert scale.render(page, tmp_path) is True
   assert page.read_text() == f"a\n{scale.SCALE_START}\n{table}{scale.SCALE_END}\nb\n"
   assert scale.render(page, tmp_path) is False
+
+
+def test_the_table_takes_each_row_from_the_newest_release_that_recorded_it(tmp_path):
+  def fig(temp):
+    return {"temp_bytes": temp, "argument_bytes": 1 << 30, "output_bytes": 0, "alias_bytes": 0,
+            "kernels": 97, "collectives": {}, "spills": [], "lower_s": 1.0, "compile_s": 2.0}
+  ours, scan = ("scale/hybrid/fuseopt_step/llama8.8b-fsdp256",
+                "scale/hybrid/fuseopt_step/llama8.8b-scan-fsdp256")
+  old = {"environment": {"jax": "0.11.2"}, "cases": {ours: fig(3 << 29), scan: fig(1 << 29)}}
+  (tmp_path / "v5e.json").write_text(json.dumps(old))
+  for release, temp in (("0.12.0.1", 3 << 27), ("0.9.0", 5 << 29)):
+    (tmp_path / f"jax-{release}").mkdir()
+    (tmp_path / f"jax-{release}" / "v5e.json").write_text(
+        json.dumps({"environment": {"jax": release}, "cases": {ours: fig(temp)}}))
+  table = scale.markdown(tmp_path).splitlines()
+  row = next(l for l in table if "8.8 B, one leaf per matrix, FSDP | 256 × v5e" in l)
+  assert "| 384 MiB |" in row and row.endswith("| 0.12.0.1 / - |")
+  stacked = next(l for l in table if "scan-stacked" in l and "256 × v5e" in l)
+  assert "| 512 MiB |" in stacked and stacked.endswith("| 0.11.2 / - |")
