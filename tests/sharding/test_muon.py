@@ -67,7 +67,7 @@ def test_sharded_muon_matches_unsharded_and_splits_the_work(kind):
 
 def test_distributed_ns_places_each_matrix_on_one_device():
   """Single matrices of several shapes, replicated and sharded leaves: each
-  equals its own NS; padding devices skip (no NS of a zero matrix counted twice)."""
+  equals its own NS (padding devices orthogonalise zero slots, which never reach a leaf)."""
   mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
   cases = [((64, 32), P("x", None)), ((64, 32), P(None, ("x", "y"))), ((64, 32), P("x", "y")),
            ((4, 64, 32), P("x", None, "y")), ((8, 16, 32), P(("x", "y"))), ((16, 32), P()),
