@@ -265,3 +265,15 @@ def test_nu_map_errors():
       got = (np.nanmedian(r), np.nanpercentile(r, 90), np.isnan(r).mean())
       np.testing.assert_allclose(got[:2], (median, p90), rtol=0.06, err_msg=f"{sigma} {kind}")
       assert abs(got[2] - zeroed) <= 0.06 * zeroed + 2e-4, (sigma, kind, got)
+
+
+def test_mosaic_gpu_leaves_8bit_leaves_to_the_reference(caplog):
+  shape = (2, 256)
+  g = jax.random.normal(jax.random.key(4), shape)
+  mu, nu = Q.zeros(shape, signed=True), Q.zeros(shape, signed=False)
+  with caplog.at_level("DEBUG", logger="fuseopt"):
+    got = adam_update(None, g, mu, nu, count=1, implementation="mosaic_gpu", interpret=True)
+  assert "8-bit moments have no kernel on this backend yet" in caplog.text
+  want = adam_update_reference(None, g, mu, nu, count=1)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    _same(a, b)
