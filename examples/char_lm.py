@@ -3,6 +3,7 @@
     python examples/char_lm.py                  # 300 steps each, prints losses and ms/step, writes a PNG
     python examples/char_lm.py --steps 3 --d 16 --layers 1 --seq 16 --no-plot   # a smoke run
     python examples/char_lm.py --bf16-params    # bf16 parameters: how the update is stored
+    python examples/char_lm.py --moments fp32,int8 --d 256 --steps 600   # AdamW's moments in fp32 / 8 bits
 
 The corpus is generated (no downloads): sentences from a small seeded grammar,
 so the loss has real structure to learn. Every optimizer starts from the same
@@ -25,6 +26,12 @@ parameters (the reference), bf16 with round-to-nearest (``optax.adamw`` +
 ``apply_updates``: updates below half a bf16 ulp are lost), bf16 with
 fuseopt's stochastic rounding (``bf16_params="stochastic"``) and bf16 with a
 mantissa companion (``bf16_params="mantissa"``: the fp32 run's masters).
+
+With ``--moments`` (a comma-separated list of ``fp32``, ``bf16``, ``int8``)
+the fused ``fuseopt.optim.adamw`` runs once per moment storage: fp32, bf16
+(stochastically rounded) and 8-bit (``moment_dtype="int8"``: blockwise codes,
+2.03 bytes of state a parameter; leaves whose last axis does not divide by
+256 keep bf16 moments, so use ``--d 256``).
 
 On a CPU the times are only indicative; fuseopt's kernels are for GPUs and
 TPUs (on the CPU the plain-jnp references run).
@@ -168,6 +175,18 @@ def bf16_optimizers(model, steps: int, lr_adam: float, lr_muon: float):
   }
 
 
+MOMENTS = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "int8": "int8"}
+
+
+def moment_optimizers(steps: int, lr_adam: float, kinds):
+  """name -> (optimizer class, transformation): the fused AdamW with its
+  moments stored as ``kinds`` (keys of :data:`MOMENTS`)."""
+  warmup = max(1, steps // 10)
+  sched = optax.warmup_cosine_decay_schedule(0.0, lr_adam, warmup, max(steps, warmup + 1))
+  return {f"fuseopt AdamW, {k} moments": (fuseopt.nnx.Optimizer, fo.adamw(
+      sched, weight_decay=0.01, moment_dtype=MOMENTS[k])) for k in kinds}
+
+
 def cast_params(model, dtype):
   """``model`` with every floating parameter stored in ``dtype``."""
   state = nnx.state(model, nnx.Param)
@@ -234,7 +253,13 @@ def main(argv=None) -> dict:
   ap.add_argument("--bf16-params", action="store_true",
                   help="compare how bf16 parameters are stored (round to nearest, stochastic, "
                        "mantissa companion) against fp32 parameters")
+  ap.add_argument("--moments", type=str, default=None,
+                  help="compare AdamW's moment storage instead: a comma-separated list of "
+                       + ", ".join(MOMENTS))
   args = ap.parse_args(argv)
+  kinds = None if args.moments is None else args.moments.split(",")
+  if kinds is not None and (not kinds or any(k not in MOMENTS for k in kinds)):
+    ap.error(f"--moments: a comma-separated list of {', '.join(MOMENTS)}, got {args.moments!r}")
   if args.lr_adam is None:
     args.lr_adam = 3e-4 if args.bf16_params else 3e-3
 
@@ -250,8 +275,11 @@ def main(argv=None) -> dict:
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     print(f"{n_params} parameters")
     results = {}
-    runs = (bf16_optimizers if args.bf16_params else optimizers)(model, args.steps, args.lr_adam,
-                                                                 args.lr_muon)
+    if kinds is not None:
+      runs = moment_optimizers(args.steps, args.lr_adam, kinds)
+    else:
+      runs = (bf16_optimizers if args.bf16_params else optimizers)(model, args.steps,
+                                                                   args.lr_adam, args.lr_muon)
     for name, (cls, tx, *dtype) in runs.items():
       make = make_model if not dtype else (lambda d=dtype[0]: cast_params(make_model(), d))
       losses, ms = train(make, cls, tx, xs, ys)

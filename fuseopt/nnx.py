@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import optax
 from flax import nnx
 
@@ -69,7 +70,10 @@ class Optimizer(nnx.Optimizer):
     else:
       new_params, new_state = fused_step(self.tx, grads, opt_state, params)
     nnx.update(model, new_params)
-    nnx.update(self.opt_state, nnx.state(new_state, graph=graph))
+    # Leaf by leaf: nnx.state would turn NamedTuples inside the state (8-bit
+    # moments' QuantizedMoment) into dicts.
+    jax.tree.map(lambda var, x: var.set_value(x), self.opt_state, new_state,
+                 is_leaf=lambda v: isinstance(v, nnx.Variable))
     self.step[...] += 1
 
 

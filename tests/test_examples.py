@@ -40,3 +40,15 @@ def test_char_lm_bf16_params_smoke():
   # The first loss is the model's before any update: bf16 runs share theirs.
   bf16 = [losses[0] for name, (losses, _) in results.items() if name != "fp32 params"]
   assert len(set(bf16)) == 1
+
+
+def test_char_lm_moments_smoke():
+  spec = importlib.util.spec_from_file_location("char_lm", ROOT / "examples" / "char_lm.py")
+  char_lm = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(char_lm)
+  results = char_lm.main(["--steps", "3", "--d", "256", "--layers", "1", "--heads", "2", "--seq", "8",
+                          "--batch", "2", "--no-plot", "--moments", "fp32,int8"])
+  assert list(results) == ["fuseopt AdamW, fp32 moments", "fuseopt AdamW, int8 moments"]
+  for losses, _ in results.values():
+    assert len(losses) == 3 and all(math.isfinite(l) for l in losses)
+  assert results["fuseopt AdamW, fp32 moments"][0][0] == results["fuseopt AdamW, int8 moments"][0][0]

@@ -22,6 +22,7 @@ inside the wrappers the builder puts around it.
 # No `from __future__ import annotations`: optax's tests (and tools) read
 # `learning_rate`'s annotation as the object optax.ScalarOrSchedule.
 import dataclasses
+import warnings
 from typing import Any, Callable, Optional
 
 import jax
@@ -30,6 +31,7 @@ import optax
 
 from fuseopt import kernels
 from fuseopt.kernels import sharding as kernel_sharding
+from fuseopt.kernels.adam import quantized
 from fuseopt.optim import _checks
 from fuseopt.optim import fusion
 from fuseopt.optim import mantissa
@@ -72,9 +74,46 @@ class FusedAdamTransformation(fusion.FusedTransformation):
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
+# ``moment_dtype="int8"``: both moments in 8 bits (fuseopt.kernels.adam.quantized).
+INT8 = quantized.MOMENT_DTYPE_NAME
+
+
+def _is_int8(dtype) -> bool:
+  if isinstance(dtype, str):
+    return dtype == INT8
+  try:
+    return dtype is not None and jnp.dtype(dtype) == jnp.int8
+  except TypeError:
+    return False
+
+
 def _canon_dtype(dtype, name, owner="scale_by_adam"):
-  """``moment_dtype``: float32, bfloat16 or None (a dtype, its name or its type)."""
+  """``moment_dtype``: float32, bfloat16, None (a dtype, its name or its type)
+  or ``"int8"`` (returned as :data:`INT8`: the 8-bit format)."""
+  if _is_int8(dtype):
+    return INT8
   return _checks.check_dtype(owner, name, dtype, KERNEL_DTYPES)
+
+
+def _int8_moments(params):
+  """Zero moments for ``moment_dtype="int8"``: :class:`QuantizedMoment` pairs
+  for float32/bfloat16 leaves whose last axis divides into blocks of
+  ``quantized.BLOCK``, bf16 moments for the other such leaves (returned by
+  name), optax's for leaves of other dtypes."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  mu, nu, fallback = [], [], []
+  for path, p in leaves:
+    shape, dtype = jnp.shape(p), jnp.result_type(p)
+    if dtype in KERNEL_DTYPES and quantized.fits(shape):
+      mu.append(quantized.zeros(shape, signed=True))
+      nu.append(quantized.zeros(shape, signed=False))
+      continue
+    moment = jnp.bfloat16 if dtype in KERNEL_DTYPES else dtype
+    if dtype in KERNEL_DTYPES:
+      fallback.append(jax.tree_util.keystr(path) or "<the params>")
+    mu.append(jnp.zeros(shape, moment))
+    nu.append(jnp.zeros(shape, moment))
+  return treedef.unflatten(mu), treedef.unflatten(nu), fallback
 
 
 def _optax_dtype(dtype):
@@ -150,8 +189,15 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     mu_dtype: optax's argument: the dtype of ``mu`` alone (default:
       ``moment_dtype``).
     moment_dtype: dtype of both moments of float32/bfloat16 leaves,
-      ``"bfloat16"`` (default), ``"float32"``, or ``None`` (the parameters'
-      dtype, as optax); a dtype, its name or its scalar type.
+      ``"bfloat16"`` (default), ``"float32"``, ``None`` (the parameters'
+      dtype, as optax), a dtype, its name or its scalar type; or ``"int8"``:
+      both moments in 8 bits, each a
+      :class:`~fuseopt.kernels.adam.quantized.QuantizedMoment` (``codes``,
+      ``scales``: int8 ``mu``, uint8 ``nu`` with square-root companding, one
+      fp32 scale per block of 256 along the last axis; 2.03 bytes of state per
+      parameter). A leaf whose last axis does not divide by 256 keeps bf16
+      moments (one warning at ``init`` names such leaves); ``mu_dtype`` must
+      then be None (or int8).
     seed: integer mixed into the rounding seeds (``None``: 0).
     implementation, interpret: forwarded to :func:`fuseopt.kernels.adam_update`.
     shardings: where the parameters live when the mesh axes are Auto: a tree
@@ -176,10 +222,19 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   """
   _check_hyper(b1, b2, eps, eps_root)
   nu_dtype = _canon_dtype(moment_dtype, "moment_dtype")
-  mu_dtype = _optax_dtype(mu_dtype)
+  mu_dtype = _optax_dtype(_check_int8(nu_dtype, mu_dtype, "scale_by_adam"))
   seed = 0 if seed is None else seed
+  warned = []
 
   def init_fn(params):
+    if nu_dtype == INT8:
+      mu, nu, fallback = _int8_moments(params)
+      if fallback and not warned:
+        warned.append(True)
+        warnings.warn(f"scale_by_adam: moment_dtype='int8' needs a last axis divisible by "
+                      f"{quantized.BLOCK}; these leaves keep bf16 moments: "
+                      f"{', '.join(fallback)}", stacklevel=2)
+      return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
     def zeros(p, which):
       return optax.tree.zeros_like(p, dtype=_moment_dtypes(p, mu_dtype, nu_dtype)[which])
     mu = jax.tree.map(lambda p: zeros(p, 0), params)
@@ -188,16 +243,17 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
   def update_fn(updates, state, params=None):
     del params
-    treedef = jax.tree.structure(state.mu)
+    treedef = jax.tree.structure(state.mu, is_leaf=quantized.is_quantized)
     g = [jnp.asarray(x) for x in treedef.flatten_up_to(updates)]
-    mu, nu = jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)
+    mu, nu = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
     count = optax.safe_increment(state.count)
-    fused = {i for i in range(len(g))
-             if {g[i].dtype, mu[i].dtype, nu[i].dtype} <= set(KERNEL_DTYPES)}
+    # (8-bit moments always take the kernel, which names a gradient dtype it cannot read)
+    fused = {i for i in range(len(g)) if quantized.is_quantized(mu[i])
+             or {g[i].dtype, mu[i].dtype, nu[i].dtype} <= set(KERNEL_DTYPES)}
     rest = [i for i in range(len(g)) if i not in fused]
     u, new_mu, new_nu = [None] * len(g), list(mu), list(nu)
-    leaf_shardings = kernel_sharding.flatten_shardings(shardings, state.mu, owner="scale_by_adam",
-                                                       strict=True)
+    leaf_shardings = kernel_sharding.flatten_shardings(shardings, treedef.unflatten(g),
+                                                       owner="scale_by_adam", strict=True)
     if fused:
       # Other leaves stand in as empty arrays, so leaf i keeps rounding seed i.
       empty = jnp.zeros((0,), jnp.float32)
@@ -220,6 +276,18 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         count=count, mu=treedef.unflatten(new_mu), nu=treedef.unflatten(new_nu))
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _check_int8(nu_dtype, mu_dtype, owner):
+  """With ``moment_dtype="int8"`` the ``mu_dtype`` to use: None. It may be
+  given as None or int8 too (Muon's AdamW side passes its moment dtype as
+  both); any other is a ValueError naming it."""
+  if nu_dtype != INT8:
+    return mu_dtype
+  if mu_dtype is not None and not _is_int8(mu_dtype):
+    raise ValueError(f"{owner}: mu_dtype must be None with moment_dtype='int8' (both moments "
+                     f"are stored in 8 bits), got {mu_dtype!r}")
+  return None
 
 
 def bf16_moments(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
@@ -263,7 +331,7 @@ def _in_place(hp: AdamHyperparams, decay_at: Optional[int], lr_at: int):
     nu_leaves = treedef.flatten_up_to(adam_state.nu)
     for leaves in (p_leaves, g_leaves, mu_leaves, nu_leaves):
       for x in leaves:
-        if jnp.result_type(x) not in KERNEL_DTYPES:
+        if not quantized.is_quantized(x) and jnp.result_type(x) not in KERNEL_DTYPES:
           raise fusion.NotFusable(f"a {jnp.result_type(x)} leaf: the kernels take float32 "
                                   f"and bfloat16 only")
     # Only variants in use are asked for, so the plain call is today's.
@@ -327,7 +395,7 @@ def adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9
   """
   _checks.check_rate("adam", "learning_rate", learning_rate)
   _check_hyper(b1, b2, eps, eps_root, "adam")
-  _canon_dtype(moment_dtype, "moment_dtype", "adam")
+  mu_dtype = _check_int8(_canon_dtype(moment_dtype, "moment_dtype", "adam"), mu_dtype, "adam")
   mantissa.check_mode("adam", bf16_params)
   chain = optax.chain(
       scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov,
@@ -372,7 +440,8 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
   _checks.check_rate("adamw", "learning_rate", learning_rate)
   _checks.check_rate("adamw", "weight_decay", weight_decay)
   _check_hyper(b1, b2, eps, eps_root, "adamw")
-  _canon_dtype(moment_dtype, "moment_dtype", "adamw")
+  mu_dtype = _check_int8(_canon_dtype(moment_dtype, "moment_dtype", "adamw"), mu_dtype,
+                        "adamw")
   cautious = weight_decay_lib.check_cautious("adamw", cautious_weight_decay)
   mantissa.check_mode("adamw", bf16_params)
   decay = (weight_decay_lib.add_cautious_decayed_weights if cautious else

@@ -38,6 +38,7 @@ from fuseopt.kernels import counter_hash
 from fuseopt.kernels import dispatch
 from fuseopt.kernels import sharding as sharding_lib
 from fuseopt.kernels.adam import mosaic_tpu as _mosaic_tpu
+from fuseopt.kernels.adam import quantized
 from fuseopt.kernels.adam import tree as _tree
 from fuseopt.kernels.adam import triton as _triton
 from fuseopt.kernels.adam.math import adam_scalars
@@ -45,6 +46,7 @@ from fuseopt.kernels.adam.math import adam_seeds
 from fuseopt.kernels.adam.math import check_companion as _check_companion
 from fuseopt.kernels.adam.math import check_leaf as _check
 from fuseopt.kernels.adam.math import optax_safe_increment
+from fuseopt.kernels.adam.quantized import QuantizedMoment
 from fuseopt.kernels.adam.triton import TritonGroupConfig
 from fuseopt.kernels.elementwise_tiling import MosaicGPUConfig
 from fuseopt.kernels.elementwise_tiling import MosaicTPUConfig
@@ -67,7 +69,7 @@ mosaic_heuristic = _mosaic_tpu.heuristic
 triton_heuristic = _triton.heuristic
 triton_group_heuristic = _triton.group_heuristic
 
-__all__ = ["MosaicGPUConfig", "MosaicTPUConfig", "TritonConfig",
+__all__ = ["MosaicGPUConfig", "MosaicTPUConfig", "QuantizedMoment", "TritonConfig",
            "TritonGroupConfig", "adam_scalars", "adam_seeds", "adam_update",
            "adam_update_reference", "adam_update_tree", "optax_safe_increment"]
 
@@ -104,7 +106,12 @@ def adam_update(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0
       Adam direction :math:`u_t` (no weight decay, no learning rate) in the
       gradient's dtype instead of new parameters.
     grads: the gradient, fp32 or bf16, same shape.
-    mu, nu: the moments, fp32 or bf16, same shape.
+    mu, nu: the moments, fp32 or bf16, same shape; or both 8-bit,
+      :class:`QuantizedMoment` (:mod:`.quantized`: int8 ``mu`` and uint8 ``nu``
+      codes, one fp32 scale per block of 256 along the last axis, which must
+      divide by 256), returned as new :class:`QuantizedMoment` s. The
+      reference, Triton and Mosaic TPU take them; Mosaic GPU leaves such a
+      leaf to the reference (logged).
     count: integer scalar (may be traced), the step number after increment;
       a concrete count must be >= 1.
     learning_rate, weight_decay: scalars (may be traced, e.g. a schedule's
@@ -156,7 +163,10 @@ def adam_update(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0
     implementation has a derivative; differentiating through a kernel raises
     a TypeError.
   """
-  _check(params, grads, mu, nu)
+  mu, nu = _check(params, grads, mu, nu)
+  if params_lo is not None and quantized.is_quantized(mu):
+    raise ValueError("adam_update: params_lo (mantissa tracking) with 8-bit moments is not "
+                     "supported; use bf16 or fp32 moments")
   if params_lo is not None:
     params_lo = _check_companion(None if params is None else jnp.asarray(params), params_lo)
   seed = counter_hash.uint32_scalar(seed, name="seed", owner="adam_update")
@@ -176,7 +186,7 @@ def adam_update(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0
   placements = sharding_lib.resolve_placements(
       [grads if params is None else params], [sharding], op="adam_update", argument="sharding=")
   outs = _tree.update_leaves(impl, [scalars], [seeds], None if params is None else [params],
-                             [grads], [jnp.asarray(mu)], [jnp.asarray(nu)], placements,
+                             [grads], [mu], [nu], placements,
                              nesterov=nesterov, interpret=interpret, config=config, group=False,
                              los=[params_lo])
   outs = tuple(o[0] for o in outs)
@@ -263,13 +273,16 @@ def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9,
                       f"got {config!r}")
   ps = [jnp.asarray(p) for p in params] if apply else None
   los = _companions(params_lo, ps, n)
-  mus, nus = [jnp.asarray(m) for m in mu], [jnp.asarray(v) for v in nu]
+  mus, nus = list(mu), list(nu)
   # The step's scalars, packed once per distinct weight decay (a masked tree
   # has two: its value and 0) and shared by the leaves that have it.
   packed: dict = {}
   scalars, seeds = [], []
   for i in range(n):
-    _check(ps[i] if apply else None, grads[i], mus[i], nus[i])
+    mus[i], nus[i] = _check(ps[i] if apply else None, grads[i], mus[i], nus[i])
+    if los is not None and los[i] is not None and quantized.is_quantized(mus[i]):
+      raise ValueError(f"adam_update: params_lo[{i}] (mantissa tracking) with 8-bit moments "
+                       f"is not supported; use bf16 or fp32 moments for that leaf")
     key = wds[i] if isinstance(wds[i], (int, float)) else id(wds[i])
     if key not in packed:
       packed[key] = adam_scalars(count=count, learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,

@@ -22,6 +22,7 @@ from fuseopt.kernels import _validate
 from fuseopt.kernels import counter_hash
 from fuseopt.kernels import mantissa
 from fuseopt.kernels import pallas_common
+from fuseopt.kernels.adam import quantized
 
 # Layout of the fp32 scalar vector handed to every backend. GRAD_SCALE
 # multiplies g as it is loaded (a global-norm clip factor, 1.0 otherwise);
@@ -48,7 +49,8 @@ ADAM_FLOPS_PER_ELEMENT = 14
 ADAM_TRANSCENDENTALS_PER_ELEMENT = 1
 
 
-def adam_math(s, p32, g32, mu32, nu32, *, nesterov: bool, apply: bool):
+def adam_math(s, p32, g32, mu32, nu32, *, nesterov: bool, apply: bool,
+              reciprocal: bool = False):
   """fp32 math of one element block; ``s`` indexes the scalar vector.
 
   The operation order follows optax (clip's ``g * scale``, scale_by_adam,
@@ -58,16 +60,31 @@ def adam_math(s, p32, g32, mu32, nu32, *, nesterov: bool, apply: bool):
   select, so a skipped step costs no second pass; a stored bf16 value comes
   back bit for bit through the stochastic rounding, which leaves values that
   are already bf16 unchanged.
+
+  ``reciprocal``: divide by the bias corrections as multiplications by their
+  reciprocals, each a scalar division. XLA rewrites a division by a
+  broadcast scalar into a multiplication by its reciprocal, and ``(a / b) /
+  c`` into ``a / (b * c)``, wherever it sees the scalar's origin, so two
+  programs of the optax order (a kernel alone, the same kernel in a
+  ``shard_map``) can round the parameter differently in the last bit (XLA:CPU
+  without FMA, Triton interpret mode: 1 of 256 elements). Written as
+  multiplications there is nothing left to rewrite. The 8-bit moments use
+  it (no optax bits to keep, and their codes must be the same on every
+  placement); the fp32/bf16 path keeps optax's order.
   """
   keep_old = s(APPLY) == 0
   g32 = g32 * s(GRAD_SCALE)
   mu_new = s(OMB1) * g32 + s(B1) * mu32
   nu_new = s(OMB2) * (g32 * g32) + s(B2) * nu32
-  if nesterov:
-    mu_hat = s(B1) * (mu_new / s(BC1_NEXT)) + s(OMB1) * (g32 / s(BC1))
+  if reciprocal:
+    div = lambda x, k: x * (jnp.float32(1.0) / s(k))
   else:
-    mu_hat = mu_new / s(BC1)
-  nu_hat = nu_new / s(BC2)
+    div = lambda x, k: x / s(k)
+  if nesterov:
+    mu_hat = s(B1) * div(mu_new, BC1_NEXT) + s(OMB1) * div(g32, BC1)
+  else:
+    mu_hat = div(mu_new, BC1)
+  nu_hat = div(nu_new, BC2)
   u = mu_hat / (jnp.sqrt(nu_hat + s(EPS_ROOT)) + s(EPS))
   if apply:
     u = u + s(WD) * decayed_param(s, u, p32)
@@ -261,13 +278,24 @@ def adam_seeds(seed, step, leaf_index) -> jax.Array:
 
 
 def check_leaf(p, g, mu, nu):
+  """The operands of one leaf; returns ``(mu, nu)`` as arrays, or checked
+  :class:`~fuseopt.kernels.adam.quantized.QuantizedMoment` pairs (8-bit
+  moments: both or neither)."""
   g = jnp.asarray(g)
-  for name, a in (("grads", g), ("mu", mu), ("nu", nu)) + ((("params", p),) if p is not None else ()):
+  moments = (("mu", mu), ("nu", nu))
+  if quantized.is_quantized(mu) or quantized.is_quantized(nu):
+    mu = quantized.check("mu", mu, g.shape, signed=True)
+    nu = quantized.check("nu", nu, g.shape, signed=False)
+    moments = ()
+  for name, a in (("grads", g),) + moments + ((("params", p),) if p is not None else ()):
     a = jnp.asarray(a)
     if a.dtype not in FLOAT_DTYPES:
       raise TypeError(f"adam_update: {name} must be float32 or bfloat16, got {a.dtype}")
     if a.shape != g.shape:
       raise ValueError(f"adam_update: {name} has shape {a.shape}, expected the gradient's {g.shape}")
+  if moments:
+    return jnp.asarray(mu), jnp.asarray(nu)
+  return mu, nu
 
 
 def check_companion(p, lo, name="params_lo"):

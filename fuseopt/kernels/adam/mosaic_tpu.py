@@ -19,17 +19,20 @@ every leaf's blocks would sit in VMEM at once. Grouping there needs
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from fuseopt.kernels import counter_hash
 from fuseopt.kernels import dispatch
 from fuseopt.kernels import elementwise_tiling
 from fuseopt.kernels import pallas_common
 from fuseopt.kernels import sharding as sharding_lib
-from fuseopt.kernels.adam.math import (SEED_BASE, adam_cost, in_place_aliases, kernel_body,
-                                       store_outputs)
+from fuseopt.kernels.adam import quantized
+from fuseopt.kernels.adam.math import (SEED_BASE, adam_cost, adam_math, in_place_aliases,
+                                       kernel_body, store, store_outputs)
 from fuseopt.kernels.elementwise_tiling import MosaicTPUConfig
 
 Config = MosaicTPUConfig
@@ -107,3 +110,120 @@ def update(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpr
       cost_estimate=adam_cost(arrays, out_shape, n=g.size),
   )(scalars, jax.lax.bitcast_convert_type(seeds, jnp.int32), *arrays)
   return tuple(o.reshape(g.shape) for o in outs)
+
+
+# ------------------------------------------------- Mosaic TPU, 8-bit moments --
+# The leaf as (M, L): its leading dims merged, the last axis whole (a 1-D
+# leaf as (L / BLOCK, BLOCK)), so the view keeps the TPU layout (no relayout
+# copies); the scales as (M, L / BLOCK). A grid step holds whole rows; int8
+# data tiles 32 rows a vreg, so its rows are a multiple of 32 (or all M).
+_INT8_ROWS = 32
+
+
+def quantized_view(shape) -> tuple[int, int]:
+  """``(M, L)``: the 2-D view of a leaf the 8-bit kernel runs on."""
+  if len(shape) == 1:
+    return shape[0] // quantized.BLOCK, quantized.BLOCK
+  return math.prod(shape[:-1]), shape[-1]
+
+
+def quantized_rows(view, config: MosaicTPUConfig) -> int | None:
+  """Rows a grid step: all of them under the budget, else the largest multiple
+  of 32 under it that divides ``M`` (None: no such tiling, the reference runs)."""
+  m, length = view
+  budget = max(_INT8_ROWS, config.block_elements // length)
+  if m <= budget:
+    return m
+  for rows in range(budget - budget % _INT8_ROWS, 0, -_INT8_ROWS):
+    if m % rows == 0:
+      return rows
+  return None
+
+
+def quantized_leaf_reason(g, config, index_map) -> str | None:
+  """Why this backend leaves an 8-bit leaf to the reference, or None."""
+  if sharding_lib.needs_division(index_map):
+    return "a shard's global index needs a vector integer division"
+  if quantized_rows(quantized_view(g.shape), config) is None:
+    return f"no multiple of 32 rows divides the leaf's {quantized_view(g.shape)} view"
+  return None
+
+
+def _quantized_kernel(s_ref, seed_ref, *refs, rows, length, nesterov, apply, index_map):
+  n_in = 6 if apply else 5
+  ins, outs = refs[:n_in], refs[n_in:]
+  if apply:
+    p_ref, *ins = ins
+  g_ref, muc_ref, mus_ref, nuc_ref, nus_ref = ins
+  o_ref, muc_out, mus_out, nuc_out, nus_out = outs
+  block = quantized.BLOCK
+  shape = (rows, block)
+  seed = lambda k: seed_ref[k].astype(jnp.uint32)
+  row = ((pl.program_id(0) * rows).astype(jnp.uint32)
+         + jax.lax.broadcasted_iota(jnp.uint32, shape, 0)) * jnp.uint32(length)
+  col = jax.lax.broadcasted_iota(jnp.uint32, shape, 1)
+  # One quantisation block of every row at a time: static lane slices, each
+  # block's absmax a row reduction in VMEM.
+  for j in range(length // block):
+    lanes = slice(j * block, (j + 1) * block)
+    f32 = lambda r: r[:, lanes].astype(jnp.float32)
+    mu32 = quantized.dequantize_mu(muc_ref[:, lanes], mus_ref[:, j:j + 1])
+    nu32 = quantized.dequantize_nu(nuc_ref[:, lanes], nus_ref[:, j:j + 1])
+    out, mu_new, nu_new = adam_math(lambda k: s_ref[k], f32(p_ref) if apply else None,
+                                    f32(g_ref), mu32, nu32, nesterov=nesterov, apply=apply,
+                                    reciprocal=True)
+    index = sharding_lib.global_index(row + (col + jnp.uint32(j * block)), index_map,
+                                      seed(SEED_BASE))
+    o_ref[:, lanes] = store(out, o_ref.dtype, index, seed(0))
+    muc_out[:, lanes], mus_out[:, j:j + 1] = quantized.quantize_mu(
+        mu_new, counter_hash.hash_bits(index, seed(1)))
+    nuc_out[:, lanes], nus_out[:, j:j + 1] = quantized.quantize_nu(
+        nu_new, counter_hash.hash_bits(index, seed(2)))
+
+
+def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpret,
+                     index_map=None):
+  """One leaf with 8-bit moments in its own shape (viewed by
+  :func:`quantized_view`); returns ``(out, mu, nu)`` in place, the moments
+  :class:`QuantizedMoment`."""
+  from jax.experimental.pallas import tpu as pltpu
+  shape = g.shape
+  m, length = quantized_view(shape)
+  rows = quantized_rows((m, length), config)
+  n_scales = length // quantized.BLOCK
+  apply = p is not None
+  tile = pl.BlockSpec((rows, length), lambda i: (i, 0))
+  vec = pl.BlockSpec((rows, n_scales), lambda i: (i, 0))
+  view = lambda a: a.reshape(m, length)
+  qview = lambda q: quantized.QuantizedMoment(view(q.codes), q.scales.reshape(m, n_scales))
+  mu2, nu2 = qview(mu), qview(nu)
+  arrays = ((view(p),) if apply else ()) + (view(g), mu2.codes, mu2.scales, nu2.codes,
+                                            nu2.scales)
+  specs = ([tile] if apply else []) + [tile, tile, vec, tile, vec]
+  out_shape = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (
+      jax.ShapeDtypeStruct((m, length), out_dtype), mu2.codes, mu2.scales, nu2.codes,
+      nu2.scales))
+  first = 2 + apply
+  aliases = {first + 1 + j: 1 + j for j in range(4)}
+  if apply:
+    aliases[2] = 0
+  # Whole rows a step: a long last axis (a vocabulary) needs more than the
+  # default scoped VMEM (16 MiB on v5e) for 32 rows of 7 double-buffered streams.
+  vmem = 2 * sum(rows * length * a.dtype.itemsize for a in arrays[:2 + apply]) * 3
+  outs = pl.pallas_call(
+      functools.partial(_quantized_kernel, rows=rows, length=length, nesterov=nesterov,
+                        apply=apply, index_map=index_map),
+      out_shape=out_shape,
+      grid=(m // rows,),
+      in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
+                pl.BlockSpec(memory_space=pltpu.SMEM)] + specs,
+      out_specs=(tile, tile, vec, tile, vec),
+      input_output_aliases=aliases,
+      compiler_params=pallas_common.mosaic_compiler_params(
+          interpret, ("parallel",), vmem_limit_bytes=max(32 << 20, min(vmem, 100 << 20))),
+      interpret=interpret,
+      name="fuseopt_adam_update_int8",
+      cost_estimate=adam_cost(arrays, out_shape, n=g.size),
+  )(scalars, jax.lax.bitcast_convert_type(seeds, jnp.int32), *arrays)
+  back = lambda c, sc, q: quantized.QuantizedMoment(c.reshape(shape), sc.reshape(q.scales.shape))
+  return outs[0].reshape(shape), back(*outs[1:3], mu), back(*outs[3:5], nu)

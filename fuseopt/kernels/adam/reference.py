@@ -12,14 +12,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from fuseopt.kernels import counter_hash
 from fuseopt.kernels import dispatch
 from fuseopt.kernels import mantissa
 from fuseopt.kernels import sharding as sharding_lib
+from fuseopt.kernels.adam import quantized
 from fuseopt.kernels.adam.math import SEED_BASE, adam_math, load_param, store
 
 # The reference runs every call.
 supports = dispatch.supports_every_call
-
 
 
 def update(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, order_for_in_place=False,
@@ -58,3 +59,27 @@ def update(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, order_for_in_pl
          store(mu_new, mu.dtype, idx(), seeds[1]),
          store(nu_new, nu.dtype, idx(), seeds[2]))
   return res if lo is None else res + (new_lo,)
+
+
+def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, index_map=None):
+  """One leaf with 8-bit moments (:mod:`.quantized`; ``mu``, ``nu``
+  :class:`QuantizedMoment`); returns ``(out, mu, nu)``, the moments
+  quantised again. The leaf is viewed as blocks ``(..., L / BLOCK, BLOCK)``
+  and its scales as ``(..., L / BLOCK, 1)``: the kernels' arithmetic, block
+  by block."""
+  s = lambda k: scalars[k]
+  apply = p is not None
+  shape = g.shape
+  bshape = quantized.scales_shape(shape) + (quantized.BLOCK,)
+  blocks = lambda x: x.reshape(bshape).astype(jnp.float32)
+  mu32 = quantized.dequantize_mu(mu.codes.reshape(bshape), mu.scales[..., None])
+  nu32 = quantized.dequantize_nu(nu.codes.reshape(bshape), nu.scales[..., None])
+  out, mu_new, nu_new = adam_math(s, blocks(p) if apply else None, blocks(g), mu32, nu32,
+                                  nesterov=nesterov, apply=apply, reciprocal=True)
+  idx = lambda: sharding_lib.global_index(jax.lax.iota(jnp.uint32, g.size).reshape(bshape),
+                                          index_map, seeds[SEED_BASE])
+  out = store(out, out_dtype, idx(), seeds[0]).reshape(shape)
+  mu_codes, mu_scale = quantized.quantize_mu(mu_new, counter_hash.hash_bits(idx(), seeds[1]))
+  nu_codes, nu_scale = quantized.quantize_nu(nu_new, counter_hash.hash_bits(idx(), seeds[2]))
+  return (out, quantized.QuantizedMoment(mu_codes.reshape(shape), mu_scale[..., 0]),
+          quantized.QuantizedMoment(nu_codes.reshape(shape), nu_scale[..., 0]))

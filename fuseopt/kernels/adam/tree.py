@@ -20,6 +20,7 @@ from fuseopt.kernels import dispatch
 from fuseopt.kernels import elementwise_tiling
 from fuseopt.kernels import mantissa
 from fuseopt.kernels import sharding as sharding_lib
+from fuseopt.kernels.adam import quantized
 from fuseopt.kernels.adam import reference
 from fuseopt.kernels.adam.math import SEED_BASE, no_derivative
 
@@ -226,6 +227,140 @@ def run_local(impl, scalars, seeds, ps, gs, mus, nus, *, nesterov, interpret, co
 
 
 def update_leaves(impl, scalars, seeds, ps, gs, mus, nus, placements, *, nesterov, interpret,
+                  config, group, los=None):
+  """:func:`_update_plain` on the leaves with fp32/bf16 moments and
+  :func:`_update_quantized` on those with 8-bit moments (:mod:`.quantized`);
+  same arguments and results (the new 8-bit moments as
+  :class:`QuantizedMoment`)."""
+  n = len(gs)
+  quant = [i for i in range(n) if quantized.is_quantized(mus[i])]
+  if not quant:
+    return _update_plain(impl, scalars, seeds, ps, gs, mus, nus, placements, nesterov=nesterov,
+                         interpret=interpret, config=config, group=group, los=los)
+  plain = [i for i in range(n) if i not in set(quant)]
+  pick = lambda xs, idx: None if xs is None else [xs[i] for i in idx]
+  outs = ([None] * n, [None] * n, [None] * n, [None] * n)
+  if plain:
+    res = _update_plain(impl, pick(scalars, plain), pick(seeds, plain), pick(ps, plain),
+                        pick(gs, plain), pick(mus, plain), pick(nus, plain),
+                        pick(placements, plain), nesterov=nesterov, interpret=interpret,
+                        config=config, group=group, los=pick(los, plain))
+    for lst, r in zip(outs, res):
+      for i, x in zip(plain, r):
+        lst[i] = x
+  for i in quant:
+    r = _update_quantized(impl, scalars[i], seeds[i], None if ps is None else ps[i], gs[i],
+                          mus[i], nus[i], placements[i], nesterov=nesterov, interpret=interpret,
+                          config=config)
+    for lst, x in zip(outs, r + (None,)):
+      lst[i] = x
+  return outs
+
+
+def _run_quantized(impl, scalars, seeds, p, g, mu, nu, *, nesterov, interpret, config,
+                   index_map=None):
+  """One local leaf with 8-bit moments on ``impl`` (the reference where that
+  backend has no 8-bit kernel, logged); returns ``(out, mu, nu)``."""
+  out_dtype = (g if p is None else p).dtype
+  if impl not in ("xla", "triton", "mosaic_tpu"):
+    dispatch.log_fallback(OP_NAME, impl, "8-bit moments have no kernel on this backend yet",
+                          runs="the reference")
+    impl = "xla"
+  if impl != "xla":
+    backend = _backend(impl)
+    if not isinstance(config, backend.Config):
+      # (a grouped launch's config, or none: 8-bit leaves run one launch each)
+      config = (backend.Config(config.block, config.num_warps) if impl == "triton"
+                and config is not None else backend.heuristic(g.size))
+    reason = (backend.quantized_leaf_reason(g, config, index_map) if impl == "mosaic_tpu"
+              else None)
+    if reason is not None:
+      dispatch.log_fallback(OP_NAME, impl, reason, runs="the reference")
+      impl = "xla"
+  if impl == "xla":
+    return reference.update_quantized(scalars, seeds, p, g, mu, nu, nesterov=nesterov,
+                                      out_dtype=out_dtype, index_map=index_map)
+  shape = g.shape
+  run = functools.partial(
+      backend.update_quantized, nesterov=nesterov, out_dtype=out_dtype, config=config,
+      interpret=dispatch.interpret_arg(impl, interpret), index_map=index_map)
+  if impl == "mosaic_tpu":
+    # (in the leaf's own shape: the kernel picks a view that keeps the TPU layout)
+    return no_derivative(impl, run, scalars, seeds, p, g, mu, nu)
+  rows = lambda a: a.reshape(-1, quantized.BLOCK)
+  vec = lambda m: quantized.QuantizedMoment(rows(m.codes), m.scales.reshape(-1))
+  out, new_mu, new_nu = no_derivative(impl, run, scalars, seeds, None if p is None else rows(p),
+                                      rows(g), vec(mu), vec(nu))
+  back = lambda m, like: quantized.QuantizedMoment(m.codes.reshape(shape),
+                                                   m.scales.reshape(like.scales.shape))
+  return out.reshape(shape), back(new_mu, mu), back(new_nu, nu)
+
+
+def _update_quantized(impl, scalars, seeds, p, g, mu, nu, placement, *, nesterov, interpret,
+                      config):
+  """One leaf with 8-bit moments, placed: unsharded, the kernel; sharded evenly,
+  the kernel shard-local (codes and scales sharded as the leaf, global indices:
+  bitwise the unsharded result), the last axis gathered first where its shards
+  would split blocks; unknown or uneven placements, the reference, which XLA
+  partitions."""
+  run = functools.partial(_run_quantized, nesterov=nesterov, interpret=interpret,
+                          config=config)
+  shape = g.shape
+  if placement is sharding_lib.UNSHARDED:
+    return run(impl, scalars, seeds, p, g, mu, nu)
+  if not (isinstance(placement, sharding_lib.Placement) and placement.is_even(shape)):
+    return run("xla", scalars, seeds, p, g, mu, nu)
+  given = placement
+  if not quantized.fits(placement.local_shape(shape)):
+    # A block may not straddle two shards: the absmax is the block's.
+    dispatch.log_fallback(OP_NAME, impl, "a leaf with 8-bit moments whose shards split "
+                          "blocks", runs="the kernel with the last axis gathered")
+    spec = tuple(placement.spec) + (None,) * (len(shape) - len(placement.spec))
+    placement = sharding_lib.Placement(placement.mesh, jax.sharding.PartitionSpec(
+        *spec[:-1], None))
+  spec = placement.spec
+  P = jax.sharding.PartitionSpec
+  qspec = quantized.QuantizedMoment(spec, spec)
+  index_map = sharding_lib.index_map_of(shape, placement.local_shape(shape))
+
+  def body(s, seed_row, *leaf):
+    seed_row = seed_row.at[SEED_BASE].set(placement.base(shape))
+    lp, lg, lm, lv = (None,) + leaf if p is None else leaf
+    return run(impl, s, seed_row, lp, lg, lm, lv, index_map=index_map)
+
+  fit = lambda x: sharding_lib.to_spec(x, placement)
+  fitq = lambda m: quantized.QuantizedMoment(fit(m.codes), fit(m.scales))
+  leaf = ((fit(p),) if p is not None else ()) + (fit(g), fitq(mu), fitq(nu))
+  out, new_mu, new_nu = sharding_lib.shard_local(
+      body, placement.mesh, (P(), P()) + (spec,) * (p is not None) + (spec, qspec, qspec),
+      (spec, qspec, qspec))(scalars, seeds, *leaf)
+  def like(y, x):
+    # x's own placement (Explicit) or the leaf's (Auto), where the last axis was gathered
+    spec = sharding_lib._type_spec(x)  # pylint: disable=protected-access
+    if spec is not None:
+      if spec == sharding_lib._type_spec(y):  # pylint: disable=protected-access
+        return y
+      return jax.sharding.reshard(y, jax.sharding.NamedSharding(placement.mesh, spec))
+    if given is placement:
+      return y
+    return jax.lax.with_sharding_constraint(y, jax.sharding.NamedSharding(
+        placement.mesh, _dividing(given, y.shape)))
+
+  likeq = lambda y, x: quantized.QuantizedMoment(like(y.codes, x.codes), like(y.scales, x.scales))
+  out = like(out, g if p is None else p)
+  return out, likeq(new_mu, mu), likeq(new_nu, nu)
+
+
+def _dividing(placement, shape):
+  """``placement``'s spec without the mesh axes that do not divide ``shape``
+  (a gathered leaf's scales may have fewer elements than devices)."""
+  spec = tuple(placement.spec) + (None,) * (len(shape) - len(placement.spec))
+  return jax.sharding.PartitionSpec(*(
+      e if placement.shards(a) and d % placement.shards(a) == 0 else None
+      for a, (e, d) in enumerate(zip(spec, shape))))
+
+
+def _update_plain(impl, scalars, seeds, ps, gs, mus, nus, placements, *, nesterov, interpret,
                   config, group, los=None):
   """Places each leaf (``placements``: :func:`sharding_lib.resolve_placements`'
   answers, one per leaf): kernels on unsharded leaves, shard-local kernels

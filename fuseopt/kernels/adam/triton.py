@@ -19,12 +19,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from fuseopt.kernels import counter_hash
 from fuseopt.kernels import dispatch
 from fuseopt.kernels import elementwise_tiling
 from fuseopt.kernels import sharding as sharding_lib
+from fuseopt.kernels.adam import quantized
 from fuseopt.kernels.adam.math import (N_SCALARS, N_SCALARS_USED, N_SEEDS, SEED_BASE, adam_cost,
                                        adam_math, in_place_aliases, kernel_body, load_param,
-                                       store_outputs)
+                                       store, store_outputs)
 from fuseopt.kernels.elementwise_tiling import TritonConfig
 
 Config = TritonConfig
@@ -249,3 +251,69 @@ def update_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config, interpre
 # Triton once and compiled once (see tree.launch_chunks).
 update_group_jit = jax.jit(update_group,
                            static_argnames=("nesterov", "config", "interpret", "index_maps"))
+
+
+# ------------------------------------------------------- triton, 8-bit moments --
+def _quantized_kernel(s_ref, seed_ref, *refs, rows, nesterov, apply, index_map):
+  """``rows`` whole quantisation blocks a program: p, g (rows, BLOCK); the
+  codes likewise; the scales (rows,). Each block's new absmax is a row
+  reduction in registers."""
+  n_in = 6 if apply else 5
+  ins, outs = refs[:n_in], refs[n_in:]
+  if apply:
+    p_ref, *ins = ins
+  g_ref, muc_ref, mus_ref, nuc_ref, nus_ref = ins
+  o_ref, muc_out, mus_out, nuc_out, nus_out = outs
+  f32 = lambda r: r[...].astype(jnp.float32)
+  mu32 = quantized.dequantize_mu(muc_ref[...], mus_ref[...][:, None])
+  nu32 = quantized.dequantize_nu(nuc_ref[...], nus_ref[...][:, None])
+  out, mu_new, nu_new = adam_math(lambda k: s_ref[k], f32(p_ref) if apply else None, f32(g_ref),
+                                  mu32, nu32, nesterov=nesterov, apply=apply, reciprocal=True)
+  block = quantized.BLOCK
+  first = (pl.program_id(0) * rows).astype(jnp.uint32)
+  local = ((first + jax.lax.iota(jnp.uint32, rows))[:, None] * jnp.uint32(block)
+           + jax.lax.iota(jnp.uint32, block)[None, :])
+  index = sharding_lib.global_index(local, index_map, seed_ref[SEED_BASE])
+  o_ref[...] = store(out, o_ref.dtype, index, seed_ref[0])
+  codes, scale = quantized.quantize_mu(mu_new, counter_hash.hash_bits(index, seed_ref[1]))
+  muc_out[...], mus_out[...] = codes, scale[:, 0]
+  codes, scale = quantized.quantize_nu(nu_new, counter_hash.hash_bits(index, seed_ref[2]))
+  nuc_out[...], nus_out[...] = codes, scale[:, 0]
+
+
+def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpret,
+                     index_map=None):
+  """One leaf with 8-bit moments as ``(R, BLOCK)`` rows (``p``, ``g``, the
+  codes) and ``(R,)`` scales; returns ``(out, mu, nu)``, the moments
+  :class:`QuantizedMoment`, all in place. ``config.block`` elements a
+  program (at least one quantisation block)."""
+  from jax.experimental.pallas import triton as plgpu
+  block = quantized.BLOCK
+  n_rows = g.shape[0]
+  rows = max(1, config.block // block)
+  apply = p is not None
+  tile = pl.BlockSpec((rows, block), lambda i: (i, 0))
+  vec = pl.BlockSpec((rows,), lambda i: (i,))
+  arrays = ((p,) if apply else ()) + (g, mu.codes, mu.scales, nu.codes, nu.scales)
+  specs = ([tile] if apply else []) + [tile, tile, vec, tile, vec]
+  out_shape = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (
+      jax.ShapeDtypeStruct(g.shape, out_dtype), mu.codes, mu.scales, nu.codes, nu.scales))
+  first = 2 + apply
+  aliases = {first + 1 + j: 1 + j for j in range(4)}
+  if apply:
+    aliases[2] = 0
+  outs = pl.pallas_call(
+      functools.partial(_quantized_kernel, rows=rows, nesterov=nesterov, apply=apply,
+                        index_map=index_map),
+      out_shape=out_shape,
+      grid=(pl.cdiv(n_rows, rows),),
+      in_specs=[pl.BlockSpec((N_SCALARS,), lambda i: (0,)),
+                pl.BlockSpec((N_SEEDS,), lambda i: (0,))] + specs,
+      out_specs=(tile, tile, vec, tile, vec),
+      input_output_aliases=aliases,
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
+      interpret=interpret,
+      name="fuseopt_adam_update_int8",
+      cost_estimate=adam_cost(arrays, out_shape, n=g.size),
+  )(scalars, seeds, *arrays)
+  return (outs[0], quantized.QuantizedMoment(*outs[1:3]), quantized.QuantizedMoment(*outs[3:5]))

@@ -1,0 +1,183 @@
+"""Adam's moments in 8 bits: the blockwise format and its block arithmetic.
+
+A moment of a leaf whose last axis divides by :data:`BLOCK` is stored as a
+:class:`QuantizedMoment`: one 8-bit code per element and one fp32 scale per
+block of :data:`BLOCK` contiguous elements of the last axis (the scales have
+the leaf's shape with the last axis divided by :data:`BLOCK`, so codes and
+scales shard with the same ``PartitionSpec`` as the leaf). State bytes per
+parameter: ``2 + 2 * 4 / BLOCK`` = 2.03 (bf16 moments: 4; fp32: 8).
+
+- ``mu`` (int8, signed, linear): :math:`\\mu = c\\, s` with
+  :math:`c \\in [-127, 127]` and :math:`s = \\max_{block} |\\mu| / 127`.
+- ``nu`` (uint8, square-root companding): :math:`\\nu = (c\\, s)^2` with
+  :math:`c \\in [0, 255]` and :math:`s = \\sqrt{\\max_{block} \\nu} / 255`.
+  Codes are linear in :math:`\\sqrt\\nu`, the quantity Adam divides by, so a
+  block's small second moments keep resolution: the smallest non-zero value is
+  :math:`\\max/65025` (a linear map: :math:`\\max/255`). ``c >= 1`` wherever the
+  fp32 :math:`\\nu > 0`, so a stored second moment is 0 only where the fp32 one is
+  (no division blow-up in :math:`u = \\hat m / (\\sqrt{\\hat v} + \\varepsilon)`).
+
+Codes are written with stochastic rounding from the counter hash
+(:mod:`fuseopt.kernels.counter_hash`): element ``i`` (its flat index in the
+whole leaf) rounds up when ``uniform(hash_bits(i, seed)) < frac``, the seeds
+those of the bf16 moments (``derive_seed(seed, step, leaf, STREAM_MU /
+STREAM_NU)``), so the codes are the same whatever the block size of a kernel,
+its grid or the leaf's sharding. ``frac`` is the position of the fp32 value
+between its two neighbouring representable values, in the value's own domain
+(for ``nu``: between :math:`(k s)^2` and :math:`((k+1) s)^2`), so the expected
+stored value is the fp32 value (up to fp32 rounding and the 2**-24 resolution
+of the uniform), except where ``nu``'s floor of one code lifts it.
+
+Non-finite values: a block whose new moment holds a NaN or an Inf gets a
+non-finite scale and codes 0, so every element of that block reads back as
+NaN on the next step (blockwise scales cannot keep the other elements); the
+step that meets the non-finite gradient computes with the fp32 moments, as
+with bf16 moments. Skipping non-finite steps is the builder's job.
+
+Every function below is plain ``jnp`` on blocks laid out ``(..., BLOCK)``
+with their scale ``(..., 1)``, so the reference and the kernels (which hold
+whole blocks in registers / VMEM) share it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+BLOCK = 256
+MU_CODE_MAX = 127
+NU_CODE_MAX = 255
+MU_CODE_DTYPE = jnp.dtype(jnp.int8)
+NU_CODE_DTYPE = jnp.dtype(jnp.uint8)
+SCALE_DTYPE = jnp.dtype(jnp.float32)
+MOMENT_DTYPE_NAME = "int8"   # the ``moment_dtype`` that asks for this format
+
+
+class QuantizedMoment(NamedTuple):
+  """One leaf's moment in 8 bits: ``codes`` (the leaf's shape; int8 for mu,
+  uint8 for nu) and ``scales`` (fp32, the leaf's shape with the last axis
+  divided by :data:`BLOCK`). A pytree; the value is :func:`dequantize`."""
+  codes: jax.Array
+  scales: jax.Array
+
+
+def is_quantized(x) -> bool:
+  return isinstance(x, QuantizedMoment)
+
+
+def fits(shape) -> bool:
+  """Whether a leaf of ``shape`` can hold 8-bit moments: a last axis that
+  divides into whole blocks."""
+  return len(shape) >= 1 and shape[-1] > 0 and shape[-1] % BLOCK == 0
+
+
+def scales_shape(shape) -> tuple[int, ...]:
+  return tuple(shape[:-1]) + (shape[-1] // BLOCK,)
+
+
+def zeros(shape, *, signed: bool) -> QuantizedMoment:
+  """A zero moment of a leaf of ``shape`` (``signed``: mu's int8 codes)."""
+  if not fits(shape):
+    raise ValueError(f"8-bit moments need a last axis divisible by {BLOCK}, got shape "
+                     f"{tuple(shape)}")
+  return QuantizedMoment(jnp.zeros(shape, MU_CODE_DTYPE if signed else NU_CODE_DTYPE),
+                         jnp.zeros(scales_shape(shape), SCALE_DTYPE))
+
+
+def check(name: str, m, shape, *, signed: bool, owner: str = "adam_update"):
+  """A :class:`QuantizedMoment` of a leaf of ``shape``; errors name ``name``."""
+  want = MU_CODE_DTYPE if signed else NU_CODE_DTYPE
+  if not is_quantized(m):
+    raise TypeError(f"{owner}: {name} must be a QuantizedMoment like the other moment, "
+                    f"got {type(m).__name__}")
+  codes, scales = jnp.asarray(m.codes), jnp.asarray(m.scales)
+  if codes.dtype != want:
+    raise TypeError(f"{owner}: {name}.codes must be {want}, got {codes.dtype}")
+  if scales.dtype != SCALE_DTYPE:
+    raise TypeError(f"{owner}: {name}.scales must be float32, got {scales.dtype}")
+  if tuple(codes.shape) != tuple(shape):
+    raise ValueError(f"{owner}: {name}.codes has shape {codes.shape}, expected the "
+                     f"gradient's {tuple(shape)}")
+  if not fits(shape):
+    raise ValueError(f"{owner}: 8-bit moments need a last axis divisible by {BLOCK}, the "
+                     f"gradient has shape {tuple(shape)}")
+  if tuple(scales.shape) != scales_shape(shape):
+    raise ValueError(f"{owner}: {name}.scales has shape {scales.shape}, expected "
+                     f"{scales_shape(shape)} (one per block of {BLOCK})")
+  return QuantizedMoment(codes, scales)
+
+
+def nbytes(m: QuantizedMoment) -> int:
+  return m.codes.size * m.codes.dtype.itemsize + m.scales.size * m.scales.dtype.itemsize
+
+
+# ----------------------------------------------------------- block math --
+def uniform(bits: jax.Array) -> jax.Array:
+  """fp32 uniform in [0, 1) from 32 hash bits: the top 24, exactly (a 24-bit
+  integer is an fp32; through int32, since not every backend converts
+  unsigned integers to floats)."""
+  return (bits >> 8).astype(jnp.int32).astype(jnp.float32) * jnp.float32(2.0 ** -24)
+
+
+def _codes_f32(codes):
+  return codes.astype(jnp.int32).astype(jnp.float32)
+
+
+def dequantize_mu(codes, scale):
+  """fp32 ``mu`` of int8 ``codes`` (..., B) with ``scale`` (..., 1)."""
+  return _codes_f32(codes) * scale
+
+
+def dequantize_nu(codes, scale):
+  """fp32 ``nu`` of uint8 ``codes`` (..., B) with ``scale`` (..., 1)."""
+  a = _codes_f32(codes) * scale
+  return a * a
+
+
+def _inverse(scale):
+  """``1 / scale`` per block (1 where the scale is 0 or NaN: those codes are
+  overwritten), multiplied into the elements rather than dividing them: XLA
+  rewrites a division by a broadcast into a multiplication by its reciprocal
+  in some programs and not in others, which would round the codes of a
+  sharded step differently from the unsharded one's."""
+  return jnp.float32(1.0) / jnp.where(scale > 0, scale, jnp.ones_like(scale))
+
+
+def quantize_mu(x, bits):
+  """fp32 ``x`` (..., B) → ``(int8 codes, scale (..., 1))``, stochastically
+  rounded with the uint32 ``bits`` (..., B)."""
+  scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / jnp.float32(MU_CODE_MAX)
+  y = jnp.clip(x * _inverse(scale), -MU_CODE_MAX, MU_CODE_MAX)
+  lo = jnp.floor(y)
+  code = lo + jnp.where(uniform(bits) < y - lo, 1.0, 0.0)
+  code = jnp.where(jnp.isfinite(y) & jnp.isfinite(scale), code, 0.0)
+  return code.astype(jnp.int32).astype(MU_CODE_DTYPE), scale
+
+
+def quantize_nu(x, bits):
+  """fp32 ``x >= 0`` (..., B) → ``(uint8 codes, scale (..., 1))``: codes
+  linear in ``sqrt(x)``, rounded stochastically between the neighbouring
+  values ``(k s)^2`` and ``((k+1) s)^2`` so that the stored ``nu`` is
+  unbiased; at least 1 wherever ``x > 0``."""
+  scale = jnp.sqrt(jnp.max(x, axis=-1, keepdims=True)) / jnp.float32(NU_CODE_MAX)
+  s = jnp.where(scale > 0, scale, jnp.ones_like(scale))
+  t = jnp.clip(jnp.sqrt(x) * _inverse(scale), 0.0, NU_CODE_MAX - 1)
+  k = jnp.floor(t)
+  below, above = k * s, (k + 1.0) * s
+  below, above = below * below, above * above
+  width = above - below
+  frac = jnp.where(width > 0, (x - below) / jnp.where(width > 0, width, 1.0), 0.0)
+  code = k + jnp.where(uniform(bits) < frac, 1.0, 0.0)
+  code = jnp.maximum(code, jnp.where(x > 0, 1.0, 0.0))
+  code = jnp.where(jnp.isfinite(t) & jnp.isfinite(scale), code, 0.0)
+  return code.astype(jnp.int32).astype(NU_CODE_DTYPE), scale
+
+
+def dequantize(m: QuantizedMoment, *, signed: bool) -> jax.Array:
+  """The fp32 value of a whole leaf's moment (tests, inspection)."""
+  shape = m.codes.shape
+  blocks = m.codes.reshape(scales_shape(shape) + (BLOCK,))
+  f = dequantize_mu if signed else dequantize_nu
+  return f(blocks, m.scales[..., None]).reshape(shape)

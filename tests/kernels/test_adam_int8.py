@@ -1,0 +1,279 @@
+"""Adam on 8-bit moments: the format (fuseopt.kernels.adam.quantized), its
+stochastic rounding, the kernels against the reference, non-finite values,
+bad input."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fuseopt.kernels import adam_update, adam_update_reference, adam_update_tree
+from fuseopt.kernels import counter_hash
+from fuseopt.kernels.adam import quantized as Q
+from tests.kernels import harness
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+HYPER = dict(learning_rate=3e-3, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0,
+             weight_decay=0.1, seed=17, leaf_index=5)
+
+
+def _same(a, b, what=""):
+  """Bitwise equal (codes: integers; scales: fp32, NaN-safe)."""
+  a, b = np.asarray(a), np.asarray(b)
+  assert a.dtype == b.dtype and a.shape == b.shape, what
+  if a.dtype.itemsize == 1:
+    np.testing.assert_array_equal(a, b, err_msg=what)
+  else:
+    harness.assert_bitwise_equal(a, b, what)
+
+
+def _moments(key, shape):
+  """8-bit moments of random fp32 ones, quantised once with the reference."""
+  k = jax.random.split(key, 2)
+  blocks = Q.scales_shape(shape) + (Q.BLOCK,)
+  mu32 = (0.1 * jax.random.normal(k[0], shape)).reshape(blocks)
+  nu32 = (0.01 * jax.random.uniform(k[1], shape) ** 4).reshape(blocks)
+  bits = counter_hash.hash_bits(jnp.arange(math.prod(shape), dtype=jnp.uint32).reshape(blocks),
+                                jnp.uint32(7))
+  mc, ms = Q.quantize_mu(mu32, bits)
+  vc, vs = Q.quantize_nu(nu32, bits)
+  return (Q.QuantizedMoment(mc.reshape(shape), ms[..., 0]),
+          Q.QuantizedMoment(vc.reshape(shape), vs[..., 0]))
+
+
+def _steps(impl, p, g, mu, nu, steps=2, **kw):
+  f = jax.jit(lambda p, g, mu, nu, c: adam_update(p, g, mu, nu, count=c, implementation=impl,
+                                                  interpret=True, **HYPER, **kw))
+  for c in range(1, steps + 1):
+    p, mu, nu = f(p, g * c, mu, nu, c)
+  return p, mu, nu
+
+
+CASES = [  # shape, p dtype (None: direction only), g dtype, nesterov
+    ((512,), F32, F32, False),
+    ((3, 5, 256), BF16, F32, True),
+    ((37, 512), F32, BF16, False),   # 74 blocks: a ragged last program
+    ((8, 256), None, F32, False),
+]
+
+
+KERNELS = ["triton", "mosaic_tpu"]
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("shape,p_dtype,g_dtype,nesterov", CASES)
+def test_kernel_matches_reference(request, impl, shape, p_dtype, g_dtype, nesterov):
+  """Codes and scales bitwise (the same fp32 operations on the same values,
+  one division each, then the same hash); the parameter within the few fp32
+  ulps that two programs of Adam's division chain may differ by."""
+  k = jax.random.split(harness.fresh_key(request), 3)
+  p = jax.random.normal(k[0], shape).astype(p_dtype) if p_dtype else None
+  g = jax.random.normal(k[1], shape).astype(g_dtype)
+  mu, nu = _moments(k[2], shape)
+  got = _steps(impl, p, g, mu, nu, nesterov=nesterov)
+  want = _steps("xla", p, g, mu, nu, nesterov=nesterov)
+  for a, b in zip(jax.tree.leaves(got[1:]), jax.tree.leaves(want[1:])):
+    _same(a, b, f"moments {shape}")
+  a, b = np.asarray(got[0], np.float32), np.asarray(want[0], np.float32)
+  if got[0].dtype == BF16:
+    # one bf16 ulp where an fp32 ulp moved the stochastic rounding's threshold
+    assert np.all(np.abs(a - b) <= np.abs(b) * 2.0 ** -7), shape
+  else:
+    harness.assert_close(a, b, rtol=1e-6, atol=1e-7 * float(np.abs(b).max()), what="params")
+
+
+def test_tree_mixes_8bit_and_bf16_leaves_like_single_calls():
+  k = jax.random.split(jax.random.key(3), 4)
+  shapes = [(4, 256), (7,), (2, 512)]
+  ps = [jax.random.normal(jax.random.fold_in(k[0], i), s) for i, s in enumerate(shapes)]
+  gs = [jax.random.normal(jax.random.fold_in(k[1], i), s) for i, s in enumerate(shapes)]
+  mus = [Q.zeros(s, signed=True) if Q.fits(s) else jnp.zeros(s, BF16) for s in shapes]
+  nus = [Q.zeros(s, signed=False) if Q.fits(s) else jnp.zeros(s, BF16) for s in shapes]
+  hp = {k_: v for k_, v in HYPER.items() if k_ != "leaf_index"}
+  for impl in ("xla", *KERNELS):
+    tree = adam_update_tree(ps, gs, mus, nus, count=1, implementation=impl, interpret=True, **hp)
+    for i in range(3):
+      one = adam_update(ps[i], gs[i], mus[i], nus[i], count=1, implementation=impl,
+                        interpret=True, leaf_index=i, **hp)
+      for a, b in zip(jax.tree.leaves([o[i] for o in tree]), jax.tree.leaves(one)):
+        _same(a, b, f"{impl} leaf {i}")
+
+
+# Hoeffding: the mean of N draws of a variable in an interval of width w is
+# within t*w of its expectation except with probability 2 exp(-2 N t^2).
+# N = 2048, t = 0.09: below 1e-14 per element, so no seed will ever fail.
+N_DRAWS, T_HOEFFDING = 2048, 0.09
+
+
+def _draws(fn, x):
+  """``fn(x, bits)`` for N_DRAWS independent seeds of the counter hash."""
+  idx = jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape)
+  seeds = counter_hash.derive_seed(jnp.arange(N_DRAWS, dtype=jnp.uint32), 1, 0,
+                                   counter_hash.STREAM_MU)
+  return jax.jit(jax.vmap(lambda s: fn(x, counter_hash.hash_bits(idx, s))))(seeds)
+
+
+def test_stochastic_codes_are_unbiased(request):
+  """E[dequantised code] = the fp32 value: mu's linear codes, and nu's codes
+  rounded in nu's own domain (between (k s)^2 and ((k+1) s)^2)."""
+  k = jax.random.split(harness.fresh_key(request), 2)
+  x = jax.random.normal(k[0], (2, Q.BLOCK)) * jnp.array([[1e-3], [10.0]])
+  codes, scale = _draws(Q.quantize_mu, x)
+  assert bool(jnp.all(scale == scale[0]))          # absmax: not random
+  mean = np.asarray(jnp.mean(Q.dequantize_mu(codes, scale), axis=0), np.float64)
+  width = np.asarray(scale[0], np.float64)          # two neighbouring codes
+  err = np.abs(mean - np.asarray(x, np.float64))
+  assert np.all(err <= T_HOEFFDING * width + 1e-6 * np.abs(np.asarray(x))), err.max() / width.max()
+
+  v = jax.random.uniform(k[1], (2, Q.BLOCK)) ** 2 * jnp.array([[1e-8], [3.0]])
+  codes, scale = _draws(Q.quantize_nu, v)
+  mean = np.asarray(jnp.mean(Q.dequantize_nu(codes, scale), axis=0), np.float64)
+  s = np.asarray(scale[0], np.float64)
+  kf = np.floor(np.minimum(np.sqrt(np.asarray(v, np.float64)) / s, 254))
+  width = ((kf + 1) * s) ** 2 - (kf * s) ** 2
+  above_floor = np.asarray(v) >= s ** 2      # below the first code, the floor of 1 lifts nu
+  err = np.abs(mean - np.asarray(v, np.float64))
+  ok = err <= T_HOEFFDING * width + 1e-5 * np.asarray(v)
+  assert np.all(ok[above_floor]), (err / width)[above_floor].max()
+  assert np.all(mean[~above_floor] >= np.asarray(v, np.float64)[~above_floor])
+
+
+def test_nu_never_zero_where_fp32_nu_is_positive():
+  """Blocks whose largest nu spans 1e-24 .. 1e30, each with elements 12
+  decades below it (all normal fp32: XLA and the GPUs flush subnormals to
+  zero): every stored nu > 0 where the fp32 one is (and 0 where it is 0)."""
+  maxima = 10.0 ** np.arange(-24, 31, 3)
+  rel = np.concatenate([[1.0, 0.0], 10.0 ** -np.linspace(0, 12, Q.BLOCK - 2)])
+  v = jnp.asarray(maxima[:, None] * rel[None, :], F32)
+  bits = counter_hash.hash_bits(jnp.arange(v.size, dtype=jnp.uint32).reshape(v.shape),
+                                jnp.uint32(5))
+  codes, scale = Q.quantize_nu(v, bits)
+  back = np.asarray(Q.dequantize_nu(codes, scale))
+  assert np.all((back > 0) == (np.asarray(v) > 0))
+  assert np.all(np.asarray(codes)[np.asarray(v) > 0] >= 1)
+  # Through the kernel: a gradient of tiny values after a large one.
+  g = jnp.asarray(np.concatenate([[1e3], np.full(Q.BLOCK - 1, 1e-9)]), F32)
+  mu, nu = Q.zeros((Q.BLOCK,), signed=True), Q.zeros((Q.BLOCK,), signed=False)
+  for impl in ("xla", *KERNELS):
+    _, _, new_nu = adam_update(None, g, mu, nu, count=1, implementation=impl, interpret=True)
+    assert np.all(np.asarray(Q.dequantize(new_nu, signed=False)) > 0), impl
+
+
+@pytest.mark.parametrize("impl", ["xla", *KERNELS])
+def test_nonfinite_gradient_poisons_its_block_only(impl):
+  shape = (2, 512)                       # four blocks
+  k = jax.random.split(jax.random.key(11), 2)
+  p = jax.random.normal(k[0], shape)
+  g = jax.random.normal(k[1], shape)
+  mu, nu = Q.zeros(shape, signed=True), Q.zeros(shape, signed=False)
+  clean = _steps(impl, p, g, mu, nu, steps=1)
+  bad = _steps(impl, p, g.at[0, 3].set(jnp.nan).at[1, 300].set(jnp.inf), mu, nu, steps=1)
+  pb = np.asarray(bad[0])
+  assert np.isnan(pb[0, 3]) and np.isnan(pb[1, 300])
+  others = np.ones(shape, bool)
+  others[0, 3] = others[1, 300] = False
+  np.testing.assert_array_equal(pb[others], np.asarray(clean[0])[others])
+  for new, old in ((bad[1], clean[1]), (bad[2], clean[2])):
+    s, s0 = np.asarray(new.scales), np.asarray(old.scales)
+    poisoned = np.zeros(s.shape, bool)
+    poisoned[0, 0] = poisoned[1, 1] = True
+    assert not np.any(np.isfinite(s[poisoned])) and np.all(np.isfinite(s[~poisoned]))
+    np.testing.assert_array_equal(s[~poisoned], s0[~poisoned])
+    back = np.asarray(Q.dequantize(new, signed=new.codes.dtype == jnp.int8))
+    assert np.all(np.isnan(back[0, :256])) and np.all(np.isnan(back[1, 256:]))
+    assert np.all(np.isfinite(back[0, 256:])) and np.all(np.isfinite(back[1, :256]))
+
+
+def test_reference_is_the_specification():
+  shape = (2, 256)
+  g = jnp.ones(shape)
+  mu, nu = Q.zeros(shape, signed=True), Q.zeros(shape, signed=False)
+  a = adam_update_reference(None, g, mu, nu, count=1)
+  b = adam_update(None, g, mu, nu, count=1, implementation="xla")
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    _same(x, y)
+  # all-equal gradients: every code at the block's maximum, the scale exact
+  assert np.all(np.asarray(a[1].codes) == 127) and np.all(np.asarray(a[2].codes) == 255)
+
+
+def test_bad_input_is_named():
+  g = jnp.ones((2, 256))
+  mu, nu = Q.zeros((2, 256), signed=True), Q.zeros((2, 256), signed=False)
+  with pytest.raises(TypeError, match="nu must be a QuantizedMoment"):
+    adam_update(None, g, mu, jnp.zeros((2, 256)), count=1)
+  with pytest.raises(TypeError, match=r"mu.codes must be int8"):
+    adam_update(None, g, nu, nu, count=1)
+  with pytest.raises(TypeError, match=r"nu.scales must be float32"):
+    adam_update(None, g, mu, Q.QuantizedMoment(nu.codes, nu.scales.astype(BF16)), count=1)
+  with pytest.raises(ValueError, match=r"mu.codes has shape"):
+    adam_update(None, g, Q.zeros((4, 256), signed=True), nu, count=1)
+  with pytest.raises(ValueError, match=r"mu.scales has shape"):
+    adam_update(None, g, Q.QuantizedMoment(mu.codes, jnp.zeros((2, 2))), nu, count=1)
+  bad = Q.QuantizedMoment(jnp.zeros((2, 100), jnp.int8), jnp.zeros((2, 1)))
+  with pytest.raises(ValueError, match="divisible by 256"):
+    adam_update(None, jnp.ones((2, 100)), bad,
+                Q.QuantizedMoment(jnp.zeros((2, 100), jnp.uint8), jnp.zeros((2, 1))), count=1)
+  with pytest.raises(ValueError, match="divisible by 256"):
+    Q.zeros((3,), signed=True)
+  with pytest.raises(ValueError, match="params_lo"):
+    adam_update(jnp.ones((2, 256), BF16), g, mu, nu, count=1,
+                params_lo=jnp.zeros((2, 256), jnp.uint16))
+
+
+def _dynamic_tree_unsigned():
+  """bitsandbytes' unsigned 8-bit dynamic map (Dettmers et al. 2022, "8-bit
+  Optimizers via Block-wise Quantization"): 2**(i+1) linear steps in decade
+  i of [1e-6, 1], plus 0 and 1."""
+  vals = [0.0, 1.0]
+  for i in range(7):
+    b = np.linspace(0.1, 1, 2 ** (i + 1) + 1)
+    vals += list(10.0 ** (i - 6) * (b[:-1] + b[1:]) / 2)
+  return np.sort(np.asarray(vals))
+
+
+def _map_errors(nu, kind):
+  """Per-element relative error of sqrt(nu) after round-to-nearest into an
+  8-bit map (NaN where a positive nu became 0)."""
+  m = nu.max(axis=-1, keepdims=True)
+  if kind == "linear":
+    q = np.round(nu / m * 255) / 255 * m
+  elif kind == "sqrt":
+    q = (np.round(np.sqrt(nu / m) * 255) / 255) ** 2 * m
+  else:
+    table = _dynamic_tree_unsigned()
+    x = nu / m
+    i = np.clip(np.searchsorted(table, x), 1, len(table) - 1)
+    q = np.where(x - table[i - 1] < table[i] - x, table[i - 1], table[i]) * m
+  q = np.where((nu > 0) & (q == 0), np.nan, q)
+  return np.abs(np.sqrt(q) - np.sqrt(nu)) / np.sqrt(nu)
+
+
+def test_nu_map_errors():
+  """The figures of docs/adam.md ("Why square-root companding"): fixed draws."""
+  rng = np.random.default_rng(0)
+  table = {0.25: {"linear": (0.010, 0.061, 0.009), "sqrt": (0.0044, 0.013, 0.0),
+                  "dynamic": (0.0046, 0.013, 0.0)},
+           0.5: {"linear": (0.039, 0.23, 0.54), "sqrt": (0.020, 0.12, 0.008),
+                 "dynamic": (0.012, 0.045, 0.0001)}}
+  assert len(_dynamic_tree_unsigned()) == 256
+  for sigma, rows in table.items():
+    nu = (10.0 ** rng.normal(0, sigma, (4096, Q.BLOCK))) ** 2
+    for kind, (median, p90, zeroed) in rows.items():
+      r = _map_errors(nu, kind)
+      got = (np.nanmedian(r), np.nanpercentile(r, 90), np.isnan(r).mean())
+      np.testing.assert_allclose(got[:2], (median, p90), rtol=0.06, err_msg=f"{sigma} {kind}")
+      assert abs(got[2] - zeroed) <= 0.06 * zeroed + 2e-4, (sigma, kind, got)
+
+
+def test_mosaic_gpu_leaves_8bit_leaves_to_the_reference(caplog):
+  shape = (2, 256)
+  g = jax.random.normal(jax.random.key(4), shape)
+  mu, nu = Q.zeros(shape, signed=True), Q.zeros(shape, signed=False)
+  with caplog.at_level("DEBUG", logger="fuseopt"):
+    got = adam_update(None, g, mu, nu, count=1, implementation="mosaic_gpu", interpret=True)
+  assert "8-bit moments have no kernel on this backend yet" in caplog.text
+  want = adam_update_reference(None, g, mu, nu, count=1)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    _same(a, b)

@@ -1,0 +1,150 @@
+"""fo.scale_by_adam / adam / adamw with ``moment_dtype="int8"``: the state, its
+bytes, the fallback of leaves that do not divide into blocks, the fused step,
+optax.inject_hyperparams."""
+
+import functools
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fuseopt.optim as fo
+from fuseopt.benchmarks import workloads
+from fuseopt.kernels.adam import quantized as Q
+
+
+def _params():
+  k = jax.random.split(jax.random.key(0), 3)
+  return {"w": jax.random.normal(k[0], (8, 512)), "e": jax.random.normal(k[1], (4, 256), jnp.bfloat16),
+          "b": jax.random.normal(k[2], (10,))}
+
+
+def _grads(t, params):
+  leaves, treedef = jax.tree.flatten(params)
+  ks = jax.random.split(jax.random.fold_in(jax.random.key(1), t), len(leaves))
+  return treedef.unflatten([jax.random.normal(k, x.shape, x.dtype) for k, x in zip(ks, leaves)])
+
+
+def _same_tree(a, b):
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(la, lb):
+    assert x.dtype == y.dtype
+    np.testing.assert_array_equal(np.atleast_1d(np.asarray(x)).view(np.uint8),
+                                  np.atleast_1d(np.asarray(y)).view(np.uint8))
+
+
+def test_state_layout_and_fallback_warning():
+  params = _params()
+  tx = fo.adamw(1e-3, moment_dtype="int8")
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    state = tx.init(params)
+    tx.init(params)                      # warned once per transformation
+  msgs = [str(w.message) for w in caught]
+  assert len(msgs) == 1 and "['b']" in msgs[0] and "256" in msgs[0], msgs
+  adam_state = state[0]
+  assert isinstance(adam_state, optax.ScaleByAdamState)
+  for name, shape in (("w", (8, 512)), ("e", (4, 256))):
+    mu, nu = adam_state.mu[name], adam_state.nu[name]
+    assert isinstance(mu, Q.QuantizedMoment) and isinstance(nu, Q.QuantizedMoment)
+    assert mu.codes.dtype == jnp.int8 and nu.codes.dtype == jnp.uint8
+    assert mu.codes.shape == shape and mu.scales.shape == shape[:-1] + (shape[-1] // 256,)
+    assert mu.scales.dtype == jnp.float32
+  assert adam_state.mu["b"].dtype == jnp.bfloat16 and adam_state.nu["b"].dtype == jnp.bfloat16
+
+
+def test_state_bytes_of_the_llama_tree():
+  """2 + 8/256 bytes a parameter: 2.03, at most 2.05 (the promise)."""
+  params = workloads.llama_tree()
+  state = jax.eval_shape(fo.adamw(1e-3, moment_dtype="int8").init, params)
+  n = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+  state_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))
+  assert state_bytes / n <= 2.05, state_bytes / n
+  bf16 = jax.eval_shape(fo.adamw(1e-3).init, params)
+  assert sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(bf16)) / n >= 4
+
+
+def test_bad_arguments_are_named():
+  with pytest.raises(ValueError, match="mu_dtype must be None with moment_dtype='int8'"):
+    fo.adamw(1e-3, mu_dtype=jnp.bfloat16, moment_dtype="int8")
+  with pytest.raises(ValueError, match="mu_dtype"):
+    fo.scale_by_adam(mu_dtype="float32", moment_dtype=jnp.int8)
+  with pytest.raises(ValueError, match="moment_dtype"):
+    fo.adam(1e-3, moment_dtype="uint8")
+
+
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+def test_fused_step_equals_update_and_apply(impl):
+  """fo.step and tx.update + apply_updates: the same moments bit for bit, and
+  (fp32 leaves) the same parameters, over three steps."""
+  params = _params()
+  tx = fo.adamw(1e-2, weight_decay=0.1, moment_dtype="int8", seed=5, implementation=impl,
+                interpret=True)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    state = tx.init(params)
+
+  @jax.jit
+  def unfused(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  fused = jax.jit(functools.partial(fo.step, tx), donate_argnums=(1, 2))
+  pa, sa = params, state
+  pb, sb = jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, state)
+  for t in range(3):
+    g = _grads(t, params)
+    pa, sa = unfused(pa, sa, g)
+    pb, sb = fused(g, sb, pb)
+  _same_tree(sa, sb)
+  np.testing.assert_allclose(np.asarray(pa["w"]), np.asarray(pb["w"]), rtol=1e-6, atol=1e-7)
+
+
+def test_inject_hyperparams():
+  params = _params()
+  plain = fo.adamw(1e-2, weight_decay=0.1, moment_dtype="int8")
+  # (b1, b2, eps static: injected, they would be fp32 arrays, and 1 - b1 rounds
+  # differently from the Python float's)
+  inj = optax.inject_hyperparams(fo.adamw, static_args=("b1", "b2", "eps", "eps_root"))(
+      learning_rate=1e-2, weight_decay=0.1, moment_dtype="int8")
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    s1, s2 = plain.init(params), inj.init(params)
+  g = _grads(0, params)
+  u1, s1 = jax.jit(plain.update)(g, s1, params)
+  u2, s2 = jax.jit(inj.update)(g, s2, params)
+  # (injected hyperparameters are fp32 arrays where the plain chain multiplies
+  # by Python floats: the updates agree to fp32 rounding of lr and wd, the
+  # moments, which use neither, bit for bit; a bf16 leaf's update may come out
+  # in fp32 from the injected chain)
+  for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(u2)):
+    rtol = 1e-4 if a.dtype == b.dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol)
+  _same_tree(s1, s2.inner_state)
+  assert isinstance(s2.inner_state[0].mu["w"], Q.QuantizedMoment)
+
+
+def test_muon_adamw_side_takes_int8_moments():
+  """fo.muon(adam_moment_dtype="int8"): the AdamW side's leaves hold
+  QuantizedMoment pairs; the fused step equals update + apply_updates."""
+  k = jax.random.split(jax.random.key(0), 3)
+  params = {"w": jax.random.normal(k[0], (256, 512)), "emb": jax.random.normal(k[1], (64, 256)),
+            "b": jax.random.normal(k[2], (512,))}
+  dims = {"w": fo.MuonDimensionNumbers(0, 1), "emb": None, "b": None}
+  tx = fo.muon(1e-2, adam_moment_dtype="int8", muon_weight_dimension_numbers=dims,
+               weight_decay=0.1, adam_weight_decay=0.1)
+  state = tx.init(params)
+  quant = [x for x in jax.tree.leaves(state, is_leaf=Q.is_quantized) if Q.is_quantized(x)]
+  assert len(quant) == 4      # mu and nu of "emb" and "b"
+  g = _grads(0, params)
+  p_fused, s_fused = jax.jit(lambda p, s, g: fo.step(tx, g, s, p))(params, state, g)
+  u, s_plain = jax.jit(tx.update)(g, state, params)
+  _same_tree(s_fused, s_plain)
+  for name in ("emb", "b"):
+    np.testing.assert_allclose(np.asarray(p_fused[name]),
+                               np.asarray(optax.apply_updates(params, u)[name]), rtol=1e-6)

@@ -1,0 +1,93 @@
+"""8-bit Adam moments on 8 CPU devices: codes and scales shard with their leaf,
+and a sharded fused step is bitwise the unsharded one (FSDP on rows or on
+columns, Explicit and Auto meshes, the reference and the Triton and Mosaic TPU
+kernels)."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import fuseopt.optim as fo
+from fuseopt.kernels.adam import quantized as Q
+
+
+def _tree(seed):
+  k = jax.random.split(jax.random.key(seed), 4)
+  return {"w": jax.random.normal(k[0], (16, 512)),        # cols: 64 a shard, blocks straddle
+          "stack": jax.random.normal(k[1], (8, 4, 2048)),  # cols: 256 a shard, whole blocks
+          "bias": jax.random.normal(k[2], (256,)),
+          "odd": jax.random.normal(k[3], (6, 10))}          # bf16 moments (no whole block)
+
+
+SPECS = {"rows": {"w": P("x"), "stack": P("x"), "bias": P(), "odd": P()},
+         "cols": {"w": P(None, "x"), "stack": P(None, None, "x"), "bias": P("x"), "odd": P()}}
+
+
+def _run(tx, params, grads_seq, shardings=None):
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")     # the "odd" leaf's bf16 fallback
+    state = tx.init(params)
+  update = jax.jit(lambda p, s, g: fo.step(tx, g, s, p, shardings=shardings))
+  for g in grads_seq:
+    params, state = update(params, state, g)
+  return params, state
+
+
+def _fit(spec, shape, mesh):
+  """``spec`` without the mesh axes that do not divide ``shape`` (the scales of
+  a leaf whose shards hold parts of blocks stay whole on that axis)."""
+  entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+  size = lambda e: 1 if e is None else mesh.shape[e]
+  return P(*(e if d % size(e) == 0 else None for e, d in zip(entries, shape)))
+
+
+def _place_state(state, mesh, specs):
+  """The state sharded as the params: a QuantizedMoment's codes and scales
+  both take their leaf's spec (the scales where it divides them)."""
+  adam = state[0]
+
+  def put(moments):
+    return {k: jax.tree.map(lambda a, s=specs[k]: jax.device_put(
+        a, NamedSharding(mesh, _fit(s, a.shape, mesh))), v) for k, v in moments.items()}
+
+  return (adam._replace(mu=put(adam.mu), nu=put(adam.nu)),) + tuple(state[1:])
+
+
+@pytest.mark.parametrize("impl,interp", [("xla", False), ("triton", True), ("mosaic_tpu", True)],
+                         ids=["xla", "triton", "mosaic"])
+@pytest.mark.parametrize("case", ["rows", "cols"])
+@pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+def test_sharded_int8_step_is_bitwise(impl, interp, case, kind):
+  params = _tree(0)
+  grads_seq = [_tree(10 + t) for t in range(3)]
+  tx = fo.adamw(1e-2, weight_decay=0.1, seed=3, moment_dtype="int8", implementation=impl,
+                interpret=interp)
+  want_p, want_s = _run(tx, params, grads_seq)
+
+  mesh = jax.make_mesh((8,), ("x",), axis_types=(kind,))
+  specs = SPECS[case]
+  put = lambda tree: {k: jax.device_put(a, NamedSharding(mesh, specs[k])) for k, a in tree.items()}
+  shardings = None if kind == AxisType.Explicit else {k: NamedSharding(mesh, s)
+                                                     for k, s in specs.items()}
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    state = _place_state(tx.init(params), mesh, specs)
+  update = jax.jit(lambda p, s, g: fo.step(tx, g, s, p, shardings=shardings))
+  got_p = put(params)
+  got_s = state
+  for g in grads_seq:
+    got_p, got_s = update(got_p, got_s, put(g))
+  assert isinstance(got_s[0].mu["stack"], Q.QuantizedMoment)
+  for a, b in zip(jax.tree.leaves((got_p, got_s)), jax.tree.leaves((want_p, want_s))):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    np.testing.assert_array_equal(np.atleast_1d(np.asarray(a)).view(np.uint8),
+                                  np.atleast_1d(np.asarray(b)).view(np.uint8))
+  for name, s in specs.items():
+    assert got_p[name].sharding.is_equivalent_to(NamedSharding(mesh, s), got_p[name].ndim), name
+  m = got_s[0].mu["stack"]
+  for x in (m.codes, m.scales):
+    assert x.sharding.is_equivalent_to(NamedSharding(mesh, specs["stack"]), x.ndim)
