@@ -201,7 +201,7 @@ def step_args(t, sc: ScaleCase, variant: str, mesh):
   params = tree(sc.model, sc.layout)
   placed = shardings(params, mesh, placement(sc.where))
   dims = muon_dims(sc.model, sc.layout)
-  options = {"ns_matmul": "pallas"} if variant == PALLAS_GEMM else {}
+  options = {"newton_schulz": {"matmul": "pallas"}} if variant == PALLAS_GEMM else {}
   tx = compile_cases.hybrid_tx(variant, placed if variant != "optax" else None, dims, **options)
   return compile_cases.sharded_step_args(t, tx, params, placed, fused=variant != "optax")
 

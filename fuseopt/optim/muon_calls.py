@@ -145,12 +145,12 @@ def _replicated_ns(ns):
   return run
 
 
-def _direction(config: _MuonConfig, updates, mu, count, ns_input_dtype=None, placement=None,
-               finish=None, grad_fn=None, param_leaves=None, nu=None):
-  """The Muon direction of ``updates``: ``(u leaves, treedef, new mu
-  leaves, count + 1, new nu leaves or None)``; the new mu leaves keep their
-  stored dtype, the NS input is in ``ns_input_dtype`` (None: the gradient's).
-  ``nu``: NorMuon's per-neuron second moments (a tree like ``mu``).
+def _direction(config: _MuonConfig, updates, state, ns_input_dtype=None, placement=None,
+               finish=None, grad_fn=None, param_leaves=None):
+  """The Muon direction of ``updates`` from the direction's ``state``:
+  ``(u leaves, treedef, new state)``; the new momentum keeps its stored
+  dtype (and a piece's state, NorMuon's ``nu``, is updated with it), the NS
+  input is in ``ns_input_dtype`` (None: the gradient's).
 
   With ``finish`` (``(leaf index, u, parameter) -> new parameter``, and
   ``param_leaves``) the leaves are finished as their Newton-Schulz call
@@ -160,17 +160,22 @@ def _direction(config: _MuonConfig, updates, mu, count, ns_input_dtype=None, pla
   """
   if grad_fn is None:
     grad_fn = lambda g: g
-  step = _MuonStep(config, updates, mu, count, ns_input_dtype,
-                   grad_fn=grad_fn if finish is None else None, nu=nu,
+  piece = config.piece
+  step = _MuonStep(config, updates, state.mu, state.count, ns_input_dtype,
+                   grad_fn=grad_fn if finish is None else None,
+                   piece_state=None if piece is None else piece.state_tree(state),
                    param_leaves=param_leaves if finish is not None else None)
   leaf_shardings = kernel_sharding.flatten_shardings(
-      config.shardings if placement is None else placement, mu, owner="scale_by_muon",
+      config.shardings if placement is None else placement, state.mu, owner="scale_by_muon",
       strict=True)
   if finish is not None:
-    new_p, mu_leaves = _sequenced(step, param_leaves, leaf_shardings, grad_fn, finish)
-    return new_p, step.treedef, mu_leaves, step.count_inc, step.nu_new
-  out, mu_leaves = _unsequenced(step, leaf_shardings)
-  return out, step.treedef, mu_leaves, step.count_inc, step.nu_new
+    out, mu_leaves = _sequenced(step, param_leaves, leaf_shardings, grad_fn, finish)
+  else:
+    out, mu_leaves = _unsequenced(step, leaf_shardings)
+  new_state = state._replace(count=step.count_inc, mu=step.treedef.unflatten(mu_leaves))
+  if piece is not None:
+    new_state = piece.with_state_tree(new_state, step.treedef.unflatten(step.piece_new))
+  return out, step.treedef, new_state
 
 
 def _unsequenced(step: _MuonStep, leaf_shardings):
