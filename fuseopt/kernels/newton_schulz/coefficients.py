@@ -115,12 +115,14 @@ def muon_coefficients(ns_coeffs: Any, ns_steps: int, owner: str = "muon"):
     ``ns_coeffs`` as optax does (the preset's table, or the table given);
   - fuseopt's schedule names (:data:`SCHEDULES`): the name and ``ns_steps``
     (so Gram Newton-Schulz restarts where that schedule wants); the state
-    keeps the schedule's table.
+    keeps the schedule's table as optax would hold it (``"jordan"``: the
+    triple, repeated ``ns_steps`` times).
   """
   steps = int(ns_steps)
   if isinstance(ns_coeffs, str):
     if ns_coeffs in SCHEDULES:
-      return ns_coeffs, steps, coefficient_table(ns_coeffs, steps)[0]
+      state = JORDAN if ns_coeffs == "jordan" else coefficient_table(ns_coeffs, steps)[0]
+      return ns_coeffs, steps, state
     if ns_coeffs not in OPTAX_PRESETS:
       raise ValueError(f"{owner}: unknown ns_coeffs {ns_coeffs!r}; expected one of "
                        f"{sorted(SCHEDULES + tuple(OPTAX_PRESETS))} or a (3,) / (steps, 3) table")
