@@ -89,7 +89,8 @@ def _trees(layout, seed):
 def _optimizer(name, layout, shardings=None):
   dims = {n: spec for n, (_, spec, _) in LAYOUTS[layout][2].items()}
   make = fo.muon if name == "muon" else fo.normuon
-  return make(1e-2, weight_decay=0.1, muon_weight_dimension_numbers=dims, shardings=shardings)
+  return make(1e-2, weight_decay=0.1, muon_weight_dimension_numbers=dims,
+              execution=fo.Execution(shardings=shardings))
 
 
 def _program(tx, path):
