@@ -32,8 +32,8 @@ def test_fuseopt_muon_step_lowers(platform):
   impl = "triton" if platform == "gpu" else "mosaic_tpu"
   target = harness.targets_for(impl)[0]
   from fuseopt.optim import muon_transforms as fmuon
-  tx = fmuon.muon(learning_rate=0.02, coeffs="jordan", implementation=impl,
-                  muon_weight_dimension_numbers=muon_cases.muon_dims)
+  tx = fmuon.muon(learning_rate=0.02, ns_coeffs="jordan", muon_weight_dimension_numbers=muon_cases.muon_dims,
+                  execution=fmuon.Execution(implementation=impl))
   struct = workloads.llama_tree_cpu(jnp.float32, abstract=True)
   state = jax.eval_shape(tx.init, struct)
   harness.lower_for(target, muon_cases.step_fn(tx), struct, struct, state)

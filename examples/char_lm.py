@@ -147,7 +147,7 @@ def optimizers(model, steps: int, lr_adam: float, lr_muon: float):
       optimizer="muon", weight_decay=0.01, state_dtype="bfloat16", muon_logical_axes=True,
       schedule={"kind": "cosine", "peak": lr_muon, "warmup_steps": warmup},
       adam_schedule={"kind": "cosine", "peak": lr_adam, "warmup_steps": warmup},
-      optimizer_kwargs={"coeffs": "polar_express"})
+      optimizer_kwargs={"ns_coeffs": "polar_express"})
   return {
       "optax AdamW": (nnx.Optimizer, optax.adamw(sched(lr_adam), weight_decay=0.01)),
       "fuseopt AdamW (bf16, fused)": (fuseopt.nnx.Optimizer, fo.adamw(sched(lr_adam), weight_decay=0.01)),

@@ -152,13 +152,11 @@ def _hand_dims():
 def test_muon_dimension_numbers_dict_callable_and_state_on_nnx():
   # fp32 NS: the fused step rounds its NS input to ns_dtype before the
   # normalisation, update() after it; in fp32 both agree to fp32 rounding.
-  ref_losses, ref = _train_pure(fo.muon(1e-2, muon_weight_dimension_numbers=_hand_dims(),
-                                        ns_dtype=jnp.float32))
+  ref_losses, ref = _train_pure(fo.muon(1e-2, muon_weight_dimension_numbers=_hand_dims(), newton_schulz=fo.NewtonSchulz(dtype=jnp.float32)))
   for dims, cls in ((_hand_dims(), nnx.Optimizer),  # a plain dict on nnx state
                     (muon_axes.logical_axes_dimension_numbers(), fnnx.Optimizer),  # the callable form
                     (fnnx.muon_dimension_numbers(_model()), fnnx.Optimizer)):
-    losses, params = _train_nnx(fo.muon(1e-2, muon_weight_dimension_numbers=dims,
-                                        ns_dtype=jnp.float32), cls)
+    losses, params = _train_nnx(fo.muon(1e-2, muon_weight_dimension_numbers=dims, newton_schulz=fo.NewtonSchulz(dtype=jnp.float32)), cls)
     if cls is nnx.Optimizer:
       np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
       _assert_close(params, ref)

@@ -375,10 +375,11 @@ def _variant_recipes():
   import fuseopt.optim as fo
   from fuseopt.benchmarks.cases import muon as muon_cases
   from fuseopt.optim import fusion, safeguards
-  hybrid = lambda factory, **kw: fusion.chain(
-      safeguards.clip_by_global_norm(1.0),
-      factory(0.02, weight_decay=0.1, adam_weight_decay=0.1, coeffs="jordan",
-              adam_moment_dtype=BF16, muon_weight_dimension_numbers=muon_cases.muon_dims, **kw))
+  def hybrid(factory, mantissa=False, **kw):
+    tx = factory(0.02, weight_decay=0.1, adam_weight_decay=0.1, ns_coeffs="jordan",
+                 adam_moment_dtype=BF16, muon_weight_dimension_numbers=muon_cases.muon_dims, **kw)
+    return fusion.chain(safeguards.clip_by_global_norm(1.0),
+                        fo.track_mantissa(tx, owner="muon") if mantissa else tx)
   return {
       "normuon_recipe": (hybrid(fo.normuon), F32),
       "cautious_hybrid_recipe": (hybrid(fo.muon, cautious_weight_decay=True), F32),
@@ -387,7 +388,7 @@ def _variant_recipes():
       "mantissa_adamw_recipe": (fusion.chain(
           safeguards.clip_by_global_norm(1.0),
           fo.adamw(1e-3, weight_decay=0.1, bf16_params="mantissa")), BF16),
-      "mantissa_hybrid_recipe": (hybrid(fo.muon, bf16_params="mantissa"), BF16),
+      "mantissa_hybrid_recipe": (hybrid(fo.muon, mantissa=True), BF16),
   }
 
 
@@ -440,9 +441,9 @@ def hybrid_tx(variant: str, shardings=None, dims=None, **options):
   if variant == "optax":
     return optax.contrib.muon(0.02, ns_coeffs=muon_cases.COEFFS, weight_decay=0.1,
                               adam_weight_decay=0.1, muon_weight_dimension_numbers=dims)
-  return fo.muon(0.02, coeffs="jordan", weight_decay=0.1, adam_weight_decay=0.1,
-                 adam_moment_dtype=BF16, muon_weight_dimension_numbers=dims, shardings=shardings,
-                 **options)
+  return fo.muon(0.02, ns_coeffs="jordan", weight_decay=0.1, adam_weight_decay=0.1,
+                 adam_moment_dtype=BF16, muon_weight_dimension_numbers=dims,
+                 execution=fo.Execution(shardings=shardings), **options)
 
 
 def sharded_step_args(t, tx, tree, shardings, *, fused: bool):

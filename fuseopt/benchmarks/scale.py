@@ -169,7 +169,7 @@ class ScaleCase:
   ci: tuple[str, ...] = ()
   optax: bool = True       # optax.contrib.muon beside it (packed views: none, optax has no views)
   # Also fuseopt's step with the Pallas GEMM for NS's ``a·X + B·X``
-  # (``ns_matmul="pallas"``): XLA's dot keeps fp32 products of the whole
+  # (``NewtonSchulz(matmul="pallas")``): XLA's dot keeps fp32 products of the whole
   # matrix, the kernel writes the bf16 iterate only.
   pallas_gemm: bool = False
 
@@ -202,7 +202,7 @@ def step_args(t, sc: ScaleCase, variant: str, mesh):
   params = tree(sc.model, sc.layout)
   placed = shardings(params, mesh, placement(sc.where))
   dims = muon_dims(sc.model, sc.layout)
-  options = {"ns_matmul": "pallas"} if variant == PALLAS_GEMM else {}
+  options = {"newton_schulz": {"matmul": "pallas"}} if variant == PALLAS_GEMM else {}
   tx = compile_cases.hybrid_tx(variant, placed if variant != "optax" else None, dims, **options)
   return compile_cases.sharded_step_args(t, tx, params, placed, fused=variant != "optax")
 
@@ -333,7 +333,7 @@ def markdown(root=None) -> str:
     fig_b, rel_b = _figures(docs[t], theirs) if theirs else (None, None)
     a = _cells(fig_a)
     b = _cells(fig_b) if theirs else ("no views",) + ("-",) * 4
-    gemm = ', `ns_matmul="pallas"`' if f"/{PALLAS_GEMM}/" in ours else ""
+    gemm = ', Pallas GEMM (`NewtonSchulz(matmul="pallas")`)' if f"/{PALLAS_GEMM}/" in ours else ""
     out.append(f"| {_MODEL_NAMES[model]}, {_LAYOUTS[layout]}, {_where_name(where)}{gemm} "
                f"| {n} × {t} | {a[0]} | {a[1]} | {a[2]} | {a[3]} | {b[0]} | {b[1]} | {b[2]} "
                f"| {a[4]} / {b[4]} | {rel_a or '-'} / {rel_b or '-'} |")

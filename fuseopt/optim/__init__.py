@@ -20,6 +20,8 @@ from fuseopt.optim.step import step
 from fuseopt.optim.muon_transforms import muon
 from fuseopt.optim.muon_transforms import MuonDimensionNumbers
 from fuseopt.optim.muon_transforms import scale_by_muon
+from fuseopt.optim.muon_settings import Execution
+from fuseopt.optim.muon_settings import NewtonSchulz
 from fuseopt.optim.normuon_transforms import normuon
 from fuseopt.optim.normuon_transforms import NorMuonState
 from fuseopt.optim.normuon_transforms import scale_by_normuon
@@ -65,6 +67,7 @@ __all__ = (
     "BATCH_AXES",
     "Constant",
     "Cosine",
+    "Execution",
     "HEAD_AXES",
     "LAYER_AXES",
     "Linear",
@@ -72,6 +75,7 @@ __all__ = (
     "MatrixViews",
     "MantissaState",
     "MuonDimensionNumbers",
+    "NewtonSchulz",
     "NorMuonState",
     "NO_DECAY_PATTERNS",
     "OptimConfig",

@@ -1,5 +1,6 @@
 """The Newton-Schulz calls of a Muon update: how same-shaped matrices are
-batched into calls (at most ``max_elements`` a call), which leaves take the
+batched into calls (at most ``max_elements`` a call; :func:`_stages` plans
+them, :func:`_run_call` is the one loop that runs a call), which leaves take the
 distributed all-to-all path, and the two orders the calls run in: all momentum
 passes first (``update``), or one call at a time with its momentum pass and
 parameter update around it (the fused step)."""
@@ -60,22 +61,35 @@ def _concat(parts):
   return jax.tree.map(lambda *t: jnp.concatenate(t, axis=0), *parts)
 
 
-def _chunked(mats, max_elements, ns):
-  """Runs ``ns`` over the matrices of ``mats`` (same (rows, cols), each a
-  (batch, rows, cols) array), as few calls as ``max_elements`` per call
-  allows; yields ``(index into mats, [result parts in batch order])``."""
-  rows, cols = mats[0].shape[1:]
-  calls = _call_plan([m.shape[0] for m in mats], rows * cols, max_elements)
-  parts: dict[int, list] = {}
-  for call in calls:
-    xs = [mats[k] if (a, b) == (0, mats[k].shape[0]) else jax.lax.slice_in_dim(mats[k], a, b)
-          for k, a, b in call]
-    y = ns(xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=0))
-    offset = 0
-    for k, a, b in call:
-      parts.setdefault(k, []).append(y if len(call) == 1 else _slice(y, offset, offset + b - a))
-      offset += b - a
-  return list(parts.items())
+def _stages(groups, max_elements):
+  """The batched NS calls of same-shaped families, in order: ``groups`` maps
+  ``(rows, cols, dtype)`` to its members ``[(leaf, piece, batch)]``;
+  returns ``[(members, call)]``, ``call`` one call's ``(member, start,
+  stop)`` batch ranges (:func:`_call_plan`)."""
+  stages = []
+  for (rows, cols, _), members in groups.items():
+    for call in _call_plan([b for _, _, b in members], rows * cols, max_elements):
+      stages.append((members, call))
+  return stages
+
+
+def _run_call(members, call, matrix, ns):
+  """The one batching loop: one NS call over the batch ranges ``call`` of
+  the members' matrices (``matrix(leaf, piece)``, each ``(batch, rows,
+  cols)``) joined along the batch, its result cut back; returns
+  ``[((leaf, piece), result part)]`` in batch order."""
+  xs = []
+  for k, a, b in call:
+    i, j, batch = members[k]
+    x = matrix(i, j)
+    xs.append(x if (a, b) == (0, batch) else jax.lax.slice_in_dim(x, a, b))
+  y = ns(xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=0))
+  out, offset = [], 0
+  for k, a, b in call:
+    i, j, _ = members[k]
+    out.append(((i, j), y if len(call) == 1 else _slice(y, offset, offset + b - a)))
+    offset += b - a
+  return out
 
 
 def _place_ns_inputs(mu_hat, specs, leaf_shardings, paths, ns_budget, ns_input_dtype=None):
@@ -145,12 +159,12 @@ def _replicated_ns(ns):
   return run
 
 
-def _direction(config: _MuonConfig, updates, mu, count, ns_input_dtype=None, placement=None,
-               finish=None, grad_fn=None, param_leaves=None, nu=None):
-  """The Muon direction of ``updates``: ``(u leaves, treedef, new mu
-  leaves, count + 1, new nu leaves or None)``; the new mu leaves keep their
-  stored dtype, the NS input is in ``ns_input_dtype`` (None: the gradient's).
-  ``nu``: NorMuon's per-neuron second moments (a tree like ``mu``).
+def _direction(config: _MuonConfig, updates, state, ns_input_dtype=None, placement=None,
+               finish=None, grad_fn=None, param_leaves=None):
+  """The Muon direction of ``updates`` from the direction's ``state``:
+  ``(u leaves, treedef, new state)``; the new momentum keeps its stored
+  dtype (and a piece's state, NorMuon's ``nu``, is updated with it), the NS
+  input is in ``ns_input_dtype`` (None: the gradient's).
 
   With ``finish`` (``(leaf index, u, parameter) -> new parameter``, and
   ``param_leaves``) the leaves are finished as their Newton-Schulz call
@@ -160,17 +174,22 @@ def _direction(config: _MuonConfig, updates, mu, count, ns_input_dtype=None, pla
   """
   if grad_fn is None:
     grad_fn = lambda g: g
-  step = _MuonStep(config, updates, mu, count, ns_input_dtype,
-                   grad_fn=grad_fn if finish is None else None, nu=nu,
+  piece = config.piece
+  step = _MuonStep(config, updates, state.mu, state.count, ns_input_dtype,
+                   grad_fn=grad_fn if finish is None else None,
+                   piece_state=None if piece is None else piece.state_tree(state),
                    param_leaves=param_leaves if finish is not None else None)
   leaf_shardings = kernel_sharding.flatten_shardings(
-      config.shardings if placement is None else placement, mu, owner="scale_by_muon",
+      config.shardings if placement is None else placement, state.mu, owner="scale_by_muon",
       strict=True)
   if finish is not None:
-    new_p, mu_leaves = _sequenced(step, param_leaves, leaf_shardings, grad_fn, finish)
-    return new_p, step.treedef, mu_leaves, step.count_inc, step.nu_new
-  out, mu_leaves = _unsequenced(step, leaf_shardings)
-  return out, step.treedef, mu_leaves, step.count_inc, step.nu_new
+    out, mu_leaves = _sequenced(step, param_leaves, leaf_shardings, grad_fn, finish)
+  else:
+    out, mu_leaves = _unsequenced(step, leaf_shardings)
+  new_state = state._replace(count=step.count_inc, mu=step.treedef.unflatten(mu_leaves))
+  if piece is not None:
+    new_state = piece.with_state_tree(new_state, step.treedef.unflatten(step.piece_new))
+  return out, step.treedef, new_state
 
 
 def _unsequenced(step: _MuonStep, leaf_shardings):
@@ -188,14 +207,15 @@ def _unsequenced(step: _MuonStep, leaf_shardings):
   plan, distributed = _place_ns_inputs(mu_hat, specs, leaf_shardings, paths, step.ns_budget)
   # Cut every other Muon leaf into (batch, rows, cols) families; group them by shape.
   plans = [None] * len(mu_hat)
-  groups: dict[tuple, list[tuple[int, int]]] = {}
+  groups: dict[tuple, list[tuple[int, int, int]]] = {}
   for i, (h, s) in enumerate(zip(mu_hat, specs)):
     if s is None or i in distributed:
       continue
     pieces, merge = matrix_views.split(h, s, paths[i])
     plans[i] = (pieces, merge)
     for j, p in enumerate(pieces):
-      groups.setdefault(p.matrix.shape[1:] + (p.matrix.dtype,), []).append((i, j))
+      groups.setdefault(p.matrix.shape[1:] + (p.matrix.dtype,), []).append(
+          (i, j, p.matrix.shape[0]))
 
   results: dict[tuple[int, int], jax.Array] = {}
   if distributed:
@@ -204,10 +224,12 @@ def _unsequenced(step: _MuonStep, leaf_shardings):
       ys = plan.orthogonalize([mu_hat[leaf_of[k]] for k in members], config.ns, members)
       for k, y in zip(members, ys):
         results[(leaf_of[k], 0)] = y
-  for members in groups.values():
-    mats = [plans[i][0][j].matrix for i, j in members]
-    for k, parts in _chunked(mats, step.ns_budget, _replicated_ns(config.ns)):
-      results[members[k]] = _concat(parts)
+  parts: dict[tuple[int, int], list] = {}
+  run = _replicated_ns(config.ns)
+  for members, call in _stages(groups, step.ns_budget):
+    for key, part in _run_call(members, call, lambda i, j: plans[i][0][j].matrix, run):
+      parts.setdefault(key, []).append(part)
+  results.update((key, _concat(ps)) for key, ps in parts.items())
 
   out = []
   for i, (h, s) in enumerate(zip(mu_hat, specs)):
@@ -305,11 +327,7 @@ def _ns_stages(step: _MuonStep, seq: _Sequencer, distributed):
       dtype = jnp.dtype(step.ns_input_dtype or step.out_dtypes[i])
       for j, shape in enumerate(_piece_shapes(g, s, step.paths[i])):
         groups.setdefault(shape[1:] + (dtype,), []).append((i, j, shape[0]))
-  stages = []
-  for (rows, cols, _), members in groups.items():
-    for call in _call_plan([b for _, _, b in members], rows * cols, step.ns_budget):
-      stages.append((members, call))
-  return stages
+  return _stages(groups, step.ns_budget)
 
 
 def _sequenced_grouped(seq: _Sequencer, distributed):
@@ -342,18 +360,8 @@ def _sequenced_grouped(seq: _Sequencer, distributed):
       stored, h = jax.lax.optimization_barrier((stored, h))
       seq.mu_leaves[i], active[i] = stored, a
       plans[i] = matrix_views.split(h, step.specs[i], step.paths[i])
-    xs = []
-    for k, a, b in call:
-      i, j, batch = members[k]
-      x = plans[i][0][j].matrix
-      xs.append(x if (a, b) == (0, batch) else jax.lax.slice_in_dim(x, a, b))
-    y = run(xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=0))
-    offset = 0
-    for k, a, b in call:
-      i, j, _ = members[k]
-      parts.setdefault((i, j), []).append(
-          y if len(call) == 1 else _slice(y, offset, offset + b - a))
-      offset += b - a
+    for key, part in _run_call(members, call, lambda i, j: plans[i][0][j].matrix, run):
+      parts.setdefault(key, []).append(part)
     seq.done = []
     for i in sorted({members[k][0] for k, _, _ in call if last[members[k][0]] == st}):
       results = {(i, j): _concat(ps) for (ii, j), ps in parts.items() if ii == i}

@@ -1,6 +1,7 @@
-"""How Muon orthogonalises one ``(batch, rows, cols)`` stack: optax's
-coefficient presets resolved to a static table, the platform's default
-call size, and optax's iteration for what the kernel does not cover."""
+"""How Muon orthogonalises one ``(batch, rows, cols)`` stack: the platform's
+default call size, the kernel, and optax's iteration for what the kernel
+does not cover (the coefficients come resolved from
+:func:`fuseopt.kernels.newton_schulz.coefficients.muon_coefficients`)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from fuseopt import kernels
-from fuseopt.kernels.newton_schulz import coefficients as ns_coefficients
 from fuseopt.optim import _checks
 from fuseopt.optim import adam_transforms
 
 
-# Keller Jordan's triple, optax.contrib.muon's default ns_coeffs.
-JORDAN_COEFFS = kernels.JORDAN
 # Most matrix elements per Newton-Schulz call (see scale_by_muon), by the
 # platform the step runs on. The fused step holds one call's working set.
 # GPU and TPU: 2^23 (8 Mi elements, 16 MiB of bf16 input: two 2048 x 2048
@@ -36,46 +34,10 @@ def default_ns_max_elements(platform: str) -> int:
   return DEFAULT_NS_MAX_ELEMENTS.get(platform, DEFAULT_NS_MAX_ELEMENTS_ELSEWHERE)
 
 
-# optax.contrib.muon's preset names (kernels.newton_schulz.coefficients maps them).
-_OPTAX_PRESETS = ns_coefficients.OPTAX_PRESETS
 _PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten")
 # The default of ns_steps (5, optax's): not an int, so that
 # optax.inject_hyperparams leaves it static (see _checks.StaticDefault).
 _NS_STEPS = _checks.StaticDefault(5)
-
-
-def _coeff_table(ns_coeffs, ns_steps) -> tuple[tuple[float, float, float], ...]:
-  """optax's ``ns_coeffs``/``ns_steps`` as a static (steps, 3) table."""
-  if isinstance(ns_coeffs, str):
-    if ns_coeffs not in _OPTAX_PRESETS:
-      raise ValueError(f"muon: unknown ns_coeffs preset {ns_coeffs!r}; expected one of "
-                       f"{sorted(_OPTAX_PRESETS)} or a (3,) / (steps, 3) table")
-    ns_coeffs = _OPTAX_PRESETS[ns_coeffs]
-  table = np.asarray(ns_coeffs, np.float64)
-  if table.ndim not in (1, 2) or table.shape[-1] != 3:
-    raise ValueError(f"muon: ns_coeffs must have shape (3,) or (steps, 3), got {table.shape}")
-  steps = int(ns_steps)
-  if table.ndim == 1:
-    if steps < 1:
-      raise ValueError(f"muon: ns_steps must be >= 1, got {ns_steps}")
-    table = np.tile(table, (steps, 1))
-  elif table.shape[0] > steps:
-    raise ValueError(f"muon: ns_coeffs has {table.shape[0]} rows, more than ns_steps={ns_steps}")
-  return tuple(tuple(float(c) for c in row) for row in table)
-
-
-def _resolve_coeffs(coeffs, ns_coeffs, ns_steps):
-  """What the kernel gets: ``(coeffs, steps)``."""
-  if coeffs is None:
-    return _coeff_table(ns_coeffs, ns_steps), None
-  if isinstance(coeffs, str):
-    if coeffs not in ns_coefficients.SCHEDULES:
-      raise ValueError(f"muon: coeffs must be 'jordan', 'polar_express' or a (steps, 3) table, got {coeffs!r}")
-    return coeffs, int(ns_steps)
-  table = np.asarray(coeffs, np.float64)
-  if table.ndim != 2 or table.shape[-1] != 3:
-    raise ValueError(f"muon: a coeffs table must have shape (steps, 3), got {table.shape}")
-  return tuple(tuple(float(c) for c in row) for row in table), None
 
 
 def _optax_newton_schulz(x, table, preconditioning, eps):

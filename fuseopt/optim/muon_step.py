@@ -16,13 +16,11 @@ from jax.experimental import layout as jax_layout
 
 from fuseopt import kernels
 from fuseopt.kernels import counter_hash
-from fuseopt.kernels import sharding as kernel_sharding
 from fuseopt.kernels.newton_schulz import layout as ns_layout
 from fuseopt.optim import adam_transforms
 from fuseopt.optim import groups as groups_lib
 from fuseopt.optim import mantissa
 from fuseopt.optim import matrix_views
-from fuseopt.optim import neuron_norm
 from fuseopt.optim.matrix_views import DIMENSION_NUMBER_TYPES, MatrixViews, MuonDimensionNumbers
 from fuseopt.optim.muon_newton_schulz import default_ns_max_elements
 
@@ -109,9 +107,46 @@ class _MuonConfig:
   ns_max_elements: Optional[int]   # None: the platform's default
   shardings: Any
   ns: Callable[[jax.Array], jax.Array]   # Newton-Schulz on a (batch, rows, cols) array
-  # NorMuon's (b2, eps, v dtype), or None for Muon; with it ``ns`` also
-  # returns the result's column sums of squares (neuron_norm.column_sums).
-  normuon: Any = None
+  # What acts on the orthogonalised update (an UpdatePiece: NorMuon's), or None.
+  piece: Any = None
+
+
+class UpdatePiece:
+  """The one extension point of Muon's direction: what happens to the
+  orthogonalised update of a leaf before Muon's own scaling (the adaptive
+  dual norm, the width factor, the ``skip_inactive`` mask), with a state of
+  its own beside Muon's (a tree like the momentum). NorMuon's per-neuron
+  normalisation (:mod:`fuseopt.optim.normuon_transforms`) is one.
+
+  A piece says how its state is made and kept (:meth:`init_state`,
+  :meth:`state_tree`, :meth:`with_state_tree`), what the Newton-Schulz call
+  also returns where the matrices are whole (:meth:`wrap_ns`), and how a
+  leaf's result is finished from it, in the two layouts the result comes in
+  (:meth:`finish_grouped`, :meth:`finish_distributed`). Each finish records
+  the leaf's new state in ``step.piece_new[i]``.
+  """
+
+  def init_state(self, count, mu, ns_coeffs, weight_dimension_numbers, params):
+    raise NotImplementedError
+
+  def state_tree(self, state):
+    raise NotImplementedError
+
+  def with_state_tree(self, state, tree):
+    raise NotImplementedError
+
+  def wrap_ns(self, ns):
+    return ns
+
+  def finish_grouped(self, step, i, results, a, dtype):
+    """Leaf ``i``'s pieces' results (``results[j]`` for piece ``j``) -> the
+    pieces' updates in ``dtype``."""
+    raise NotImplementedError
+
+  def finish_distributed(self, step, i, y, views, a, placement):
+    """Leaf ``i``'s distributed result (in the leaf's layout) -> its update
+    (fp32 or the result's dtype; cast by the caller)."""
+    raise NotImplementedError
 
 
 class _MuonStep:
@@ -120,7 +155,7 @@ class _MuonStep:
   per-leaf pieces of the direction (:meth:`momentum`, :meth:`assemble`)."""
 
   def __init__(self, config: _MuonConfig, updates, mu, count, ns_input_dtype, grad_fn=None,
-               nu=None, param_leaves=None):
+               piece_state=None, param_leaves=None):
     self.config = config
     self.ns_input_dtype = ns_input_dtype
     self.g_leaves, self.treedef = jax.tree.flatten(updates)
@@ -141,9 +176,9 @@ class _MuonStep:
     if config.weight_dimension_numbers is None:
       _check_matrices(self.paths, self.g_leaves)
     self.m_old = self.treedef.flatten_up_to(mu)
-    # NorMuon's per-neuron second moments (old, and new as leaves finish).
-    self.nu_old = None if nu is None else self.treedef.flatten_up_to(nu)
-    self.nu_new = None if nu is None else list(self.nu_old)
+    # The piece's state leaves (NorMuon's nu: old, and new as leaves finish).
+    self.piece_old = None if piece_state is None else self.treedef.flatten_up_to(piece_state)
+    self.piece_new = None if piece_state is None else list(self.piece_old)
     if grad_fn is not None:   # (the sequenced path maps each leaf as its call starts)
       self.g_leaves = [grad_fn(g) for g in self.g_leaves]
     self.count_inc = optax.safe_increment(count)
@@ -200,30 +235,6 @@ class _MuonStep:
       return jnp.sqrt(jnp.maximum(fan_in, fan_out)) * self.config.consistent_rms
     return jnp.sqrt(jnp.maximum(1, fan_out / fan_in))
 
-  def neuron_scale(self, i, stat, views, a, placement=None):
-    """NorMuon: leaf ``i``'s per-neuron factor from the NS result's column
-    sums, both in the statistic layout of ``views``
-    (:class:`~fuseopt.kernels.newton_schulz.layout.Views`); records the
-    leaf's new second moment. On a mesh (``placement``) the small per-neuron
-    arithmetic runs replicated, as the unsharded step runs it."""
-    b2, eps, _ = self.config.normuon
-    shape = self.g_leaves[i].shape
-    v_old = jnp.reshape(self.nu_old[i], views.statistic_shape(shape))
-    fn = functools.partial(neuron_norm.normalize_views, views=views, shape=shape, b2=b2, eps=eps)
-    if isinstance(placement, kernel_sharding.Placement):
-      whole = kernel_sharding.Placement(placement.mesh,
-                                        jax.sharding.PartitionSpec(*[None] * len(shape)))
-      fn = kernel_sharding.shard_local(fn, placement.mesh, (whole.spec, whole.spec),
-                                       (whole.spec, whole.spec))
-      stat, v_old = (kernel_sharding.to_spec(x, whole) for x in (stat, v_old))
-    scale, v_new = fn(stat, v_old)
-    if a is not None:   # a frozen matrix keeps its second moment too
-      v_new = jnp.where(jnp.broadcast_to(a, v_new.shape), v_new, v_old)
-    v_leaf = jnp.reshape(v_new, self.nu_old[i].shape)
-    self.nu_new[i] = _store(v_leaf, self.nu_old[i].dtype, self.count_inc, i,
-                            counter_hash.STREAM_NU)
-    return scale
-
   def in_leaf_layout(self, x):
     """``x`` (a Muon leaf's update or new parameter) pinned to the leaf's
     row-major layout on a TPU. Unpinned, libtpu lays out a tall matrix's
@@ -249,10 +260,8 @@ class _MuonStep:
     per element: per-view factors are broadcast along the view axis."""
     config = self.config
     dtype = self.out_dtypes[i]
-    if config.normuon is not None:
-      y, stat = y
-      scale = views.expand(self.neuron_scale(i, stat, views, a, placement))
-      y = y.astype(jnp.float32) * scale
+    if config.piece is not None:
+      y = config.piece.finish_distributed(self, i, y, views, a, placement)
     y = y.astype(dtype)
     if config.adaptive:
       # optax's dual-norm scale <mu_hat, NS(mu_hat)> over the whole leaf, before shape scaling.
@@ -277,50 +286,12 @@ class _MuonStep:
     """Leaf ``i``'s update from its pieces' results of the batched NS calls."""
     pieces, merge = plan
     dtype = self.out_dtypes[i]
-    if self.config.normuon is not None:
-      views = matrix_views.geometry(self.specs[i], self.g_leaves[i].shape, self.paths[i])
-      sv = views.statistic()
-      red, out = views.piece_axes()
-      stat_shapes = sv.piece_shapes(views.statistic_shape(self.g_leaves[i].shape))
-      pairs = [results[(i, j)] for j in range(len(pieces))]
-      stat = sv.merge([neuron_norm.from_matrix(c, shape, red, out, keepdims=True)
-                       for (_, c), shape in zip(pairs, stat_shapes)])
-      scales = sv.split(self.neuron_scale(i, stat, views, a))
-      ys = [(y.astype(jnp.float32) * neuron_norm.to_matrix(f, shape, red, out)[:, None, :]
-             ).astype(dtype) for (y, _), f, shape in zip(pairs, scales, stat_shapes)]
+    if self.config.piece is not None:
+      ys = self.config.piece.finish_grouped(self, i, [results[(i, j)] for j in range(len(pieces))],
+                                            a, dtype)
     else:
       ys = [results[(i, j)].astype(dtype) for j in range(len(pieces))]
     return self.assemble(pieces, merge, ys, [y.shape[1:] for y in ys], a)
-
-
-def _with_column_sums(ns, on: bool):
-  """``ns``, returning NorMuon's column sums of squares of its result too
-  (computed where the matrices are whole: the same numbers on any sharding)."""
-  if not on:
-    return ns
-
-  def run(x):
-    y = ns(x)
-    return y, neuron_norm.column_sums(y)
-  return run
-
-
-def _normuon_nu_init(weight_dimension_numbers, params, dtype):
-  """NorMuon's ``nu``: per Muon leaf the leaf's shape without its reduction
-  axes (one entry per output neuron of each matrix; a view axis on the
-  reduction side stays, one entry per view), zeros; an empty array for
-  leaves Muon passes through."""
-  leaves, treedef = jax.tree.flatten(params)
-  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-  specs = _leaf_specs(weight_dimension_numbers, params, treedef)
-  out = []
-  for x, s, path in zip(leaves, specs, paths):
-    if s is None:
-      out.append(jnp.zeros((0,), dtype or jnp.float32))
-      continue
-    views = matrix_views.geometry(s, jnp.shape(x), path)
-    out.append(jnp.zeros(neuron_norm.state_shape(jnp.shape(x), views), dtype or jnp.float32))
-  return treedef.unflatten(out)
 
 
 def _check_matrices(paths, leaves):

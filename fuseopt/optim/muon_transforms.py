@@ -8,15 +8,17 @@ three differences in how the work is done:
   (batch axes such as a stacked-layers or experts axis stay a batch, never a
   Python loop), and all families of the same ``(rows, cols)`` across the
   tree go through batched calls of :func:`fuseopt.kernels.newton_schulz`
-  (as few as ``ns_max_elements`` per call allows). A
+  (as few as :class:`~fuseopt.optim.NewtonSchulz`'s ``max_elements`` per
+  call allows). A
   family that is alone in its shape is handed over as a reshape of the
   momentum (no copy); several are joined by a concatenate that XLA fuses
   into the elementwise momentum/Nesterov pass that produces them, so no
   separate stacked copy of the leaves exists (``jnp.stack`` of finished
   leaves is what cost optax-style code 14.5 GB of temp memory).
-* The iteration runs in ``ns_dtype`` (bf16 by default, fp32 accumulation)
-  with the coefficients of ``coeffs`` ("jordan", "polar_express" or a
-  table); pass ``ns_dtype=jnp.float32`` for optax's fp32 numerics.
+* The iteration runs in the record's ``dtype`` (bf16 by default, fp32
+  accumulation) with the coefficients of ``ns_coeffs`` (optax's presets and
+  tables, or "jordan", "polar_express"); ``NewtonSchulz(dtype=jnp.float32)``
+  gives optax's fp32 numerics.
 * :class:`~fuseopt.optim.matrix_views.MatrixViews` may stand where
   dimension numbers go, to orthogonalise several matrices held in one tensor
   independently; ``skip_inactive=True`` freezes matrices whose gradient is
@@ -25,24 +27,29 @@ three differences in how the work is done:
 :func:`muon` declares an in-place rule (:mod:`fuseopt.optim.fusion`):
 :func:`fuseopt.optim.step` runs its Muon leaves as one elementwise pass
 (new momentum, stored in its dtype with stochastic rounding when bf16, and
-the Nesterov NS input in ``ns_dtype``), the batched Newton-Schulz, and one
+the Nesterov NS input in the record's dtype), the batched Newton-Schulz, and one
 pass writing ``p - lr (scale O + wd p)`` over the parameter (stochastic
 rounding for bf16 parameters), one NS call at a time (optimization barriers
 order the calls, so the step holds one call's working set, not the tree's);
 its AdamW leaves go through the fused Adam kernel.
 
-The rooms: this module holds the public transforms and the in-place rule;
+The rooms: this module holds the public transforms, the in-place rule and
+the Muon family's one signature (:func:`bind_arguments`,
+:func:`variant_signature`: NorMuon and MuonClip take muon's arguments through
+it); :mod:`fuseopt.optim.muon_settings` the two settings records;
 :mod:`fuseopt.optim.muon_step` a leaf's way through one update (momentum ->
 Newton-Schulz input, result -> update); :mod:`fuseopt.optim.muon_calls` the
 planning and order of the Newton-Schulz calls; and
-:mod:`fuseopt.optim.muon_newton_schulz` the iteration on one stack (optax's
-coefficient presets, the platform's call size, optax's iteration).
+:mod:`fuseopt.optim.muon_newton_schulz` the iteration on one stack (the
+platform's call size, optax's iteration).
 """
 
 # No `from __future__ import annotations`: optax's tests (and tools) read
 # `learning_rate`'s annotation as the object optax.ScalarOrSchedule.
 import functools
-from typing import Any, NamedTuple, Optional
+import inspect
+import types
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -50,22 +57,23 @@ import numpy as np
 import optax
 
 from fuseopt.kernels import counter_hash
+from fuseopt.kernels.newton_schulz import coefficients as ns_coefficients
 from fuseopt.optim import _checks
 from fuseopt.optim import adam_transforms
 from fuseopt.optim import fusion
 from fuseopt.optim import mantissa
 from fuseopt.optim import muon_axes
+from fuseopt.optim import muon_settings
 from fuseopt.optim import weight_decay as weight_decay_lib
 from fuseopt.optim.matrix_views import MatrixViews, MuonDimensionNumbers
 from fuseopt.optim.muon_calls import _direction
-from fuseopt.optim.muon_newton_schulz import (JORDAN_COEFFS, _NS_STEPS, _OPTAX_PRESETS,
-                                             _PRECONDITIONINGS, _orthogonalize, _resolve_coeffs)
+from fuseopt.optim.muon_newton_schulz import _NS_STEPS, _PRECONDITIONINGS, _orthogonalize
+from fuseopt.optim.muon_settings import Execution, NewtonSchulz
 from fuseopt.optim.muon_step import (_MuonConfig, _active, _broadcast_specs, _is_spec,
-                                     _is_spec_or_none, _leaf_specs, _normuon_nu_init, _store,
-                                     _with_column_sums)
+                                     _is_spec_or_none, _leaf_specs, _store)
 
-__all__ = ["MuonDimensionNumbers", "MatrixViews", "MuonState", "NorMuonState", "scale_by_muon",
-           "muon"]
+__all__ = ["Execution", "MuonDimensionNumbers", "MatrixViews", "MuonState", "NewtonSchulz",
+           "scale_by_muon", "muon"]
 
 
 # The state of scale_by_muon is optax's own class, with optax's fields:
@@ -75,19 +83,8 @@ __all__ = ["MuonDimensionNumbers", "MatrixViews", "MuonState", "NorMuonState", "
 MuonState = optax.contrib.MuonState
 
 
-class NorMuonState(NamedTuple):
-  """NorMuon's state: Muon's fields and ``nu``, the per-neuron second
-  moments (per leaf, the leaf's shape without its reduction axes, a matrix
-  view axis among them kept with one entry per view; an empty array where
-  Muon does not act)."""
-  count: jax.Array
-  mu: Any
-  nu: Any
-  ns_coeffs: jax.Array
-
-
 def scale_by_muon(
-    ns_coeffs=JORDAN_COEFFS,
+    ns_coeffs=ns_coefficients.JORDAN,
     ns_steps: int = _NS_STEPS,
     beta: float = 0.95,
     eps: float = 1e-8,
@@ -97,17 +94,11 @@ def scale_by_muon(
     adaptive: bool = False,
     preconditioning: str = "frobenius",
     weight_dimension_numbers=None,
-    coeffs=None,
-    ns_dtype="bfloat16",
     shape_scaling: bool = False,
     consistent_rms: Optional[float] = None,
     skip_inactive: bool = False,
-    gram: bool | str = False,
-    ns_max_elements: Optional[int] = None,
-    ns_matmul: str = "xla",
-    implementation: Optional[str] = None,
-    interpret: bool = False,
-    shardings: Any = None,
+    newton_schulz: Optional[NewtonSchulz] = None,
+    execution: Optional[Execution] = None,
 ) -> optax.GradientTransformation:
   r"""Muon's direction: Newton-Schulz orthogonalised (Nesterov) momentum.
 
@@ -129,11 +120,12 @@ def scale_by_muon(
       :class:`MuonDimensionNumbers` -- optax's or fuseopt's -- or of
       :class:`MatrixViews`, a prefix of the updates, or a callable of the
       updates returning one; ``None`` leaves pass the momentum through; a
-      ``None`` argument means every leaf is a 2-D matrix).
-    coeffs: ``"jordan"`` (Jordan's (3.4445, -4.7750, 2.0315) x ``ns_steps``),
-      ``"polar_express"`` (Amsel et al. 2025, arXiv 2505.16932) or a
-      ``(steps, 3)`` table; overrides ``ns_coeffs`` when given.
-    ns_dtype: dtype of the iteration (fp32 accumulation); bf16 by default.
+      ``None`` argument means every leaf is a 2-D matrix). ``ns_coeffs``
+      also takes fuseopt's schedules: ``"jordan"`` (Jordan's triple x
+      ``ns_steps``, with Jordan's Gram restarts) and ``"polar_express"``
+      (Amsel et al. 2025, arXiv 2505.16932); optax's ``"standard"`` and
+      ``"dion"`` and tables as optax
+      (:func:`fuseopt.kernels.newton_schulz.coefficients.muon_coefficients`).
     shape_scaling: multiply each matrix's result by optax's width factor
       ``sqrt(max(1, fan_out/fan_in))``, or by ``sqrt(max(fan_in, fan_out)) *
       consistent_rms`` when ``consistent_rms`` is set (Liu et al. 2025, arXiv
@@ -141,86 +133,31 @@ def scale_by_muon(
       :func:`muon` turns this on; optax does it in a separate transform.
     skip_inactive: a matrix whose gradient is all zero this step (an expert
       that no token reached) keeps its momentum and gets a zero update.
-    ns_max_elements: the most matrix elements one NS call takes (``None``:
-      the platform's default, :func:`default_ns_max_elements`: 2^23 = 16 MiB
-      of bf16 input on a GPU or a TPU, two of the 1.2 B Llama tree's
-      2048x2048 matrices a call, its 2048x8192 ones alone; 2^25 on the
-      CPU). Same-shaped matrices beyond it go into several calls, each
-      still batched (never one lone matrix of a larger family), so XLA
-      can free one call's temporaries before the next; in
-      :func:`fuseopt.optim.step` the calls run one after the other, each with
-      its own momentum pass and parameter update, so the step's temporary
-      memory is one call's working set. A Python int: under
-      :func:`optax.inject_hyperparams` list a non-default value in
-      ``static_args`` (as optax's own ``ns_steps``).
-    ns_dtype: ``"bfloat16"`` (default) or ``"float32"`` (optax's numerics);
-      a dtype, its name or its scalar type.
-    ns_matmul: how the Pallas backends compute ``X' = a·X + B·X``: ``"xla"``
-      (default: XLA's GEMM with a fused add) or ``"pallas"`` (the update
-      kernel, ``a·X`` in its epilogue, bf16 out only). On a GPU ``"pallas"``
-      needs less memory: XLA's GEMM holds fp32 products and an fp32 copy of
-      X per call (at 2^25 elements a call, the 1.2 B tree's hybrid step on
-      an H200: 0.25 GiB of temporaries against 0.52 GiB; 8 H200s: 0.19
-      against 0.50 GiB a device); on a TPU v6e it needs more (1.25 against
-      0.97 GiB). It accumulates in its own order, so results on hardware
-      differ from the default's by bf16 rounding. No effect on the CPU.
+    newton_schulz: a :class:`~fuseopt.optim.NewtonSchulz` record (or a
+      mapping of its fields; ``None``: its defaults): the iteration's dtype
+      (bf16 by default), Gram Newton-Schulz, the most elements a call,
+      the matmul of the Pallas backends.
+    execution: an :class:`~fuseopt.optim.Execution` record (or a mapping;
+      ``None``: its defaults): a forced backend, interpret mode, and the
+      parameters' shardings on an Auto mesh.
 
   Dtypes: float32 and bfloat16 matrices (frobenius preconditioning) go
   through the kernel; float16, float64 (x64) and complex matrices, and
   optax's other preconditionings, run optax's iteration (in the matrix's
-  own dtype; the other preconditionings in ``ns_dtype``). Non-numeric
-  defaults (``ns_dtype``, ``ns_max_elements``, ``implementation``) are not
-  injected by :func:`optax.inject_hyperparams`, nor is the default of
+  own dtype; the other preconditionings in the record's dtype). The records
+  are not injected by :func:`optax.inject_hyperparams`, nor is the default of
   ``ns_steps`` (5, held in a wrapper that is not an ``int``: the step count
   sizes the kernel); a number passed for ``ns_steps`` is injected, and
   refused under ``jit`` unless listed in ``static_args``.
-    gram, implementation, interpret: forwarded to
-      :func:`fuseopt.kernels.newton_schulz` (``gram="auto"``: Gram
-      Newton-Schulz for matrices of aspect ratio >= 2).
-    shardings: where the parameters live when the mesh axes are Auto (a tree
-      of ``NamedSharding`` / ``PartitionSpec`` shaped like the params, a
-      prefix, or one for all); ``None`` reads the placement from the types
-      (Explicit axes). Sharded Muon leaves keep their momentum sharded; for
-      the Newton-Schulz, same-shaped matrices are re-laid out with
-      ``all_to_all`` so that each device orthogonalises about 1/N of them,
-      whole, then laid back (:mod:`fuseopt.kernels.newton_schulz.distributed`,
-      docs/scaling.md).
   """
-  return _scale_by_muon(
-      ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=beta, eps=eps, mu_dtype=mu_dtype,
-      nesterov=nesterov, adaptive=adaptive, preconditioning=preconditioning,
-      weight_dimension_numbers=weight_dimension_numbers, coeffs=coeffs, ns_dtype=ns_dtype,
-      shape_scaling=shape_scaling, consistent_rms=consistent_rms, skip_inactive=skip_inactive,
-      gram=gram, ns_max_elements=ns_max_elements, ns_matmul=ns_matmul,
-      implementation=implementation, interpret=interpret, shardings=shardings)
+  return _direction_transform(dict(locals()))
 
 
-def _scale_by_muon(
-    ns_coeffs=JORDAN_COEFFS,
-    ns_steps: int = _NS_STEPS,
-    beta: float = 0.95,
-    eps: float = 1e-8,
-    mu_dtype: Optional[Any] = None,
-    *,
-    nesterov: bool = True,
-    adaptive: bool = False,
-    preconditioning: str = "frobenius",
-    weight_dimension_numbers=None,
-    coeffs=None,
-    ns_dtype="bfloat16",
-    shape_scaling: bool = False,
-    consistent_rms: Optional[float] = None,
-    skip_inactive: bool = False,
-    gram: bool | str = False,
-    ns_max_elements: Optional[int] = None,
-    ns_matmul: str = "xla",
-    implementation: Optional[str] = None,
-    interpret: bool = False,
-    shardings: Any = None,
-    normuon: Any = None,
-) -> optax.GradientTransformation:
-  """:func:`scale_by_muon`, or NorMuon's direction with ``normuon`` (see
-  :func:`scale_by_normuon`)."""
+def _direction_transform(args, piece=None) -> optax.GradientTransformation:
+  """:func:`scale_by_muon` of ``args`` (its arguments by name), with
+  ``piece`` (:class:`fuseopt.optim.muon_step.UpdatePiece`, e.g. NorMuon's)
+  acting on the orthogonalised update."""
+  preconditioning, beta, eps = args["preconditioning"], args["beta"], args["eps"]
   if preconditioning not in _PRECONDITIONINGS:
     raise ValueError(f"scale_by_muon: unknown preconditioning {preconditioning!r}; "
                      f"expected one of {_PRECONDITIONINGS}")
@@ -229,8 +166,8 @@ def _scale_by_muon(
   _checks.check_decay("scale_by_muon", "beta", beta)
   _checks.check_nonnegative("scale_by_muon", "eps", eps)
   # A negative consistent_rms flips the update's sign; NaN/inf make it non-finite.
-  _checks.check_positive("scale_by_muon", "consistent_rms", consistent_rms, optional=True)
-  ns_steps = _checks.static_value(ns_steps)
+  _checks.check_positive("scale_by_muon", "consistent_rms", args["consistent_rms"], optional=True)
+  ns_steps = _checks.static_value(args["ns_steps"])
   if isinstance(ns_steps, jax.core.Tracer):
     # The step count sizes the kernel's unrolled iteration and its
     # coefficient table, so it cannot follow a traced value.
@@ -243,56 +180,48 @@ def _scale_by_muon(
       or not np.issubdtype(steps_arr.dtype, np.integer) or int(steps_arr) < 1):
     raise ValueError(f"scale_by_muon: ns_steps must be an integer >= 1 (a static value), "
                      f"got {ns_steps!r}")
-  kernel_coeffs, kernel_steps = _resolve_coeffs(coeffs, ns_coeffs, ns_steps)
-  mu_dtype = adam_transforms._optax_dtype(mu_dtype)
-  ns_dtype = jnp.dtype(ns_dtype)
-  if ns_matmul not in ("xla", "pallas"):
-    raise ValueError(f"scale_by_muon: ns_matmul must be 'xla' or 'pallas', got {ns_matmul!r}")
-  if ns_max_elements is None:
-    pass   # the platform's default, read when the step is traced
-  elif isinstance(ns_max_elements, bool) or not isinstance(ns_max_elements, (int, np.integer)) \
-      or ns_max_elements < 1:
-    raise TypeError(f"scale_by_muon: ns_max_elements must be a Python int >= 1 or None, got "
-                    f"{ns_max_elements!r} (under optax.inject_hyperparams, list it in static_args)")
-  # optax keeps its ns_coeffs argument as given ((3,) or (steps, 3)).
-  state_coeffs = (_OPTAX_PRESETS[ns_coeffs] if isinstance(ns_coeffs, str) else ns_coeffs)
+  kernel_coeffs, kernel_steps, state_coeffs = ns_coefficients.muon_coefficients(
+      args["ns_coeffs"], ns_steps)
+  mu_dtype = adam_transforms._optax_dtype(args["mu_dtype"])
+  ns = muon_settings.as_record("scale_by_muon", "newton_schulz", args["newton_schulz"],
+                               NewtonSchulz)
+  execution = muon_settings.as_record("scale_by_muon", "execution", args["execution"], Execution)
+  dims = args["weight_dimension_numbers"]
 
   def init_fn(params):
+    count = jnp.zeros([], jnp.int32)
     mu = optax.tree.zeros_like(params, dtype=mu_dtype)
-    if normuon is not None:
-      return NorMuonState(count=jnp.zeros([], jnp.int32), mu=mu,
-                          nu=_normuon_nu_init(weight_dimension_numbers, params, normuon[2]),
-                          ns_coeffs=jnp.asarray(state_coeffs))
-    return MuonState(count=jnp.zeros([], jnp.int32), mu=mu, ns_coeffs=jnp.asarray(state_coeffs))
+    # optax keeps its ns_coeffs argument as given ((3,) or (steps, 3)).
+    if piece is not None:
+      return piece.init_state(count, mu, jnp.asarray(state_coeffs), dims, params)
+    return MuonState(count=count, mu=mu, ns_coeffs=jnp.asarray(state_coeffs))
 
-  # The fused step's NS input in ns_dtype (half the bytes in bf16), straight
-  # from the momentum pass; optax's other preconditionings and the adaptive
-  # dual norm read it in the gradient's dtype. update() keeps the gradient's
-  # dtype: there XLA's CPU schedule held more temporaries with a bf16 input
-  # (the direction leaves as a tree before apply_updates).
-  fused_ns_input = ns_dtype if preconditioning == "frobenius" and not adaptive else None
+  # The fused step's NS input in the record's dtype (half the bytes in
+  # bf16), straight from the momentum pass; optax's other preconditionings
+  # and the adaptive dual norm read it in the gradient's dtype. update()
+  # keeps the gradient's dtype: there XLA's CPU schedule held more
+  # temporaries with a bf16 input (the direction leaves as a tree before
+  # apply_updates).
+  fused_ns_input = ns.dtype if preconditioning == "frobenius" and not args["adaptive"] else None
 
+  orthogonalize = functools.partial(
+      _orthogonalize, coeffs=kernel_coeffs, steps=kernel_steps, ns_dtype=ns.dtype, eps=eps,
+      preconditioning=preconditioning, gram=ns.gram, implementation=execution.implementation,
+      interpret=execution.interpret, ns_matmul=ns.matmul)
   config = _MuonConfig(
-      weight_dimension_numbers=weight_dimension_numbers, beta=beta, nesterov=nesterov,
-      adaptive=adaptive, shape_scaling=shape_scaling, consistent_rms=consistent_rms,
-      skip_inactive=skip_inactive, ns_max_elements=ns_max_elements, shardings=shardings,
+      weight_dimension_numbers=dims, beta=beta, nesterov=args["nesterov"],
+      adaptive=args["adaptive"], shape_scaling=args["shape_scaling"],
+      consistent_rms=args["consistent_rms"], skip_inactive=args["skip_inactive"],
+      ns_max_elements=ns.max_elements, shardings=execution.shardings,
       # Jitted: a step's NS calls of one shape (a model's layers repeat a
       # handful) are traced and lowered once, and their kernels compiled once.
-      ns=jax.jit(_with_column_sums(functools.partial(
-          _orthogonalize, coeffs=kernel_coeffs, steps=kernel_steps, ns_dtype=ns_dtype, eps=eps,
-          preconditioning=preconditioning, gram=gram, implementation=implementation,
-          interpret=interpret, ns_matmul=ns_matmul), normuon is not None)),
-      normuon=normuon)
+      ns=jax.jit(orthogonalize if piece is None else piece.wrap_ns(orthogonalize)),
+      piece=piece)
   direction = functools.partial(_direction, config)
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    nu = state.nu if normuon is not None else None
-    out, treedef, mu_leaves, count_inc, nu_leaves = direction(updates, state.mu, state.count,
-                                                              nu=nu)
-    new_state = state._replace(count=count_inc, mu=treedef.unflatten(mu_leaves))
-    if normuon is not None:
-      new_state = new_state._replace(nu=treedef.unflatten(nu_leaves))
+    out, treedef, new_state = direction(updates, state)
     return treedef.unflatten(out), new_state
 
   tx = fusion.FusedTransformation(init_fn, update_fn)
@@ -383,17 +312,14 @@ def _muon_branch(direction_tx, decay, learning_rate, weight_decay, weight_decay_
       return jax.tree.map(lambda n, o: jnp.where(ctx.apply, n, o), new, p)
 
     scale = ctx.grad_scale
-    nu = getattr(muon_state, "nu", None)   # NorMuon's
-    new_p, _, mu_leaves, count_inc, nu_leaves = direction_tx.fuseopt_muon_direction(
-        grads, muon_state.mu, muon_state.count, placement=ctx.shardings, finish=finish,
+    new_p, _, new_muon = direction_tx.fuseopt_muon_direction(
+        grads, muon_state, placement=ctx.shardings, finish=finish,
         grad_fn=None if scale is None else (lambda g: (g * scale).astype(g.dtype)),
-        param_leaves=p_leaves, nu=nu)
-    mu_old = treedef.flatten_up_to(muon_state.mu)
-    muon_state = muon_state._replace(count=ctx.keep(count_inc, muon_state.count),
-                                     mu=treedef.unflatten(ctx.keep(mu_leaves, mu_old)))
-    if nu is not None:
-      muon_state = muon_state._replace(
-          nu=treedef.unflatten(ctx.keep(nu_leaves, treedef.flatten_up_to(nu))))
+        param_leaves=p_leaves)
+    # count, mu (and a piece's state, NorMuon's nu) where the step applies;
+    # ns_coeffs, for inspection, as it was.
+    muon_state = new_muon._replace(**{f: ctx.keep(getattr(new_muon, f), getattr(muon_state, f))
+                                      for f in new_muon._fields if f != "ns_coeffs"})
     new_state = (
         muon_state,
         shape_state,
@@ -406,7 +332,7 @@ def _muon_branch(direction_tx, decay, learning_rate, weight_decay, weight_decay_
 
 def muon(
     learning_rate: optax.ScalarOrSchedule,
-    ns_coeffs=JORDAN_COEFFS,
+    ns_coeffs=ns_coefficients.JORDAN,
     ns_steps: int = _NS_STEPS,
     beta: float = 0.95,
     eps: float = 1e-8,
@@ -424,18 +350,11 @@ def muon(
     adam_learning_rate: Optional[optax.ScalarOrSchedule] = None,
     muon_weight_dimension_numbers=None,
     consistent_rms: Optional[float] = None,
-    coeffs=None,
-    ns_dtype="bfloat16",
     adam_moment_dtype: Optional[Any] = None,
     skip_inactive: bool = False,
-    gram: bool | str = False,
-    ns_max_elements: Optional[int] = None,
-    ns_matmul: str = "xla",
-    implementation: Optional[str] = None,
-    interpret: bool = False,
-    shardings: Any = None,
     cautious_weight_decay: bool = False,
-    bf16_params: str = "stochastic",
+    newton_schulz: Optional[NewtonSchulz] = None,
+    execution: Optional[Execution] = None,
 ) -> optax.GradientTransformation:
   r"""Muon for the matrices, AdamW for everything else.
 
@@ -458,80 +377,72 @@ def muon(
   :class:`MuonDimensionNumbers` / :class:`MatrixViews` with ``None`` where
   AdamW steps in, or a callable of the params returning one; ``None`` means
   "every 2-D leaf is a Muon matrix, the rest AdamW" -- all as in
-  :func:`optax.contrib.muon`, whose arguments this accepts. Extra arguments
-  (``coeffs``, ``ns_dtype``, ``skip_inactive``, ``gram``,
-  ``ns_max_elements``, ``ns_matmul``, ``implementation``, ``interpret``, ``shardings``) are described in
-  :func:`scale_by_muon` (``shardings`` reaches the AdamW side too); with
-  ``skip_inactive`` a frozen matrix also gets no weight decay.
+  :func:`optax.contrib.muon`, whose arguments this accepts (the first 18).
+  fuseopt's: ``adam_moment_dtype``; ``skip_inactive`` (see
+  :func:`scale_by_muon`; a frozen matrix also gets no weight decay);
+  ``cautious_weight_decay`` (both sides: decay only where the update and
+  the parameter agree in sign, Chen et al. 2025, arXiv 2510.12402); the
+  records ``newton_schulz`` (:class:`~fuseopt.optim.NewtonSchulz`) and
+  ``execution`` (:class:`~fuseopt.optim.Execution`, both sides). Exact bf16
+  parameters are a composition: ``track_mantissa(muon(...))``.
 
   Tied weights (one embedding used again as the LM head) are ONE leaf of the
   params tree used twice by the model: ``jax.grad`` sums both uses into its
   gradient and it gets one optimizer state. Two leaves holding the same
   array are two parameters to optax and to fuseopt.
   """
-  return _muon(
-      learning_rate=learning_rate, ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=beta, eps=eps,
-      weight_decay=weight_decay, weight_decay_mask=weight_decay_mask, mu_dtype=mu_dtype,
-      nesterov=nesterov, adaptive=adaptive, preconditioning=preconditioning, adam_b1=adam_b1,
-      adam_b2=adam_b2, adam_eps_root=adam_eps_root, adam_weight_decay=adam_weight_decay,
-      adam_learning_rate=adam_learning_rate,
-      muon_weight_dimension_numbers=muon_weight_dimension_numbers, consistent_rms=consistent_rms,
-      coeffs=coeffs, ns_dtype=ns_dtype, adam_moment_dtype=adam_moment_dtype,
-      skip_inactive=skip_inactive, gram=gram, ns_max_elements=ns_max_elements, ns_matmul=ns_matmul,
-      implementation=implementation, interpret=interpret, shardings=shardings,
-      cautious_weight_decay=cautious_weight_decay, bf16_params=bf16_params)
+  return _muon(dict(locals()))
 
 
-def _muon(
-    learning_rate: optax.ScalarOrSchedule,
-    ns_coeffs=JORDAN_COEFFS,
-    ns_steps: int = _NS_STEPS,
-    beta: float = 0.95,
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    weight_decay_mask: Optional[Any] = None,
-    mu_dtype: Optional[Any] = None,
-    *,
-    nesterov: bool = True,
-    adaptive: bool = False,
-    preconditioning: str = "frobenius",
-    adam_b1: float = 0.9,
-    adam_b2: float = 0.999,
-    adam_eps_root: float = 0.0,
-    adam_weight_decay: float = 0.0,
-    adam_learning_rate: Optional[optax.ScalarOrSchedule] = None,
-    muon_weight_dimension_numbers=None,
-    consistent_rms: Optional[float] = None,
-    coeffs=None,
-    ns_dtype="bfloat16",
-    adam_moment_dtype: Optional[Any] = None,
-    skip_inactive: bool = False,
-    gram: bool | str = False,
-    ns_max_elements: Optional[int] = None,
-    ns_matmul: str = "xla",
-    implementation: Optional[str] = None,
-    interpret: bool = False,
-    shardings: Any = None,
-    cautious_weight_decay: bool = False,
-    bf16_params: str = "stochastic",
-    normuon: Any = None,
-    owner: str = "muon",
-) -> optax.GradientTransformation:
-  """:func:`muon`, or :func:`normuon` with ``normuon`` = NorMuon's (b2, eps, v dtype)."""
-  for name, rate in (("learning_rate", learning_rate), ("weight_decay", weight_decay),
-                     ("adam_weight_decay", adam_weight_decay)):
-    _checks.check_rate(owner, name, rate)
-  _checks.check_rate(owner, "adam_learning_rate", adam_learning_rate, optional=True)
-  for name, decay in (("beta", beta), ("adam_b1", adam_b1), ("adam_b2", adam_b2)):
-    _checks.check_decay(owner, name, decay)
-  _checks.check_nonnegative(owner, "eps", eps)
-  _checks.check_nonnegative(owner, "adam_eps_root", adam_eps_root)
-  _checks.check_positive(owner, "consistent_rms", consistent_rms, optional=True)
-  cautious = weight_decay_lib.check_cautious(owner, cautious_weight_decay)
-  mantissa.check_mode(owner, bf16_params)
-  if adam_learning_rate is None:
-    adam_learning_rate = learning_rate
+def _muon(args, piece=None, owner="muon") -> optax.GradientTransformation:
+  """:func:`muon` of ``args`` (its arguments by name), with ``piece`` acting
+  on the Muon side's orthogonalised update (see :func:`_direction_transform`)."""
+  a = types.SimpleNamespace(**args)
+  for name in ("learning_rate", "weight_decay", "adam_weight_decay"):
+    _checks.check_rate(owner, name, args[name])
+  _checks.check_rate(owner, "adam_learning_rate", a.adam_learning_rate, optional=True)
+  for name in ("beta", "adam_b1", "adam_b2"):
+    _checks.check_decay(owner, name, args[name])
+  _checks.check_nonnegative(owner, "eps", a.eps)
+  _checks.check_nonnegative(owner, "adam_eps_root", a.adam_eps_root)
+  _checks.check_positive(owner, "consistent_rms", a.consistent_rms, optional=True)
+  cautious = weight_decay_lib.check_cautious(owner, a.cautious_weight_decay)
+  execution = muon_settings.as_record(owner, "execution", a.execution, Execution)
+  adam_learning_rate = a.learning_rate if a.adam_learning_rate is None else a.adam_learning_rate
+  weight_decay, weight_decay_mask = a.weight_decay, a.weight_decay_mask
+  dims_fn, param_labels = _muon_split(a.muon_weight_dimension_numbers)
 
+  if a.skip_inactive:
+    decay = _add_decayed_weights_active(weight_decay, dims_fn, cautious)
+    if weight_decay_mask is not None:
+      decay = optax.masked(decay, weight_decay_mask)
+  elif cautious:
+    decay = weight_decay_lib.add_cautious_decayed_weights(weight_decay, weight_decay_mask)
+  else:
+    decay = optax.add_decayed_weights(weight_decay, weight_decay_mask)
+
+  direction = _direction_transform(dict(
+      ns_coeffs=a.ns_coeffs, ns_steps=a.ns_steps, beta=a.beta, eps=a.eps, mu_dtype=a.mu_dtype,
+      nesterov=a.nesterov, adaptive=a.adaptive, preconditioning=a.preconditioning,
+      weight_dimension_numbers=dims_fn, shape_scaling=True, consistent_rms=a.consistent_rms,
+      skip_inactive=a.skip_inactive, newton_schulz=a.newton_schulz, execution=execution), piece)
+  return fusion.partition(
+      transforms={
+          "muon": _muon_branch(direction, decay, a.learning_rate, weight_decay, weight_decay_mask,
+                               dims_fn, a.skip_inactive, cautious),
+          "adam": _adamw(adam_learning_rate, a.adam_b1, a.adam_b2, a.eps, a.adam_eps_root,
+                         a.adam_weight_decay, a.mu_dtype, a.adam_moment_dtype, a.nesterov,
+                         implementation=execution.implementation, interpret=execution.interpret,
+                         shardings=execution.shardings, cautious=cautious),
+      },
+      param_labels=param_labels,
+      name=owner,
+  )
+
+
+def _muon_split(muon_weight_dimension_numbers):
+  """``(dims_fn, param_labels)``: the Muon branch's specs over its view of
+  the updates, and the labels that send each leaf to Muon or AdamW."""
   if muon_weight_dimension_numbers is None:
     def param_labels(params):
       return jax.tree.map(lambda x: "muon" if jnp.ndim(x) == 2 else "adam", params)
@@ -554,36 +465,35 @@ def _muon(
       return jax.tree.map(lambda _: dims, tree)
     return _broadcast_specs(muon_axes.align_to(dims, tree, _is_spec_or_none), tree)
 
-  if skip_inactive:
-    decay = _add_decayed_weights_active(weight_decay, dims_fn, cautious)
-    if weight_decay_mask is not None:
-      decay = optax.masked(decay, weight_decay_mask)
-  elif cautious:
-    decay = weight_decay_lib.add_cautious_decayed_weights(weight_decay, weight_decay_mask)
-  else:
-    decay = optax.add_decayed_weights(weight_decay, weight_decay_mask)
+  return dims_fn, param_labels
 
-  tx = fusion.partition(
-      transforms={
-          "muon": _muon_branch(
-              _scale_by_muon(
-                  ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=beta, eps=eps, mu_dtype=mu_dtype,
-                  nesterov=nesterov, adaptive=adaptive, preconditioning=preconditioning,
-                  weight_dimension_numbers=dims_fn, coeffs=coeffs, ns_dtype=ns_dtype,
-                  shape_scaling=True, consistent_rms=consistent_rms,
-                  skip_inactive=skip_inactive, gram=gram, ns_max_elements=ns_max_elements,
-                  ns_matmul=ns_matmul,
-                  implementation=implementation,
-                  interpret=interpret, shardings=shardings, normuon=normuon),
-              decay, learning_rate, weight_decay, weight_decay_mask, dims_fn, skip_inactive,
-              cautious,
-          ),
-          "adam": _adamw(adam_learning_rate, adam_b1, adam_b2, eps, adam_eps_root,
-                         adam_weight_decay, mu_dtype, adam_moment_dtype, nesterov,
-                         implementation=implementation, interpret=interpret,
-                         shardings=shardings, cautious=cautious),
-      },
-      param_labels=param_labels,
-      name=owner,
-  )
-  return mantissa.with_bf16_params(tx, bf16_params, owner)
+
+def bind_arguments(owner, fn, args, kwargs, refused=()):
+  """``fn``'s arguments by name (defaults applied) from a variant's call:
+  the variants of the Muon family (:func:`~fuseopt.optim.normuon`,
+  :func:`~fuseopt.optim.muonclip`) take the family's arguments through
+  ``fn``'s one signature rather than a copy of it."""
+  bad = sorted(set(kwargs) & set(refused))
+  if bad:
+    raise TypeError(f"{owner}: got unexpected keyword arguments {bad} (not part of {owner})")
+  try:
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+  except TypeError as e:
+    raise TypeError(f"{owner}: {e}") from None
+  bound.apply_defaults()
+  return dict(bound.arguments)
+
+
+def variant_signature(variant, base, own, dropped=(), keyword_only=False) -> inspect.Signature:
+  """``variant``'s signature: ``base``'s positional arguments (with
+  ``keyword_only``, only its first), then ``variant``'s own (``own``, keyword
+  only), then ``base``'s other arguments but ``dropped``. What
+  :func:`optax.inject_hyperparams` and the docs read."""
+  mine = inspect.signature(variant).parameters
+  theirs = [p for n, p in inspect.signature(base).parameters.items() if n not in dropped]
+  positional = [p for p in theirs if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD]
+  if keyword_only:
+    positional = positional[:1]
+  rest = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in theirs if p not in positional]
+  params = positional + [mine[n].replace(kind=inspect.Parameter.KEYWORD_ONLY) for n in own] + rest
+  return inspect.signature(variant).replace(parameters=params)

@@ -7,63 +7,144 @@ NorMuon keeps an Adam-style second moment per output neuron of each matrix
 and divides it out after Newton-Schulz, then rescales the update to Muon's
 RMS (:mod:`fuseopt.optim.neuron_norm` has the math and the layouts).
 
-Everything else is :func:`~fuseopt.optim.muon`'s: the same arguments, the
-same batched and sharded Newton-Schulz, the same AdamW side, the same fused
+NorMuon is Muon with one piece (:class:`NeuronNorm`, a
+:class:`~fuseopt.optim.muon_step.UpdatePiece`) where the orthogonalised
+update is finished. Everything else is :func:`~fuseopt.optim.muon`'s: the
+same arguments (its one signature, less ``adaptive`` and
+``preconditioning``, which NorMuon replaces), the same batched and sharded
+Newton-Schulz, the same AdamW side, the same fused
 :func:`fuseopt.optim.step` (the per-neuron statistic comes out of the
 Newton-Schulz call, where each matrix is whole; the factor is folded into the
 pass that writes the parameter).
 """
 
-# No `from __future__ import annotations`: optax reads `learning_rate`'s
-# annotation as the object optax.ScalarOrSchedule.
-from typing import Any, Optional
+from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
 import jax.numpy as jnp
 import optax
 
+from fuseopt.kernels import counter_hash
+from fuseopt.kernels import sharding as kernel_sharding
 from fuseopt.optim import _checks
-from fuseopt.optim import muon_newton_schulz
+from fuseopt.optim import matrix_views
 from fuseopt.optim import muon_transforms
-from fuseopt.optim.muon_transforms import JORDAN_COEFFS, NorMuonState
+from fuseopt.optim import neuron_norm
+from fuseopt.optim.muon_step import UpdatePiece, _leaf_specs, _store
 
-__all__ = ["NorMuonState", "normuon", "scale_by_normuon"]
-
-_NS_STEPS = muon_newton_schulz._NS_STEPS
-
-
-def _normuon_args(owner, b2, normuon_eps, nu_dtype):
-  """NorMuon's (b2, eps, v dtype), checked: a bool ``b2=True`` would be 1
-  (NorMuon silently off), a string would fail at the first update."""
-  _checks.check_decay(owner, "b2", b2)
-  _checks.check_nonnegative(owner, "normuon_eps", normuon_eps)
-  nu_dtype = _checks.check_dtype(owner, "nu_dtype", nu_dtype, (jnp.float32, jnp.bfloat16))
-  return (b2, normuon_eps, nu_dtype)
+__all__ = ["NeuronNorm", "NorMuonState", "normuon", "scale_by_normuon"]
 
 
-def scale_by_normuon(
-    ns_coeffs=JORDAN_COEFFS,
-    ns_steps: int = _NS_STEPS,
-    beta: float = 0.95,
-    eps: float = 1e-8,
-    mu_dtype: Optional[Any] = None,
-    *,
-    b2: float = 0.95,
-    normuon_eps: float = 1e-8,
-    nu_dtype: Optional[Any] = None,
-    nesterov: bool = True,
-    weight_dimension_numbers=None,
-    coeffs=None,
-    ns_dtype="bfloat16",
-    shape_scaling: bool = False,
-    consistent_rms: Optional[float] = None,
-    skip_inactive: bool = False,
-    gram: bool | str = False,
-    ns_max_elements: Optional[int] = None,
-    ns_matmul: str = "xla",
-    implementation: Optional[str] = None,
-    interpret: bool = False,
-    shardings: Any = None,
-) -> optax.GradientTransformation:
+class NorMuonState(NamedTuple):
+  """NorMuon's state: Muon's fields and ``nu``, the per-neuron second
+  moments (per leaf, the leaf's shape without its reduction axes, a matrix
+  view axis among them kept with one entry per view; an empty array where
+  Muon does not act)."""
+  count: jax.Array
+  mu: Any
+  nu: Any
+  ns_coeffs: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class NeuronNorm(UpdatePiece):
+  """NorMuon's piece: ``b2`` the decay of the per-neuron second moment,
+  ``eps`` added to its square root, ``nu_dtype`` its dtype (None: fp32)."""
+  b2: Any = 0.95
+  eps: Any = 1e-8
+  nu_dtype: Any = None
+
+  @classmethod
+  def checked(cls, owner, b2, normuon_eps, nu_dtype):
+    """The piece of NorMuon's arguments: a bool ``b2=True`` would be 1
+    (NorMuon silently off), a string would fail at the first update."""
+    _checks.check_decay(owner, "b2", b2)
+    _checks.check_nonnegative(owner, "normuon_eps", normuon_eps)
+    nu_dtype = _checks.check_dtype(owner, "nu_dtype", nu_dtype, (jnp.float32, jnp.bfloat16))
+    return cls(b2, normuon_eps, nu_dtype)
+
+  def init_state(self, count, mu, ns_coeffs, weight_dimension_numbers, params):
+    """``nu``: per Muon leaf the leaf's shape without its reduction axes (one
+    entry per output neuron of each matrix; a view axis on the reduction
+    side stays, one entry per view), zeros; an empty array for leaves Muon
+    passes through."""
+    dtype = self.nu_dtype or jnp.float32
+    leaves, treedef = jax.tree.flatten(params)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    specs = _leaf_specs(weight_dimension_numbers, params, treedef)
+    nu = []
+    for x, s, path in zip(leaves, specs, paths):
+      if s is None:
+        nu.append(jnp.zeros((0,), dtype))
+        continue
+      views = matrix_views.geometry(s, jnp.shape(x), path)
+      nu.append(jnp.zeros(neuron_norm.state_shape(jnp.shape(x), views), dtype))
+    return NorMuonState(count=count, mu=mu, nu=treedef.unflatten(nu), ns_coeffs=ns_coeffs)
+
+  def state_tree(self, state):
+    return state.nu
+
+  def with_state_tree(self, state, tree):
+    return state._replace(nu=tree)
+
+  def wrap_ns(self, ns):
+    """``ns``, returning its result's column sums of squares too (computed
+    where the matrices are whole: the same numbers on any sharding)."""
+    def run(x):
+      y = ns(x)
+      return y, neuron_norm.column_sums(y)
+    return run
+
+  def _scale(self, step, i, stat, views, a, placement=None):
+    """Leaf ``i``'s per-neuron factor from the NS result's column sums, both
+    in the statistic layout of ``views``; records the leaf's new second
+    moment. On a mesh (``placement``) the small per-neuron arithmetic runs
+    replicated, as the unsharded step runs it."""
+    shape = step.g_leaves[i].shape
+    v_old = jnp.reshape(step.piece_old[i], views.statistic_shape(shape))
+    fn = functools.partial(neuron_norm.normalize_views, views=views, shape=shape, b2=self.b2,
+                           eps=self.eps)
+    if isinstance(placement, kernel_sharding.Placement):
+      whole = kernel_sharding.Placement(placement.mesh,
+                                        jax.sharding.PartitionSpec(*[None] * len(shape)))
+      fn = kernel_sharding.shard_local(fn, placement.mesh, (whole.spec, whole.spec),
+                                       (whole.spec, whole.spec))
+      stat, v_old = (kernel_sharding.to_spec(x, whole) for x in (stat, v_old))
+    scale, v_new = fn(stat, v_old)
+    if a is not None:   # a frozen matrix keeps its second moment too
+      v_new = jnp.where(jnp.broadcast_to(a, v_new.shape), v_new, v_old)
+    v_leaf = jnp.reshape(v_new, step.piece_old[i].shape)
+    step.piece_new[i] = _store(v_leaf, step.piece_old[i].dtype, step.count_inc, i,
+                               counter_hash.STREAM_NU)
+    return scale
+
+  def finish_grouped(self, step, i, results, a, dtype):
+    views = matrix_views.geometry(step.specs[i], step.g_leaves[i].shape, step.paths[i])
+    sv = views.statistic()
+    red, out = views.piece_axes()
+    stat_shapes = sv.piece_shapes(views.statistic_shape(step.g_leaves[i].shape))
+    stat = sv.merge([neuron_norm.from_matrix(c, shape, red, out, keepdims=True)
+                     for (_, c), shape in zip(results, stat_shapes)])
+    scales = sv.split(self._scale(step, i, stat, views, a))
+    return [(y.astype(jnp.float32) * neuron_norm.to_matrix(f, shape, red, out)[:, None, :]
+             ).astype(dtype) for (y, _), f, shape in zip(results, scales, stat_shapes)]
+
+  def finish_distributed(self, step, i, y, views, a, placement):
+    y, stat = y
+    scale = views.expand(self._scale(step, i, stat, views, a, placement))
+    return y.astype(jnp.float32) * scale
+
+
+# What NorMuon replaces of Muon's arguments.
+_REPLACED = ("adaptive", "preconditioning")
+
+
+def scale_by_normuon(*args, b2: float = 0.95, normuon_eps: float = 1e-8,
+                     nu_dtype: Any = None, **kwargs) -> optax.GradientTransformation:
   r"""NorMuon's direction: Muon's, normalised per output neuron.
 
   With :math:`O = \mathrm{NS}(\hat m)` of :func:`~fuseopt.optim.scale_by_muon`
@@ -85,7 +166,7 @@ def scale_by_normuon(
     normuon_eps: added to :math:`\sqrt{v_j}`, >= 0 (the NS ``eps`` is separate).
     nu_dtype: dtype of ``nu``: float32 (default, ``None``) or bfloat16
       (stochastically rounded, seed stream ``STREAM_NU``).
-    Everything else: as :func:`~fuseopt.optim.scale_by_muon` (without
+    Everything else: :func:`~fuseopt.optim.scale_by_muon`'s (without
     ``adaptive`` and ``preconditioning``, which NorMuon replaces). Matrices
     are declared with :class:`~fuseopt.optim.MuonDimensionNumbers` or
     :class:`~fuseopt.optim.MatrixViews`; each view has its own second
@@ -96,50 +177,14 @@ def scale_by_normuon(
     A transformation whose state is :class:`NorMuonState` ``(count, mu, nu,
     ns_coeffs)``.
   """
-  normuon = _normuon_args("scale_by_normuon", b2, normuon_eps, nu_dtype)
-  return muon_transforms._scale_by_muon(
-      ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=beta, eps=eps, mu_dtype=mu_dtype,
-      nesterov=nesterov, weight_dimension_numbers=weight_dimension_numbers, coeffs=coeffs,
-      ns_dtype=ns_dtype, shape_scaling=shape_scaling, consistent_rms=consistent_rms,
-      skip_inactive=skip_inactive, gram=gram, ns_max_elements=ns_max_elements,
-      ns_matmul=ns_matmul, implementation=implementation, interpret=interpret,
-      shardings=shardings, normuon=normuon)
+  piece = NeuronNorm.checked("scale_by_normuon", b2, normuon_eps, nu_dtype)
+  arguments = muon_transforms.bind_arguments("scale_by_normuon", muon_transforms.scale_by_muon,
+                                             args, kwargs, _REPLACED)
+  return muon_transforms._direction_transform(arguments, piece)
 
 
-def normuon(
-    learning_rate: optax.ScalarOrSchedule,
-    ns_coeffs=JORDAN_COEFFS,
-    ns_steps: int = _NS_STEPS,
-    beta: float = 0.95,
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    weight_decay_mask: Optional[Any] = None,
-    mu_dtype: Optional[Any] = None,
-    *,
-    b2: float = 0.95,
-    normuon_eps: float = 1e-8,
-    nu_dtype: Optional[Any] = None,
-    nesterov: bool = True,
-    adam_b1: float = 0.9,
-    adam_b2: float = 0.999,
-    adam_eps_root: float = 0.0,
-    adam_weight_decay: float = 0.0,
-    adam_learning_rate: Optional[optax.ScalarOrSchedule] = None,
-    muon_weight_dimension_numbers=None,
-    consistent_rms: Optional[float] = None,
-    coeffs=None,
-    ns_dtype="bfloat16",
-    adam_moment_dtype: Optional[Any] = None,
-    skip_inactive: bool = False,
-    gram: bool | str = False,
-    ns_max_elements: Optional[int] = None,
-    ns_matmul: str = "xla",
-    implementation: Optional[str] = None,
-    interpret: bool = False,
-    shardings: Any = None,
-    cautious_weight_decay: bool = False,
-    bf16_params: str = "stochastic",
-) -> optax.GradientTransformation:
+def normuon(*args, b2: float = 0.95, normuon_eps: float = 1e-8, nu_dtype: Any = None,
+            **kwargs) -> optax.GradientTransformation:
   r"""NorMuon for the matrices, AdamW for everything else.
 
   :func:`~fuseopt.optim.muon` with :func:`scale_by_normuon`'s direction:
@@ -156,14 +201,13 @@ def normuon(
   place of the Muon state. :func:`fuseopt.optim.step` fuses it as it fuses
   Muon.
   """
-  normuon_args = _normuon_args("normuon", b2, normuon_eps, nu_dtype)
-  return muon_transforms._muon(
-      learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, weight_decay_mask, mu_dtype,
-      nesterov=nesterov, adam_b1=adam_b1, adam_b2=adam_b2, adam_eps_root=adam_eps_root,
-      adam_weight_decay=adam_weight_decay, adam_learning_rate=adam_learning_rate,
-      muon_weight_dimension_numbers=muon_weight_dimension_numbers,
-      consistent_rms=consistent_rms, coeffs=coeffs, ns_dtype=ns_dtype,
-      adam_moment_dtype=adam_moment_dtype, skip_inactive=skip_inactive, gram=gram,
-      ns_max_elements=ns_max_elements, ns_matmul=ns_matmul, implementation=implementation,
-      interpret=interpret, shardings=shardings, cautious_weight_decay=cautious_weight_decay,
-      bf16_params=bf16_params, normuon=normuon_args, owner="normuon")
+  piece = NeuronNorm.checked("normuon", b2, normuon_eps, nu_dtype)
+  arguments = muon_transforms.bind_arguments("normuon", muon_transforms.muon, args, kwargs,
+                                             _REPLACED)
+  return muon_transforms._muon(arguments, piece, owner="normuon")
+
+
+scale_by_normuon.__signature__ = muon_transforms.variant_signature(
+    scale_by_normuon, muon_transforms.scale_by_muon, ("b2", "normuon_eps", "nu_dtype"), _REPLACED)
+normuon.__signature__ = muon_transforms.variant_signature(
+    normuon, muon_transforms.muon, ("b2", "normuon_eps", "nu_dtype"), _REPLACED)

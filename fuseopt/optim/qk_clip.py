@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import types
 from collections.abc import Iterable, Mapping
@@ -376,31 +375,21 @@ def muonclip(learning_rate, *, tau: float = 100.0,
              mla: MLAHeadDims | None = None, **muon_kwargs) -> optax.GradientTransformationExtraArgs:
   """MuonClip (Kimi K2, arXiv 2507.20534): Muon, then :func:`scale_by_qk_clip`.
 
-  ``muon_kwargs`` go to :func:`fuseopt.optim.muon`, e.g.
+  ``muon_kwargs`` are :func:`fuseopt.optim.muon`'s arguments, e.g.
   ``muon_weight_dimension_numbers=muon_weight_dimension_numbers(params,
   axes)``. The update takes ``params=`` and ``qk_stats=``, which
   ``optax.chain`` forwards to the clip. The signature lists muon's
-  arguments one by one, so :func:`optax.inject_hyperparams` injects the same
-  hyperparameters as into ``muon`` (and ``tau``).
+  arguments one by one (keyword only), so :func:`optax.inject_hyperparams`
+  injects the same hyperparameters as into ``muon`` (and ``tau``). Not for
+  exact bf16 parameters (:func:`~fuseopt.optim.track_mantissa`): QK-Clip
+  rescales the parameters after the update, outside a mantissa companion
+  (the builder refuses the pair).
   """
   clip = scale_by_qk_clip(tau, projections, mla=mla)
-  if muon_kwargs.get("bf16_params", "stochastic") != "stochastic":
-    raise ValueError("muonclip: bf16_params must be 'stochastic' (QK-Clip rescales the parameters "
-                     f"after the update, outside a mantissa companion), got "
-                     f"{muon_kwargs['bf16_params']!r}")
-  return fusion.chain(muon_transforms._muon(learning_rate, owner="muonclip", **muon_kwargs), clip)
+  arguments = muon_transforms.bind_arguments("muonclip", muon_transforms.muon, (learning_rate,),
+                                             muon_kwargs)
+  return fusion.chain(muon_transforms._muon(arguments, owner="muonclip"), clip)
 
 
-def _muonclip_signature(muon) -> inspect.Signature:
-  """``muonclip``'s own arguments, then muon's as keyword-only: without it
-  inject_hyperparams binds ``**muon_kwargs`` as one argument named
-  ``muon_kwargs`` and passes it back as such."""
-  own = inspect.signature(muonclip).parameters
-  theirs = inspect.signature(muon).parameters
-  params = [theirs["learning_rate"]] + [own[n] for n in ("tau", "projections", "mla")]
-  params += [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for n, p in theirs.items()
-             if n != "learning_rate"]
-  return inspect.signature(muonclip).replace(parameters=params)
-
-
-muonclip.__signature__ = _muonclip_signature(muon_transforms.muon)
+muonclip.__signature__ = muon_transforms.variant_signature(
+    muonclip, muon_transforms.muon, ("tau", "projections", "mla"), keyword_only=True)

@@ -37,7 +37,7 @@ def _tree(dtype):
 
 @pytest.mark.parametrize("make,dtype", [
     (lambda sh: fo.adamw(1e-3, shardings=sh), jnp.float32),
-    (lambda sh: fo.muon(0.02, shardings=sh), jnp.float32),
+    (lambda sh: fo.muon(0.02, execution=fo.Execution(shardings=sh)), jnp.float32),
     (lambda sh: optax.adamw(1e-3), jnp.float32),
     (lambda sh: optax.contrib.muon(0.02), jnp.float32),   # its state sits inside a partition
     (lambda sh: fo.adamw(1e-3, bf16_params="mantissa", shardings=sh), jnp.bfloat16),

@@ -302,7 +302,7 @@ def test_muon_step_on_mosaic_gpu(request):
                        params, {"w": k3, "b": jax.random.fold_in(k3, 1)})
 
   def one(impl):
-    tx = fo.muon(0.02, weight_decay=0.1, implementation=impl, interpret=impl != "xla")
+    tx = fo.muon(0.02, weight_decay=0.1, execution=fo.Execution(implementation=impl, interpret=impl != 'xla'))
     new, _ = jax.jit(lambda p, s, g: fo.step(tx, g, s, p))(params, tx.init(params), grads)
     return jax.tree.map(lambda a, b: a - b, new, params)
 

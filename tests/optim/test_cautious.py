@@ -60,9 +60,9 @@ def test_adamw_cautious_unfused_is_the_formula():
 @pytest.mark.parametrize("make", [
     lambda c: fo.adamw(1e-2, weight_decay=0.5, cautious_weight_decay=c),
     lambda c: fo.muon(1e-2, weight_decay=0.5, adam_weight_decay=0.5, cautious_weight_decay=c,
-                      muon_weight_dimension_numbers=DIMS, ns_dtype=jnp.float32),
+                      muon_weight_dimension_numbers=DIMS, newton_schulz=fo.NewtonSchulz(dtype=jnp.float32)),
     lambda c: fo.normuon(1e-2, weight_decay=0.5, adam_weight_decay=0.5, cautious_weight_decay=c,
-                         muon_weight_dimension_numbers=DIMS, ns_dtype=jnp.float32),
+                         muon_weight_dimension_numbers=DIMS, newton_schulz=fo.NewtonSchulz(dtype=jnp.float32)),
 ], ids=["adamw", "muon", "normuon"])
 def test_fused_step_matches_update_and_differs_from_plain_decay(make):
   params, grads = _tree(0), _tree(1)

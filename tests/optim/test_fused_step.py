@@ -109,7 +109,7 @@ def test_fused_step_equals_update_then_apply(optimizer, wrapper):
     # fp32 Newton-Schulz: in bf16 a one-ulp difference of the fp32 clip norm
     # (the two paths reduce the same gradients in different fusions) can flip
     # a bf16 rounding of the NS input, a bf16 ulp of the update.
-    extra["optimizer_kwargs"] = {"ns_dtype": "float32"}
+    extra["optimizer_kwargs"] = {"newton_schulz": {"dtype": "float32"}}
   tx = build_optimizer(_config(optimizer, **extra), 10)
   state = tx.init(params)
 
@@ -224,17 +224,17 @@ def test_muon_implementation_reaches_its_adamw_side():
   s = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
   params = {"w": jnp.asarray(np.random.default_rng(1).standard_normal((16, 32)), F32),
             "b": jnp.linspace(-1.0, 1.0, 16, dtype=F32)}
-  tx = fo.muon(1e-2, weight_decay=0.1, adam_weight_decay=0.1, implementation="xla")
+  tx = fo.muon(1e-2, weight_decay=0.1, adam_weight_decay=0.1, execution=fo.Execution(implementation='xla'))
   state = jax.eval_shape(tx.init, params)
   for fn in (lambda p, st, g: fo.step(tx, g, st, p),
              lambda p, st, g: optax.apply_updates(p, tx.update(g, st, p)[0])):
     text = harness.lower_for(H200, fn, jax.tree.map(s, params), state, jax.tree.map(s, params),
                              expect_kernel=False)
     assert not TRITON_CALL.search(text)
-  tx = fo.muon(1e-2, weight_decay=0.1, implementation="triton", interpret=True)
+  tx = fo.muon(1e-2, weight_decay=0.1, execution=fo.Execution(implementation='triton', interpret=True))
   state = tx.init(params)
   new_p, _ = jax.jit(lambda g, s, p: fo.step(tx, g, s, p))(params, state, params)
-  ref = fo.muon(1e-2, weight_decay=0.1, implementation="xla")
+  ref = fo.muon(1e-2, weight_decay=0.1, execution=fo.Execution(implementation='xla'))
   want, _ = jax.jit(lambda g, s, p: fo.step(ref, g, s, p))(params, ref.init(params), params)
   for a, b in zip(jax.tree.leaves(new_p), jax.tree.leaves(want)):
     harness.assert_close(a, b, rtol=1e-2, atol=1e-3)

@@ -8,10 +8,12 @@ import pytest
 
 from fuseopt.optim.matrix_views import MatrixViews, mla_kv_b_proj_views
 from fuseopt.optim.muon_transforms import MuonDimensionNumbers as MDN
+from fuseopt.optim.muon_settings import Execution, NewtonSchulz
 from fuseopt.optim.muon_transforms import muon, scale_by_muon
 from fuseopt.optim.normuon_transforms import normuon
 
-F32 = dict(ns_dtype=jnp.float32, implementation="xla", coeffs="jordan")
+F32 = dict(newton_schulz=NewtonSchulz(dtype=jnp.float32), execution=Execution(implementation="xla"),
+           ns_coeffs="jordan")
 
 
 def _muon_update(params, grads, dims, **kw):

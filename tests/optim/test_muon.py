@@ -10,6 +10,7 @@ import pytest
 
 from fuseopt.optim.muon_transforms import MuonDimensionNumbers as MDN
 from fuseopt.optim.muon_transforms import muon, scale_by_muon
+from fuseopt.optim.muon_settings import Execution, NewtonSchulz
 from tests.optim import _muon_trees as T
 
 JORDAN = (3.4445, -4.7750, 2.0315)
@@ -53,7 +54,7 @@ def test_matches_optax_fp32_jordan(variant):
     mine_dims = lambda p: T.optax_dims(T.llama_dims(p))
   else:
     mine_dims = dims
-  mine = muon(muon_weight_dimension_numbers=mine_dims, ns_dtype=jnp.float32, implementation="xla", **kw)
+  mine = muon(muon_weight_dimension_numbers=mine_dims, **kw, newton_schulz=NewtonSchulz(dtype=jnp.float32), execution=Execution(implementation='xla'))
   worst, sr, sm = _run_both(ref, mine)
   assert worst < 1e-4
   # Same state layout as optax: one momentum leaf per Muon parameter.
@@ -67,7 +68,7 @@ def test_default_2d_rule_matches_optax():
   p = {"w1": jax.random.normal(k[0], (24, 40)), "w2": jax.random.normal(k[1], (40, 24)),
        "b": jax.random.normal(k[2], (40,))}
   ref = optax.contrib.muon(learning_rate=0.1)
-  mine = muon(learning_rate=0.1, ns_dtype=jnp.float32, coeffs="jordan")
+  mine = muon(learning_rate=0.1, ns_coeffs="jordan", newton_schulz=NewtonSchulz(dtype=jnp.float32))
   sr, sm = ref.init(p), mine.init(p)
   ref_up, mine_up = jax.jit(ref.update), jax.jit(mine.update)
   for t in range(2):
@@ -84,8 +85,7 @@ def test_scale_by_muon_matches_optax_adaptive():
   dims = {"a": MDN(1, 2), "b": MDN(0, 1)}
   odims = {"a": optax.contrib.MuonDimensionNumbers(1, 2), "b": optax.contrib.MuonDimensionNumbers()}
   ref = optax.contrib.scale_by_muon(adaptive=True, weight_dimension_numbers=odims, mu_dtype=jnp.bfloat16)
-  mine = scale_by_muon(adaptive=True, weight_dimension_numbers=dims, ns_dtype=jnp.float32,
-                       mu_dtype=jnp.bfloat16)
+  mine = scale_by_muon(adaptive=True, weight_dimension_numbers=dims, mu_dtype=jnp.bfloat16, newton_schulz=NewtonSchulz(dtype=jnp.float32))
   sr, sm = ref.init(p), mine.init(p)
   ref_up, mine_up = jax.jit(ref.update), jax.jit(mine.update)
   for t in range(2):
@@ -121,7 +121,7 @@ def test_one_batched_ns_call_per_shape(monkeypatch):
 @pytest.mark.parametrize("coeffs", ["jordan", "polar_express"])
 def test_bf16_singular_values_in_band(coeffs):
   g = jax.random.normal(jax.random.key(7), (2, 48, 96))
-  tx = scale_by_muon(coeffs=coeffs, weight_dimension_numbers=MDN(1, 2), ns_dtype=jnp.bfloat16)
+  tx = scale_by_muon(ns_coeffs=coeffs, weight_dimension_numbers=MDN(1, 2), newton_schulz=NewtonSchulz(dtype=jnp.bfloat16))
   u, _ = tx.update(g, tx.init(g))
   assert u.dtype == jnp.float32
   s = np.linalg.svd(np.asarray(u), compute_uv=False)
@@ -180,7 +180,7 @@ def test_bad_inputs_raise_clear_errors():
   with pytest.raises(ValueError, match="preconditioning"):
     scale_by_muon(preconditioning="bogus")
   with pytest.raises(ValueError, match="coeffs"):
-    scale_by_muon(coeffs="newton")
+    scale_by_muon(ns_coeffs="newton")
 
 
 def _ns_calls(fn, *args) -> list[int]:
@@ -208,7 +208,7 @@ def test_ns_max_elements_splits_calls_without_changing_results():
   # 5 a call would leave one matrix alone in the last call: [4, 2] instead.
   expected = {None: [6], 2 * 8 * 12: [2, 2, 2], 5 * 8 * 12: [4, 2]}
   for cap, want in expected.items():
-    tx = scale_by_muon(weight_dimension_numbers=dims, ns_max_elements=cap, ns_dtype=jnp.float32)
+    tx = scale_by_muon(weight_dimension_numbers=dims, newton_schulz=NewtonSchulz(max_elements=cap, dtype=jnp.float32))
     outs[cap], _ = jax.jit(tx.update)(g, tx.init(g))
     assert _ns_calls(tx.update, g, tx.init(g)) == want, cap
   for cap in expected:
@@ -224,8 +224,8 @@ def test_pallas_backends_in_interpret_mode_match_xla():
   dims = {"w": MDN(1, 2), "v": MDN()}
   out = {}
   for impl in ("xla", "triton", "mosaic_tpu"):
-    tx = scale_by_muon(weight_dimension_numbers=dims, coeffs="polar_express", implementation=impl,
-                       interpret=impl != "xla")
+    tx = scale_by_muon(weight_dimension_numbers=dims, ns_coeffs="polar_express",
+                       execution=Execution(implementation=impl, interpret=impl != "xla"))
     out[impl], _ = tx.update(g, tx.init(g))
   for impl in ("triton", "mosaic_tpu"):
     for a, b in zip(jax.tree.leaves(out[impl]), jax.tree.leaves(out["xla"])):
@@ -257,14 +257,15 @@ def test_ns_matmul_pallas_runs_the_update_kernel_and_matches(impl, monkeypatch):
   outs = {}
   for mm in ("xla", "pallas"):
     names.clear()
-    tx = scale_by_muon(weight_dimension_numbers=dims, ns_matmul=mm, implementation=impl,
-                       interpret=True, coeffs="jordan")
+    tx = scale_by_muon(weight_dimension_numbers=dims, ns_coeffs="jordan",
+                       newton_schulz=NewtonSchulz(matmul=mm),
+                       execution=Execution(implementation=impl, interpret=True))
     outs[mm], _ = jax.jit(tx.update)(g, tx.init(g))
     assert ("fuseopt_ns_update" in names) == (mm == "pallas"), (mm, names)
   np.testing.assert_allclose(np.asarray(outs["pallas"]["w"]), np.asarray(outs["xla"]["w"]),
                              rtol=0, atol=2e-2)
-  with pytest.raises(ValueError, match="ns_matmul"):
-    scale_by_muon(ns_matmul="cublas")
+  with pytest.raises(ValueError, match="matmul must be one of"):
+    scale_by_muon(newton_schulz=NewtonSchulz(matmul="cublas"))
 
 
 @pytest.mark.parametrize("ns_dtype", [jnp.bfloat16, jnp.float32])
@@ -273,8 +274,7 @@ def test_spectral_preconditioning_runs_in_every_ns_dtype(ns_dtype):
   default bf16 iteration runs (it raised inside jnp.linalg before)."""
   import fuseopt.optim as fo
   params = {"w": jnp.ones((24, 16)) + jnp.eye(24, 16)}
-  tx = fo.muon(0.02, preconditioning="spectral", ns_coeffs=(3.4445, -4.775, 2.0315),
-               ns_dtype=ns_dtype)
+  tx = fo.muon(0.02, preconditioning="spectral", ns_coeffs=(3.4445, -4.775, 2.0315), newton_schulz=fo.NewtonSchulz(dtype=ns_dtype))
   grads = jax.tree.map(lambda x: jnp.sin(jnp.arange(x.size, dtype=jnp.float32)).reshape(x.shape),
                        params)
   updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)

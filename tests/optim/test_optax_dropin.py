@@ -101,11 +101,12 @@ def test_fp32_adam_is_optax_bitwise_jitted():
 @pytest.mark.parametrize("factory, optax_factory, kwargs, fp32", [
     (fo.adam, optax.adam, {}, {"moment_dtype": None}),
     (fo.adamw, optax.adamw, {"weight_decay": 0.1}, {"moment_dtype": None}),
-    (fo.muon, optax.contrib.muon, {"ns_coeffs": JORDAN}, {"ns_dtype": "float32"}),
+    (fo.muon, optax.contrib.muon, {"ns_coeffs": JORDAN},
+     {"newton_schulz": fo.NewtonSchulz(dtype="float32")}),
 ])
 def test_inject_hyperparams_injects_what_optax_injects(factory, optax_factory, kwargs, fp32):
-  """fuseopt's extra arguments (moment_dtype, seed, ns_dtype,
-  ns_max_elements, implementation) are not injected: the same
+  """fuseopt's extra arguments (moment_dtype, seed, the newton_schulz and
+  execution records) are not injected: the same
   hyperparameters as optax's, and under jit the injected fuseopt follows the
   injected optax as the plain ones follow each other (hyperparameters become
   fp32 arrays, in both)."""
@@ -251,9 +252,9 @@ def test_step_on_an_injected_transform_falls_back_and_says_why(factory, kwargs, 
   _assert_bitwise(new_state, want_state)
 
 
-def test_ns_max_elements_rejects_a_traced_value():
-  with pytest.raises(TypeError, match="ns_max_elements.*static_args"):
-    fo.scale_by_muon(ns_max_elements=jnp.asarray(4))
+def test_max_elements_rejects_an_array():
+  with pytest.raises(ValueError, match="NewtonSchulz: max_elements must be an int >= 1 or None"):
+    fo.scale_by_muon(newton_schulz=fo.NewtonSchulz(max_elements=jnp.asarray(4)))
 
 
 def test_apply_updates_without_seed_is_optax():
@@ -295,3 +296,23 @@ def test_muon_uncovered_dtypes_run_optax_iteration(dtype):
   for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert x.dtype == y.dtype
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("factory", [fo.muon, fo.normuon, fo.muonclip])
+def test_inject_hyperparams_injects_the_numbers_and_keeps_the_records(factory):
+  """The Muon family under inject_hyperparams: the numeric hyperparameters
+  are injected (an injected learning rate of 0 stops every parameter), the
+  settings records pass through as they are."""
+  ns, ex = fo.NewtonSchulz(dtype="float32", max_elements=1 << 20), fo.Execution(implementation="xla")
+  tx = optax.inject_hyperparams(factory)(learning_rate=0.02, weight_decay=0.1, newton_schulz=ns,
+                                         execution=ex)
+  params = {"w": jnp.linspace(-1.0, 1.0, 8 * 16).reshape(8, 16), "b": jnp.ones((16,))}
+  g = jax.tree.map(jnp.cos, params)
+  state = tx.init(params)
+  assert {"learning_rate", "weight_decay", "beta", "eps", "adam_b1"} <= set(state.hyperparams)
+  assert not {"newton_schulz", "execution"} & set(state.hyperparams)
+  u, _ = jax.jit(tx.update)(g, state, params)
+  assert all(bool(jnp.any(x != 0)) for x in jax.tree.leaves(u))
+  state.hyperparams["learning_rate"] = jnp.zeros([], jnp.float32)
+  u, _ = jax.jit(tx.update)(g, state, params)
+  assert all(bool(jnp.all(x == 0)) for x in jax.tree.leaves(u))

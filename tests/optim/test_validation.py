@@ -159,8 +159,8 @@ TYPO = {"w": P(), "b": P(), "zzz": P()}
 @pytest.mark.parametrize("make,owner", [
     (lambda sh: fo.adamw(1e-2, shardings=sh), "(adamw|scale_by_adam)"),
     (lambda sh: fo.adam(1e-2, shardings=sh), "(adam|scale_by_adam)"),
-    (lambda sh: fo.muon(1e-2, shardings=sh), "scale_by_muon"),
-    (lambda sh: fo.scale_by_muon(shardings=sh, weight_dimension_numbers={"w": MDN(), "b": None}),
+    (lambda sh: fo.muon(1e-2, execution=fo.Execution(shardings=sh)), "scale_by_muon"),
+    (lambda sh: fo.scale_by_muon(weight_dimension_numbers={"w": MDN(), "b": None}, execution=fo.Execution(shardings=sh)),
      "scale_by_muon"),
 ])
 def test_a_shardings_entry_naming_no_parameter_raises(make, owner, how):
@@ -192,7 +192,7 @@ def test_a_shardings_entry_for_a_leaf_another_transform_owns_is_accepted(how):
   with pytest.raises(ValueError, match=r"shardings\['zzz'\] matches no parameter leaf"):
     _run_step(make(TYPO), how)
   # muon: the AdamW side sees the matrix 'w' masked, the Muon side 'b'.
-  _run_step(fo.muon(1e-2, shardings={"w": P(), "b": P()}), how)
+  _run_step(fo.muon(1e-2, execution=fo.Execution(shardings={'w': P(), 'b': P()})), how)
 
 
 def test_a_shardings_entry_under_a_masked_subtree_is_accepted():

@@ -89,7 +89,8 @@ def _trees(layout, seed):
 def _optimizer(name, layout, shardings=None):
   dims = {n: spec for n, (_, spec, _) in LAYOUTS[layout][2].items()}
   make = fo.muon if name == "muon" else fo.normuon
-  return make(1e-2, weight_decay=0.1, muon_weight_dimension_numbers=dims, shardings=shardings)
+  return make(1e-2, weight_decay=0.1, muon_weight_dimension_numbers=dims,
+              execution=fo.Execution(shardings=shardings))
 
 
 def _program(tx, path):
@@ -202,8 +203,7 @@ def test_views_compile_for_tpu_with_shard_local_kernels(layout, kind):
   avals = {n: jax.ShapeDtypeStruct(s, jnp.float32, sharding=sh[n])
            for n, (s, _, _) in leaves.items()}
   dims = {n: spec for n, (_, spec, _) in leaves.items()}
-  tx = fo.muon(1e-2, muon_weight_dimension_numbers=dims,
-               shardings=None if kind == AxisType.Explicit else sh)
+  tx = fo.muon(1e-2, muon_weight_dimension_numbers=dims, execution=fo.Execution(shardings=None if kind == AxisType.Explicit else sh))
   rep = NamedSharding(mesh, P())
   with targets.lowering_for(t, mesh):
     state = jax.tree.map(
@@ -241,8 +241,7 @@ def test_a_layout_the_plan_cannot_take_is_replicated_with_a_warning_naming_the_l
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
   name = f"odd_{shape[0]}x{shape[1]}"
   params = {name: jax.random.normal(jax.random.key(0), shape)}
-  tx = fo.muon(1e-2, muon_weight_dimension_numbers={name: dims},
-               shardings={name: NamedSharding(mesh, spec)})
+  tx = fo.muon(1e-2, muon_weight_dimension_numbers={name: dims}, execution=fo.Execution(shardings={name: NamedSharding(mesh, spec)}))
   with pytest.warns(UserWarning, match=rf"{name}.*gathered whole.*{why}"):
     u, _ = jax.jit(tx.update)(params, tx.init(params), params)
   one = fo.muon(1e-2, muon_weight_dimension_numbers={name: dims})

@@ -16,9 +16,9 @@ _STEPS = 3
 
 FACTORIES = {
     "adamw": lambda **kw: fo.adamw(3e-3, weight_decay=0.1, bf16_params="mantissa", **kw),
-    "muon": lambda **kw: fo.muon(2e-2, weight_decay=0.1, adam_weight_decay=0.1,
-                                 muon_weight_dimension_numbers=DIMS, bf16_params="mantissa",
-                                 **kw),
+    "muon": lambda shardings=None: fo.track_mantissa(fo.muon(
+        2e-2, weight_decay=0.1, adam_weight_decay=0.1, muon_weight_dimension_numbers=DIMS,
+        execution=fo.Execution(shardings=shardings)), owner="muon"),
 }
 
 

@@ -42,13 +42,13 @@ def _steps(tx, params, grads, n=2):
 def test_sharded_muon_matches_unsharded_and_splits_the_work(kind):
   params, grads = _tree(0, SHAPES), _tree(1, SHAPES)
   lr = 1e-2
-  tx = fo.muon(lr, muon_weight_dimension_numbers=DIMS, implementation="xla")
+  tx = fo.muon(lr, muon_weight_dimension_numbers=DIMS, execution=fo.Execution(implementation='xla'))
   (want, _), single = _steps(tx, params, grads)
 
   mesh = jax.make_mesh((8,), ("x",), axis_types=(kind,))
   sh = jax.tree.map(lambda s: NamedSharding(mesh, s), SPECS)
-  tx = fo.muon(lr, muon_weight_dimension_numbers=DIMS, implementation="xla",
-               shardings=None if kind == AxisType.Explicit else sh)
+  tx = fo.muon(lr, muon_weight_dimension_numbers=DIMS, execution=fo.Execution(
+      implementation='xla', shardings=None if kind == AxisType.Explicit else sh))
   put = lambda t: jax.tree.map(jax.device_put, t, sh)
   (got, _), sharded = _steps(tx, put(params), put(grads))
   # The NS runs in bf16: two steps of lr * scale * O, O's entries equal up to
@@ -119,7 +119,7 @@ def test_lowering_for_8_devices_gives_kernels_local_operands(target, kind):
            for n, s in shapes.items()}
   sh = None if kind == AxisType.Explicit else jax.tree.map(lambda s: NamedSharding(mesh, s),
                                                            specs)
-  tx = fo.muon(1e-2, muon_weight_dimension_numbers=dims, shardings=sh)
+  tx = fo.muon(1e-2, muon_weight_dimension_numbers=dims, execution=fo.Execution(shardings=sh))
   with use_abstract_mesh(mesh):
     state = jax.eval_shape(tx.init, avals)
     text = jax.jit(lambda p, s, g: fo.step(tx, g, s, p)).trace(avals, state, avals).lower(
@@ -174,7 +174,7 @@ def test_sharded_muon_step_is_bitwise_the_unsharded_step(family_run, kind, axis)
   matrix = P("fsdp", None) if axis == 0 else P(None, "fsdp")
   sh = {n: NamedSharding(mesh, matrix if len(s) == 2 else P()) for n, s in FAMILY_SHAPES.items()}
   put = lambda t: jax.tree.map(jax.device_put, t, sh)
-  tx = fo.muon(1e-2, shardings=None if kind == AxisType.Explicit else sh)
+  tx = fo.muon(1e-2, execution=fo.Execution(shardings=None if kind == AxisType.Explicit else sh))
   got = _replay(tx, put(params), [put(g) for g in grads])
   for t, (w, g) in enumerate(zip(want, got)):
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(w)[0], jax.tree.leaves(g)):
@@ -209,12 +209,12 @@ def test_sharded_muon_step_with_one_matrix_a_call_is_bitwise_the_unsharded_step(
   params = _tree(0, FAMILY_SHAPES)
   grads = [_tree(10 + t, FAMILY_SHAPES) for t in range(3)]
   budget = 512 * 128
-  want = _replay(fo.muon(1e-2, ns_max_elements=budget), params, grads)
+  want = _replay(fo.muon(1e-2, newton_schulz=fo.NewtonSchulz(max_elements=budget)), params, grads)
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
   sh = {n: NamedSharding(mesh, P("fsdp", None) if len(s) == 2 else P())
         for n, s in FAMILY_SHAPES.items()}
   put = lambda t: jax.tree.map(jax.device_put, t, sh)
-  got = _replay(fo.muon(1e-2, ns_max_elements=budget), put(params), [put(g) for g in grads])
+  got = _replay(fo.muon(1e-2, newton_schulz=fo.NewtonSchulz(max_elements=budget)), put(params), [put(g) for g in grads])
   for t, (w, g) in enumerate(zip(want, got)):
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(w)[0], jax.tree.leaves(g)):
       np.testing.assert_array_equal(np.asarray(b), np.asarray(a),

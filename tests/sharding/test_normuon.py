@@ -30,7 +30,7 @@ def test_sharded_normuon_step_is_bitwise_the_unsharded_step(normuon_run, kind, a
   matrix = P("fsdp", None) if axis == 0 else P(None, "fsdp")
   sh = {n: NamedSharding(mesh, matrix if len(s) == 2 else P()) for n, s in FAMILY_SHAPES.items()}
   put = lambda t: jax.tree.map(jax.device_put, t, sh)
-  tx = fo.normuon(1e-2, weight_decay=0.1, shardings=None if kind == AxisType.Explicit else sh)
+  tx = fo.normuon(1e-2, weight_decay=0.1, execution=fo.Execution(shardings=None if kind == AxisType.Explicit else sh))
   got = _replay(tx, put(params), [put(g) for g in grads])
   for t, (w, g) in enumerate(zip(want, got)):
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(w)[0], jax.tree.leaves(g)):

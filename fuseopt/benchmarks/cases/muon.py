@@ -36,11 +36,12 @@ import optax
 
 from fuseopt.benchmarks import core, workloads
 from fuseopt.benchmarks.core import Case
+from fuseopt.kernels.newton_schulz.coefficients import JORDAN
 from fuseopt.optim import muon_transforms as fmuon
 
 LR = 0.02
 WD = 0.1
-COEFFS = fmuon.JORDAN_COEFFS
+COEFFS = JORDAN
 
 
 def muon_dims(params):
@@ -62,11 +63,11 @@ def optimizers() -> dict:
       "optax_muon_bf16": (optax.contrib.muon(learning_rate=LR, weight_decay=WD, ns_coeffs=COEFFS,
                                              mu_dtype=jnp.bfloat16,
                                              muon_weight_dimension_numbers=muon_dims), jnp.bfloat16),
-      "fuseopt_muon": (fmuon.muon(coeffs="jordan", **common), jnp.float32),
-      "fuseopt_muon[gram]": (fmuon.muon(coeffs="jordan", gram="auto", **common), jnp.float32),
-      "fuseopt_muon[calls<=2^25]": (fmuon.muon(coeffs="jordan", ns_max_elements=1 << 25, **common),
+      "fuseopt_muon": (fmuon.muon(ns_coeffs="jordan", **common), jnp.float32),
+      "fuseopt_muon[gram]": (fmuon.muon(ns_coeffs="jordan", **common, newton_schulz=fmuon.NewtonSchulz(gram='auto')), jnp.float32),
+      "fuseopt_muon[calls<=2^25]": (fmuon.muon(ns_coeffs="jordan", **common, newton_schulz=fmuon.NewtonSchulz(max_elements=1 << 25)),
                                     jnp.float32),
-      "fuseopt_muon[bf16_adam]": (fmuon.muon(coeffs="jordan", adam_moment_dtype=jnp.bfloat16, **common),
+      "fuseopt_muon[bf16_adam]": (fmuon.muon(ns_coeffs="jordan", adam_moment_dtype=jnp.bfloat16, **common),
                                   jnp.float32),
   }
 

@@ -29,6 +29,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from fuseopt.benchmarks import core
 from fuseopt.benchmarks.core import Case
+from fuseopt.kernels.newton_schulz.coefficients import JORDAN
 from fuseopt.optim import muon_transforms as fmuon
 
 LR = 0.02
@@ -63,13 +64,12 @@ def cases(size: str, platform: str):
   shapes = _shapes(size, platform)
   fsdp = {k: NamedSharding(mesh, s) for k, s in FSDP.items()}
   replicated = {k: NamedSharding(mesh, s) for k, s in REPLICATED.items()}
-  optax_tx = optax.contrib.muon(learning_rate=LR, ns_coeffs=fmuon.JORDAN_COEFFS,
+  optax_tx = optax.contrib.muon(learning_rate=LR, ns_coeffs=JORDAN,
                                 muon_weight_dimension_numbers=DIMS)
   variants_spec = {
       "optax_muon[gspmd]": (optax_tx, fsdp),
       "optax_muon[replicated]": (optax_tx, replicated),
-      "fuseopt_muon[all_to_all]": (fmuon.muon(LR, coeffs="jordan", muon_weight_dimension_numbers=DIMS,
-                                              shardings=fsdp), fsdp),
+      "fuseopt_muon[all_to_all]": (fmuon.muon(LR, ns_coeffs="jordan", muon_weight_dimension_numbers=DIMS, execution=fmuon.Execution(shardings=fsdp)), fsdp),
   }
   cache = {}
 

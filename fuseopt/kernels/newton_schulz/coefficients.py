@@ -14,12 +14,14 @@ Coefficient schedules (``coeffs=``):
 - a user table: shape (3,) (repeated ``steps`` times, 5 by default) or
   (steps, 3), s = 1.
 
-optax.contrib.muon names its presets differently (its ``ns_coeffs``):
-``"standard"`` is Jordan's triple and ``"dion"`` a 5-row table. Both are
-accepted by :func:`fuseopt.optim.muon` and mapped here, once
-(:data:`OPTAX_PRESETS`), to the tables optax holds. The defaults differ by
-design: :func:`fuseopt.optim.muon` takes optax's (Jordan's triple, 5 steps,
-as a table); :func:`newton_schulz` takes ``"polar_express"``.
+One vocabulary: the Muon family's ``ns_coeffs`` (:func:`fuseopt.optim.muon`)
+takes the same names and tables, and optax.contrib.muon's preset names too:
+``"standard"`` is Jordan's triple and ``"dion"`` a 5-row table, mapped here,
+once (:data:`OPTAX_PRESETS`, :func:`muon_coefficients`), to the tables optax
+holds. The defaults differ by design: :func:`fuseopt.optim.muon` takes
+optax's (Jordan's triple :data:`JORDAN` as a table, 5 steps: optax's
+numbers); :func:`newton_schulz` takes ``"polar_express"`` (the better
+orthogonaliser; docs/muon.md compares them).
 """
 
 from __future__ import annotations
@@ -100,6 +102,39 @@ def coefficient_table(coeffs: Any = "polar_express", steps: int | None = None
   if not np.all(np.isfinite(table)):
     raise ValueError("newton_schulz: the coefficient table has non-finite entries")
   return tuple(tuple(float(v) for v in row) for row in table), 1.0
+
+
+def muon_coefficients(ns_coeffs: Any, ns_steps: int, owner: str = "muon"):
+  """The Muon family's ``ns_coeffs``/``ns_steps`` as ``(coeffs, steps,
+  state)``: what :func:`newton_schulz` gets, and the table the state keeps
+  for inspection.
+
+  - optax's preset names (:data:`OPTAX_PRESETS`) and tables of shape (3,)
+    (repeated ``ns_steps`` times) or (k, 3) with k <= ``ns_steps`` (used as
+    they are, as optax does): a static table; the state keeps
+    ``ns_coeffs`` as optax does (the preset's table, or the table given);
+  - fuseopt's schedule names (:data:`SCHEDULES`): the name and ``ns_steps``
+    (so Gram Newton-Schulz restarts where that schedule wants); the state
+    keeps the schedule's table as optax would hold it (``"jordan"``: the
+    triple, repeated ``ns_steps`` times).
+  """
+  steps = int(ns_steps)
+  if isinstance(ns_coeffs, str):
+    if ns_coeffs in SCHEDULES:
+      state = JORDAN if ns_coeffs == "jordan" else coefficient_table(ns_coeffs, steps)[0]
+      return ns_coeffs, steps, state
+    if ns_coeffs not in OPTAX_PRESETS:
+      raise ValueError(f"{owner}: unknown ns_coeffs {ns_coeffs!r}; expected one of "
+                       f"{sorted(SCHEDULES + tuple(OPTAX_PRESETS))} or a (3,) / (steps, 3) table")
+    ns_coeffs = OPTAX_PRESETS[ns_coeffs]
+  table = np.asarray(ns_coeffs, np.float64)
+  if table.ndim not in (1, 2) or table.shape[-1] != 3:
+    raise ValueError(f"{owner}: ns_coeffs must have shape (3,) or (steps, 3), got {table.shape}")
+  if table.ndim == 1:
+    table = np.tile(table, (steps, 1))
+  elif table.shape[0] > steps:
+    raise ValueError(f"{owner}: ns_coeffs has {table.shape[0]} rows, more than ns_steps={steps}")
+  return tuple(tuple(float(c) for c in row) for row in table), None, ns_coeffs
 
 
 def singular_value_band(coeffs: Any = "polar_express", steps: int | None = None,

@@ -1,0 +1,125 @@
+"""The two settings records of the Muon family: how the Newton-Schulz runs
+(:class:`NewtonSchulz`) and where the kernels run (:class:`Execution`).
+
+:func:`~fuseopt.optim.muon`, :func:`~fuseopt.optim.normuon`,
+:func:`~fuseopt.optim.muonclip` and their ``scale_by_`` directions take
+optax's arguments one by one (the numeric ones are what
+:func:`optax.inject_hyperparams` injects) and fuseopt's settings as these two
+frozen records, which inject_hyperparams leaves static. Both are checked at
+construction; the builder reads them from YAML as mappings
+(``optimizer_kwargs: {newton_schulz: {dtype: float32}}``).
+
+What the iteration computes -- the coefficients and the step count -- keeps
+optax's names, ``ns_coeffs`` and ``ns_steps``, on the transforms
+(:mod:`fuseopt.kernels.newton_schulz.coefficients` has the vocabulary).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["Execution", "NewtonSchulz"]
+
+_MATMULS = ("xla", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class NewtonSchulz:
+  """How each Muon matrix's Newton-Schulz iteration runs.
+
+  Attributes:
+    dtype: dtype of the iteration (fp32 accumulation): ``"bfloat16"``
+      (default) or ``"float32"`` (optax's numerics); a dtype, its name or its
+      scalar type. Stored as a ``jnp.dtype``.
+    gram: Gram Newton-Schulz (iterate on the small Gram matrix, restarted):
+      ``False`` (default), ``True``, or ``"auto"`` (for matrices of aspect
+      ratio >= 2).
+    max_elements: the most matrix elements one NS call takes (``None``: the
+      platform's default, :func:`~fuseopt.optim.muon_newton_schulz.default_ns_max_elements`:
+      2^23 = 16 MiB of bf16 input on a GPU or a TPU, 2^25 on the CPU).
+      Same-shaped matrices beyond it go into several calls, each still
+      batched (never one lone matrix of a larger family); in
+      :func:`fuseopt.optim.step` the calls run one after the other, so the
+      step's temporary memory is one call's working set.
+    matmul: how the Pallas backends compute ``X' = a·X + B·X``: ``"xla"``
+      (default: XLA's GEMM with a fused add) or ``"pallas"`` (the update
+      kernel, ``a·X`` in its epilogue, bf16 out only). On a GPU ``"pallas"``
+      needs less memory (the 1.2 B tree's hybrid step on an H200 at 2^25
+      elements a call: 0.25 GiB of temporaries against 0.52 GiB); on a TPU
+      v6e more (1.25 against 0.97 GiB). It accumulates in its own order, so
+      results on hardware differ from the default's by bf16 rounding. No
+      effect on the CPU.
+  """
+  dtype: Any = "bfloat16"
+  gram: bool | str = False
+  max_elements: Optional[int] = None
+  matmul: str = "xla"
+
+  def __post_init__(self):
+    try:
+      if self.dtype is None:
+        raise TypeError
+      dtype = jnp.dtype(self.dtype)
+    except TypeError as e:
+      raise ValueError(f"NewtonSchulz: dtype must be a dtype or its name, got {self.dtype!r}") from e
+    object.__setattr__(self, "dtype", dtype)
+    if not (isinstance(self.gram, bool) or self.gram == "auto"):
+      raise ValueError(f"NewtonSchulz: gram must be False, True or 'auto', got {self.gram!r}")
+    m = self.max_elements
+    if m is not None and (isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1):
+      raise ValueError(f"NewtonSchulz: max_elements must be an int >= 1 or None, got {m!r}")
+    if self.matmul not in _MATMULS:
+      raise ValueError(f"NewtonSchulz: matmul must be one of {_MATMULS}, got {self.matmul!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Execution:
+  """Where and how the kernels of an optimizer run (both its Muon and its
+  AdamW side).
+
+  Attributes:
+    implementation: force one backend of the kernels (``None``: picked by the
+      platform and the shape; see docs/kernels.md for the names and the
+      environment override).
+    interpret: run the Pallas kernels in interpret mode (on the CPU).
+    shardings: where the parameters live when the mesh axes are Auto (a tree
+      of ``NamedSharding`` / ``PartitionSpec`` shaped like the params, a
+      prefix, or one for all); ``None`` reads the placement from the types
+      (Explicit axes). Sharded Muon leaves keep their momentum sharded; for
+      the Newton-Schulz, same-shaped matrices are re-laid out with
+      ``all_to_all`` so that each device orthogonalises about 1/N of them,
+      whole, then laid back (docs/scaling.md).
+  """
+  implementation: Optional[str] = None
+  interpret: bool = False
+  shardings: Any = None
+
+  def __post_init__(self):
+    if self.implementation is not None and not isinstance(self.implementation, str):
+      raise ValueError(f"Execution: implementation must be a backend name or None, got "
+                       f"{self.implementation!r}")
+    if not isinstance(self.interpret, bool):
+      raise ValueError(f"Execution: interpret must be a bool, got {self.interpret!r}")
+
+
+def as_record(owner: str, name: str, value, cls):
+  """``value`` as a ``cls`` record: the record itself, a mapping of its
+  fields (a YAML config's), or ``None`` for the defaults."""
+  if value is None:
+    return cls()
+  if isinstance(value, cls):
+    return value
+  if isinstance(value, Mapping):
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - fields)
+    if unknown:
+      raise ValueError(f"{owner}: {name} has unknown fields {unknown}; expected some of "
+                       f"{sorted(fields)}")
+    return cls(**value)
+  raise TypeError(f"{owner}: {name} must be a fuseopt.optim.{cls.__name__} (or a mapping of its "
+                  f"fields), got {value!r}")
