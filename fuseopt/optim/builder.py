@@ -58,7 +58,15 @@ def _scaled(rate: optax.ScalarOrSchedule, multiplier: float) -> optax.ScalarOrSc
 
 
 def _moments(config: OptimConfig):
+  """The dtype of momentum-like state (lion, Muon's momentum): bf16 or optax's."""
   return jnp.bfloat16 if config.state_dtype == "bfloat16" else None
+
+
+def _adam_moments(config: OptimConfig):
+  """Adam's ``moment_dtype``: bf16, 8-bit codes (``"int8"``) or fp32."""
+  if config.state_dtype == "int8":
+    return "int8"
+  return _moments(config) or jnp.float32
 
 
 def _betas(config: OptimConfig, b1="b1", b2="b2", eps="eps") -> dict[str, Any]:
@@ -72,13 +80,13 @@ def _betas(config: OptimConfig, b1="b1", b2="b2", eps="eps") -> dict[str, Any]:
 
 def _adam(config, rate, weight_decay):
   kw = {**_betas(config), **config.optimizer_kwargs}
-  return adam_transforms.adam(rate, moment_dtype=_moments(config) or jnp.float32, **kw)
+  return adam_transforms.adam(rate, moment_dtype=_adam_moments(config), **kw)
 
 
 def _adamw(config, rate, weight_decay):
   kw = {**_betas(config), **config.optimizer_kwargs}
   return adam_transforms.adamw(rate, weight_decay=weight_decay,
-                          moment_dtype=_moments(config) or jnp.float32,
+                          moment_dtype=_adam_moments(config),
                           cautious_weight_decay=config.cautious_weight_decay, **kw)
 
 
@@ -139,8 +147,9 @@ def _muon_kwargs(config, weight_decay, adam_rate):
   kw = dict(weight_decay=weight_decay, adam_weight_decay=weight_decay, mu_dtype=_moments(config),
             cautious_weight_decay=config.cautious_weight_decay,
             **_betas(config, b1="adam_b1", b2="adam_b2"))
-  if config.state_dtype == "bfloat16":
-    kw["adam_moment_dtype"] = jnp.bfloat16  # both AdamW-side moments; optax's muon has mu only
+  if config.state_dtype in ("bfloat16", "int8"):
+    # both AdamW-side moments (optax's muon has mu only); int8 leaves Muon's momentum fp32
+    kw["adam_moment_dtype"] = _adam_moments(config)
   if adam_rate is not None:
     kw["adam_learning_rate"] = adam_rate
   if config.muon_patterns is not None:

@@ -19,7 +19,7 @@ from fuseopt.optim import groups as groups_lib
 from fuseopt.optim import schedules as schedules_lib
 
 __all__ = ["OPTIMIZERS", "BF16_PARAMS", "BF16_STATE_OPTIMIZERS", "CAUTIOUS_OPTIMIZERS",
-           "MUON_OPTIMIZERS", "STATE_DTYPES", "OptimConfig"]
+           "MUON_OPTIMIZERS", "STATE_DTYPES", "INT8_STATE_OPTIMIZERS", "OptimConfig"]
 
 OPTIMIZERS = ("adam", "adamw", "lamb", "lion", "adafactor", "muon", "muonclip", "normuon")
 # Optimizers whose moments can be stored in bf16 (state_dtype="bfloat16").
@@ -29,7 +29,10 @@ MUON_OPTIMIZERS = ("muon", "muonclip", "normuon")
 # Optimizers with cautious weight decay (their own kwarg, and in the fused step).
 CAUTIOUS_OPTIMIZERS = ("adamw", "muon", "muonclip", "normuon")
 BF16_PARAMS = ("stochastic", "mantissa")
-STATE_DTYPES = ("float32", "bfloat16")
+STATE_DTYPES = ("float32", "bfloat16", "int8")
+# Optimizers whose Adam moments can be 8-bit blockwise codes (state_dtype="int8"):
+# Adam/AdamW, and the Muon family's AdamW side (Muon's momentum stays fp32).
+INT8_STATE_OPTIMIZERS = ("adam", "adamw", "muon", "muonclip", "normuon")
 # Weight decay is part of these optimizers' own kwargs; plain Adam has none.
 _NO_DECAY_OPTIMIZERS = ("adam",)
 
@@ -102,8 +105,11 @@ class OptimConfig:
     b1, b2, eps: the optimizer's moment rates and epsilon; None keeps its
       default (Muon: ``b1``/``b2`` are its AdamW side's, its momentum is
       ``optimizer_kwargs["beta"]``).
-    state_dtype: ``"float32"`` or ``"bfloat16"`` moments; bf16 only for
-      :data:`BF16_STATE_OPTIMIZERS`.
+    state_dtype: ``"float32"``, ``"bfloat16"`` or ``"int8"`` moments; bf16 only
+      for :data:`BF16_STATE_OPTIMIZERS`; int8 (Adam's moments as 8-bit codes
+      with one fp32 scale per 256 elements, docs/adam.md) only for
+      :data:`INT8_STATE_OPTIMIZERS`, where the Muon family keeps its momentum
+      in fp32 and stores its AdamW side's moments in int8.
     param_groups: :class:`~fuseopt.optim.groups.ParamGroup` records (or their
       dicts); empty means one group for everything.
     clip_norm: global-norm clip threshold over all gradients; 0 or ``inf``
@@ -244,6 +250,9 @@ class OptimConfig:
     if self.state_dtype == "bfloat16" and self.optimizer not in BF16_STATE_OPTIMIZERS:
       raise ValueError(f"OptimConfig.state_dtype='bfloat16': optimizer {self.optimizer!r} cannot keep bf16 "
                        f"moments; use one of {BF16_STATE_OPTIMIZERS} or state_dtype='float32'")
+    if self.state_dtype == "int8" and self.optimizer not in INT8_STATE_OPTIMIZERS:
+      raise ValueError(f"OptimConfig.state_dtype='int8': optimizer {self.optimizer!r} cannot keep 8-bit "
+                       f"moments; use one of {INT8_STATE_OPTIMIZERS} or state_dtype='float32'")
     if self.optimizer in _NO_DECAY_OPTIMIZERS and self.weight_decay > 0:
       raise ValueError(f"OptimConfig.weight_decay: optimizer {self.optimizer!r} has no weight decay "
                        f"(got {self.weight_decay}); use 'adamw'")

@@ -93,6 +93,26 @@ def test_bf16_state():
     OptimConfig(optimizer="adafactor", learning_rate=1e-3, state_dtype="bfloat16")
 
 
+def test_int8_state():
+  """state_dtype="int8": Adam's moments (and the Muon family's AdamW side's) as
+  8-bit codes with fp32 block scales; Muon's momentum stays fp32; optimizers
+  without Adam moments refuse it at construction."""
+  params = {"w": jnp.ones((4, 256)), "b": jnp.ones((256,))}
+  g = jax.tree.map(lambda x: 0.01 * x, params)
+  for name in ("adamw", "adam", "muon", "normuon"):
+    cfg = OptimConfig(optimizer=name, learning_rate=1e-3, state_dtype="int8")
+    tx = build_optimizer(cfg, 10)
+    state = tx.init(params)
+    _, state = jax.jit(tx.update)(g, state, params)
+    kinds = {str(x.dtype) for x in jax.tree.leaves(state)}
+    assert {"int8", "uint8"} <= kinds, (name, kinds)
+    if name in ("muon", "normuon"):  # the (4, 256) matrix's momentum: fp32
+      assert any(x.shape == (4, 256) and x.dtype == jnp.float32 for x in jax.tree.leaves(state))
+  for name in ("lamb", "lion", "adafactor"):
+    with pytest.raises(ValueError, match=f"state_dtype='int8'.*{name}"):
+      OptimConfig(optimizer=name, learning_rate=1e-3, state_dtype="int8")
+
+
 def test_groups_get_their_rate_and_decay():
   # AdamW's first step moves each weight by lr * (sign(g) + wd * p) (m/sqrt(v) = sign(g)).
   lr, wd = 1e-2, 0.1
