@@ -150,7 +150,7 @@ def _hand_dims():
 
 
 def test_muon_dimension_numbers_dict_callable_and_state_on_nnx():
-  # fp32 NS: the fused step rounds its NS input to ns_dtype before the
+  # fp32 NS: the fused step rounds its NS input to the NS dtype before the
   # normalisation, update() after it; in fp32 both agree to fp32 rounding.
   ref_losses, ref = _train_pure(fo.muon(1e-2, muon_weight_dimension_numbers=_hand_dims(), newton_schulz=fo.NewtonSchulz(dtype=jnp.float32)))
   for dims, cls in ((_hand_dims(), nnx.Optimizer),  # a plain dict on nnx state
@@ -197,8 +197,8 @@ def test_builder_yaml_muon_split_and_adam_rate_on_nnx():
   # NS input before its normalisation, update() after it.
   explicit = fo.OptimConfig.from_dict({**explicit.to_dict(),
                                        "optimizer_kwargs": {"muon_weight_dimension_numbers": _hand_dims(),
-                                                            "ns_dtype": "float32"}})
-  fp32_ns = fo.OptimConfig.from_dict({**config.to_dict(), "optimizer_kwargs": {"ns_dtype": "float32"}})
+                                                            "newton_schulz": {"dtype": "float32"}}})
+  fp32_ns = fo.OptimConfig.from_dict({**config.to_dict(), "optimizer_kwargs": {"newton_schulz": {"dtype": "float32"}}})
   ref_losses, ref = _train_pure(fo.build_optimizer(explicit, steps=10))
   losses, params = _train_nnx(fo.build_optimizer(fp32_ns, steps=10), fnnx.Optimizer)
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
