@@ -150,12 +150,8 @@ def quantized_leaf_reason(g, config, index_map) -> str | None:
 
 
 def _quantized_kernel(s_ref, seed_ref, *refs, rows, length, nesterov, apply, index_map):
-  n_in = 6 if apply else 5
-  ins, outs = refs[:n_in], refs[n_in:]
-  if apply:
-    p_ref, *ins = ins
-  g_ref, muc_ref, mus_ref, nuc_ref, nus_ref = ins
-  o_ref, muc_out, mus_out, nuc_out, nus_out = outs
+  p_ref, (g_ref, muc_ref, mus_ref, nuc_ref, nus_ref), (o_ref, muc_out, mus_out, nuc_out, nus_out) = (
+      quantized.split_kernel_refs(refs, apply))
   block = quantized.BLOCK
   shape = (rows, block)
   seed = lambda k: seed_ref[k].astype(jnp.uint32)

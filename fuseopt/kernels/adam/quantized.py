@@ -67,6 +67,17 @@ def is_quantized(x) -> bool:
   return isinstance(x, QuantizedMoment)
 
 
+def split_kernel_refs(refs, apply: bool):
+  """An 8-bit Adam kernel's refs in the order every backend passes them:
+  ``(p_ref or None, (g, mu codes, mu scales, nu codes, nu scales), (out, the
+  same four written back))``; ``p`` is read only when the kernel applies the
+  update."""
+  n_in = 6 if apply else 5
+  ins, outs = list(refs[:n_in]), tuple(refs[n_in:])
+  p_ref = ins.pop(0) if apply else None
+  return p_ref, tuple(ins), outs
+
+
 def fits(shape) -> bool:
   """Whether a leaf of ``shape`` can hold 8-bit moments: a last axis that
   divides into whole blocks."""

@@ -258,12 +258,8 @@ def _quantized_kernel(s_ref, seed_ref, *refs, rows, nesterov, apply, index_map):
   """``rows`` whole quantisation blocks a program: p, g (rows, BLOCK); the
   codes likewise; the scales (rows,). Each block's new absmax is a row
   reduction in registers."""
-  n_in = 6 if apply else 5
-  ins, outs = refs[:n_in], refs[n_in:]
-  if apply:
-    p_ref, *ins = ins
-  g_ref, muc_ref, mus_ref, nuc_ref, nus_ref = ins
-  o_ref, muc_out, mus_out, nuc_out, nus_out = outs
+  p_ref, (g_ref, muc_ref, mus_ref, nuc_ref, nus_ref), (o_ref, muc_out, mus_out, nuc_out, nus_out) = (
+      quantized.split_kernel_refs(refs, apply))
   f32 = lambda r: r[...].astype(jnp.float32)
   mu32 = quantized.dequantize_mu(muc_ref[...], mus_ref[...][:, None])
   nu32 = quantized.dequantize_nu(nuc_ref[...], nus_ref[...][:, None])
