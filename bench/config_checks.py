@@ -172,6 +172,16 @@ def compare_arrays(outs, refs) -> dict:
 # elements, so without these no block would be ragged (masked) on hardware.
 RAGGED_LEAVES = ((1001, 999), (7,))
 RAGGED_LEAVES_DRY = ((13, 7), (7,))
+# The 8-bit family's extra leaf: 3 rows of 5 quantisation blocks, so that
+# no block config divides it (a masked last program).
+INT8_EXTRA_LEAVES = ((3, 1280),)
+
+
+def int8_shapes(st: Settings) -> list[tuple[int, ...]]:
+  """The elementwise tree's leaves whose last axis divides the 8-bit
+  moments' quantisation block, and :data:`INT8_EXTRA_LEAVES`."""
+  from fuseopt.kernels.adam import quantized
+  return [s for s in ew_shapes(st) if quantized.fits(s)] + list(INT8_EXTRA_LEAVES)
 
 
 def ew_shapes(st: Settings) -> list[tuple[int, ...]]:
@@ -183,14 +193,14 @@ def ew_shapes(st: Settings) -> list[tuple[int, ...]]:
   return [s.shape for s in llama] + list(st.ragged)
 
 
-def _normal_tree(st: Settings, seed, dtype=None, scale=0.02):
+def _normal_tree(st: Settings, seed, dtype=None, scale=0.02, shapes=None):
   """The elementwise tree's leaves as device arrays: drawn on the device
   (host-side numpy would take seconds per 100 M values), or with numpy for a
   tiny tree (compiling a generator per shape costs more there)."""
   import jax
   import jax.numpy as jnp
   from fuseopt.benchmarks import workloads
-  structs = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ew_shapes(st)]
+  structs = [jax.ShapeDtypeStruct(s, jnp.float32) for s in (shapes or ew_shapes(st))]
   if sum(math.prod(s.shape) for s in structs) < (1 << 20):
     tree = workloads.materialize(structs, seed=seed, scale=scale)
     return [x.astype(dtype or jnp.float32) for x in tree]
@@ -283,6 +293,53 @@ def families(st: Settings) -> list[Family]:
     out.append(Family("adam_group", "fuseopt.kernels.adam.adam_update_tree(group=True)",
                       adam.TRITON_GROUP_SEARCH_SPACE, adam_setup, adam_runner(True), adam_compare,
                       adam_work))
+  # 8-bit moments (kernels/adam/quantized.py): the leaves whose last axis
+  # divides the quantisation block, moments from one reference step from
+  # zero so that codes and scales are those of a running optimizer.
+  from fuseopt.kernels.adam import quantized
+
+  def int8_setup():
+    shapes = int8_shapes(st)
+    p, g, g0 = (_normal_tree(st, k, shapes=shapes) for k in (1, 2, 3))
+    zeros = lambda signed: [quantized.zeros(x.shape, signed=signed) for x in p]
+    _, mu, nu = jax.jit(lambda p, g, mu, nu: adam.adam_update_tree(
+        p, g, mu, nu, implementation="xla", **{**hyper, "count": 1}))(p, g0, zeros(True), zeros(False))
+    ref = jax.jit(lambda p, g, mu, nu: adam.adam_update_tree(
+        p, g, mu, nu, implementation="xla", **hyper))(p, g, mu, nu)
+    return {"args": (p, g, list(mu), list(nu)), "ref": _block(_int8_flat(ref))}
+
+  def int8_runner(impl=impl):
+    def run(state, cfg):
+      f = jax.jit(lambda p, g, mu, nu: adam.adam_update_tree(
+          p, g, mu, nu, implementation=impl, interpret=st.interpret, config=cfg, group=False,
+          **hyper), donate_argnums=(0, 2, 3))
+      p, g, mu, nu = state["args"]
+      copy = lambda xs: jax.tree.map(lambda x: x.copy(), xs)
+      live = {"p": copy(p), "mu": copy(mu), "nu": copy(nu)}
+
+      def call():
+        np_, nmu, nnu = f(live["p"], g, live["mu"], live["nu"])
+        live.update(p=np_, mu=nmu, nu=nnu)
+        return _int8_flat((np_, nmu, nnu))
+      return _call(call, f, (p, g, mu, nu))
+    return run
+
+  def int8_compare(state, outs):
+    # The parameters within ADAM_TOL of the reference; the codes may differ
+    # where a 1-ulp fp32 difference moves a stochastic rounding (recorded).
+    n = len(state["args"][0])
+    c = compare_arrays(outs[:n], state["ref"][:n])
+    codes = compare_arrays(outs[n:], state["ref"][n:])
+    return {"rel_err": c["rel_err"], "bitwise_ref": c["bitwise"] and codes["bitwise"],
+            "state_differing": codes["differing"], "state_rel_err": codes["rel_err"],
+            "ok": c["rel_err"] < ADAM_TOL and codes["differing"][0] <= 1e-3 * codes["differing"][1]}
+
+  n_int8 = sum(math.prod(s) for s in int8_shapes(st))
+  int8_work = {"bytes": (16 + 16 / quantized.BLOCK) * n_int8}
+  out.append(Family("adam_int8", "fuseopt.kernels.adam.adam_update_tree(int8 moments)",
+                    adam.MOSAIC_SEARCH_SPACE if mosaic else adam.TRITON_SEARCH_SPACE,
+                    int8_setup, int8_runner(), int8_compare, int8_work))
+
   if st.mosaic_gpu:
     # The same trees through the Mosaic GPU kernels: Triton stays the GPU
     # default until these two families have been timed beside the two above.
@@ -391,6 +448,13 @@ def _flat(tree_outs):
   return list(p) + list(mu) + list(nu)
 
 
+def _int8_flat(tree_outs):
+  """adam_update_tree's outputs with 8-bit moments as one list: params, then
+  each moment's codes and scales."""
+  p, mu, nu = tree_outs
+  return list(p) + [a for m in list(mu) + list(nu) for a in (m.codes, m.scales)]
+
+
 def jobs_of(fams: list[Family], per_family: int | None = None) -> list[dict]:
   """The job list: per family the heuristic, then the space's configs last first."""
   out = []
@@ -435,7 +499,7 @@ def run_job(fam: Family, cfg, state: dict, iters: int, heuristic_outs: dict) -> 
   outs = _block(call())
   rec["compile_s"] = round(time.perf_counter() - t0, 3)
   rec.update(fam.compare(state, outs))
-  if fam.name in ("stochastic_round", "adam", "adam_group"):
+  if fam.name in ("stochastic_round", "adam", "adam_group", "adam_int8"):
     if cfg is None:
       # A copy: the Adam families donate their outputs to the next call.
       heuristic_outs[fam.name] = [x.copy() for x in outs]

@@ -1,6 +1,6 @@
 """pytest-benchmark suite: one AdamW update of the CPU Llama tree; every
 variant of fuseopt.benchmarks.cases.adam (optax fp32 / mu bf16, fuseopt
-drop-in, the fused step with fp32 and with bf16 params)."""
+drop-in, the fused step with fp32 and with bf16 params, with 8-bit moments)."""
 
 import numpy as np
 
@@ -18,7 +18,9 @@ def test_adam(bench_variant, bench_size, name, variant):
   info = bench_variant(case, variant)
   # The fused step writes params and moments in place: no leaf-sized
   # temporaries (XLA's temp for the optax steps is of the order of 100 bytes).
-  if variant.startswith("fuseopt_step"):
+  # On the CPU 8-bit moments run XLA's reference, whose quantisation blocks
+  # are temporaries; the kernels' in-place figure is the compile tier's.
+  if variant.startswith("fuseopt_step") and "int8" not in variant:
     assert info["temp_bytes"] < 0.01 * case.state_bytes[variant], info["temp_bytes"]
 
 

@@ -48,10 +48,14 @@ from fuseopt.benchmarks.core import Case
 LR = 1e-3
 WD = 0.1
 F32, BF16 = jnp.float32, jnp.bfloat16
+INT8_BOUND = 0.1
 
 BYTES_PER_PARAM = {
     "optax_adamw_fp32": 28, "optax_adamw_mu_bf16": 24, "fuseopt_adamw[drop_in]": 20,
     "fuseopt_step": 20, "fuseopt_step[xla]": 20, "fuseopt_step[per_leaf]": 20,
+    # 8-bit moments: p 4 + g 4 + codes 2 read, p 4 + codes 2 written, plus
+    # one fp32 scale per 256 elements of each moment read and written.
+    "fuseopt_step[int8]": 16 + 16 / 256, "fuseopt_step[int8,per_leaf]": 16 + 16 / 256,
 }
 
 
@@ -71,6 +75,12 @@ def _optimizers(platform):
     opts["fuseopt_step[xla]"] = (fo.adamw(LR, weight_decay=WD, implementation="xla"), True)
     # One launch per leaf instead of grouped launches: measures what grouping buys.
     opts["fuseopt_step[per_leaf]"] = (fo.adamw(LR, weight_decay=WD), "per_leaf")
+  # 8-bit moments (docs/adam.md): grouped (leaves the grouped launch cannot
+  # take run per leaf) and one launch per leaf.
+  int8 = fo.adamw(LR, weight_decay=WD, moment_dtype="int8")
+  opts["fuseopt_step[int8]"] = (int8, True)
+  if _accel(platform):
+    opts["fuseopt_step[int8,per_leaf]"] = (int8, "per_leaf")
   return opts
 
 
@@ -145,7 +155,10 @@ def cases(size: str, platform: str):
           figures[f"rel_err_vs_optax[{label}]"] = e
           # bf16 params: the stochastic rounding of p is the error (lr 1e-3
           # against a bf16 ulp of ~1e-4 at |p| ~ 0.02).
-          bound = 0.3 if (dtype == BF16 and label.startswith("fuseopt")) else 1e-3
+          # 8-bit moments: one step from zero moments moves each parameter
+          # by about lr * sign(g); the codes' rounding is the error.
+          bound = (0.3 if (dtype == BF16 and label.startswith("fuseopt"))
+                   else INT8_BOUND if "int8" in label else 1e-3)
           figures[f"ok[{label}]"] = bool(finite and np.isfinite(e) and e < bound)
       if "fuseopt_step" in outs and "fuseopt_step[xla]" in outs:
         frac, worst = _moment_mismatch(outs["fuseopt_step"][1][0],
