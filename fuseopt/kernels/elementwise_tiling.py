@@ -5,7 +5,8 @@ Both tile a leaf so that the counter hash sees each element's row-major flat
 index in the whole leaf, whatever the block:
 
 - Triton: a 1-D grid of ``block`` elements a program (a power of two) over the
-  flattened leaf, the ragged last block masked by Pallas;
+  flattened leaf, the ragged last block's loads and stores masked by the
+  kernel (:class:`TritonBounded`);
 - Mosaic GPU (sm_90): a 1-D grid over the flattened leaf's first
   ``128 * (size // 128)`` elements, ``block`` a program loaded from and
   stored to global memory as one warpgroup's register array
@@ -82,10 +83,10 @@ MOSAIC_GPU_AXIS = "fuseopt_blocks"
 
 
 # The search spaces of the elementwise kernels (stochastic rounding, Adam).
-# Block 4096 failed at run time inside XLA's CUDA graph on the H200
-# (docs/pallas_notes.md, "CUDA graphs"): it stays in the Triton space, to be
-# measured on the device, never in the heuristic. Mosaic GPU: not measured on
-# hardware, the whole range a warpgroup holds in registers (ptxas decides).
+# Triton: every config ran inside XLA's CUDA graphs on the H200 once ragged
+# blocks were masked; block 1024 / 8 warps measured fastest there
+# (docs/pallas_notes.md, "CUDA graphs"). Mosaic GPU: the whole range a
+# warpgroup holds in registers (ptxas decides).
 TRITON_SEARCH_SPACE = tuple(TritonConfig(b, w) for b in (512, 1024, 2048, 4096) for w in (4, 8))
 MOSAIC_GPU_SEARCH_SPACE = tuple(MosaicGPUConfig(b) for b in (256, 512, 1024, 2048, 4096))
 
@@ -127,8 +128,8 @@ def mosaic_gpu_flat_index(start, size: int) -> jax.Array:
 
 def triton_heuristic(size: int) -> TritonConfig:
   # Block 1024 / 8 warps measured best for per-leaf elementwise passes on the
-  # H200, and block 4096 failed inside XLA's CUDA graph there
-  # (docs/measurements.md, "Adam"); tiny arrays get one small block.
+  # H200 (docs/kernels.md, "Choice of defaults"); tiny arrays get one small
+  # block.
   block = min(1024, max(128, pl.next_power_of_2(max(size, 1))))
   return TritonConfig(block=block, num_warps=8 if size >= 1024 else 4)
 
@@ -137,6 +138,50 @@ def triton_flat_index(block: int) -> jax.Array:
   """uint32 flat indices of the current Triton program's block."""
   start = (pl.program_id(0) * block).astype(jnp.uint32)
   return start + jax.lax.iota(jnp.uint32, block)
+
+
+class TritonBounded:
+  """A Triton block ref read and written only where ``mask`` holds.
+
+  jax 0.11.2's Triton lowering emits unmasked loads and stores for a block
+  that runs past its array's end (0.12 masks them): the last program of a
+  ragged leaf then writes past the leaf, into whatever buffer XLA placed
+  after it (docs/pallas_notes.md, "Triton: ragged blocks"). The kernels
+  wrap such refs; ``[...]`` reads (zeros outside the mask) and writes
+  (nothing outside it) the whole block.
+  """
+
+  def __init__(self, ref, mask):
+    self.ref, self.mask = ref, mask
+
+  @property
+  def dtype(self):
+    return self.ref.dtype
+
+  @property
+  def shape(self):
+    return self.ref.shape
+
+  def __getitem__(self, key):
+    from jax.experimental.pallas import triton as plgpu
+    if key is not Ellipsis:
+      raise TypeError("TritonBounded reads the whole block ([...])")
+    return plgpu.load(self.ref, mask=self.mask, other=0)
+
+  def __setitem__(self, key, value):
+    from jax.experimental.pallas import triton as plgpu
+    if key is not Ellipsis:
+      raise TypeError("TritonBounded writes the whole block ([...])")
+    plgpu.store(self.ref, jnp.asarray(value, self.ref.dtype), mask=self.mask)
+
+
+def triton_bound(refs, mask, ragged: bool):
+  """``refs`` as :class:`TritonBounded` under ``mask`` where ``ragged``
+  (the grid runs past the array's end), else as they are: a leaf that the
+  blocks divide keeps its plain, unmasked accesses."""
+  if not ragged:
+    return tuple(refs)
+  return tuple(TritonBounded(r, mask) for r in refs)
 
 
 # Rows of a Mosaic block: a multiple of 16 (bf16 packs 16 rows a vreg tile,

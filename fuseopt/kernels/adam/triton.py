@@ -1,7 +1,8 @@
 """Fused Adam/AdamW update: the Triton backend (GPU), per leaf and grouped.
 
 Per leaf (:func:`update_flat`): a 1-D grid over the flattened leaf, ``block``
-elements a program (power of two), ragged tail masked. Grouped
+elements a program (power of two), the ragged last block's loads and
+stores masked (:class:`~fuseopt.kernels.elementwise_tiling.TritonBounded`). Grouped
 (:func:`update_group`, what :func:`fuseopt.kernels.adam_update_tree` runs):
 the leaves of one dtype signature in one launch (at most
 ``TritonGroupConfig.max_leaves_per_launch``), each leaf its own operand and
@@ -36,11 +37,12 @@ heuristic = elementwise_tiling.triton_heuristic
 supports = dispatch.supports_every_call
 
 
-def _kernel(s_ref, seed_ref, *refs, block, nesterov, apply, index_map, tracked):
+def _kernel(s_ref, seed_ref, *refs, block, n, nesterov, apply, index_map, tracked):
+  local = elementwise_tiling.triton_flat_index(block)
+  refs = elementwise_tiling.triton_bound(refs, local < n, n % block != 0)
   out, mu_new, nu_new, out_refs = kernel_body(s_ref, refs, nesterov=nesterov, apply=apply,
                                               tracked=tracked)
-  index = sharding_lib.global_index(elementwise_tiling.triton_flat_index(block), index_map,
-                                    seed_ref[SEED_BASE])
+  index = sharding_lib.global_index(local, index_map, seed_ref[SEED_BASE])
   store_outputs(out_refs, out, mu_new, nu_new, index, lambda k: seed_ref[k], tracked=tracked)
 
 
@@ -59,7 +61,7 @@ def update_flat(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, in
                jax.ShapeDtypeStruct((n,), nu.dtype)) + (
                    (jax.ShapeDtypeStruct((n,), lo.dtype),) if tracked else ())
   return pl.pallas_call(
-      functools.partial(_kernel, block=block, nesterov=nesterov, apply=apply,
+      functools.partial(_kernel, block=block, n=n, nesterov=nesterov, apply=apply,
                         index_map=index_map, tracked=tracked),
       out_shape=out_shape,
       grid=(pl.cdiv(n, block),),
@@ -96,9 +98,7 @@ class TritonGroupConfig:
                        f"{self.max_leaves_per_launch}")
 
 
-# Block 4096 failed at run time inside XLA's CUDA graph for per-leaf kernels
-# (docs/pallas_notes.md, "CUDA graphs"): in the space, to be measured on the device, never in
-# the heuristic.
+# Measured on the H200 inside CUDA graphs (bench/results/nvidia-h200/device_run.json).
 GROUP_SEARCH_SPACE = tuple(TritonGroupConfig(b, w, k) for b in (512, 1024, 2048, 4096)
                            for w in (4, 8) for k in (8, 16))
 
@@ -146,7 +146,8 @@ class _Held:
     self.value = value
 
 
-def _group_kernel(s_ref, seed_ref, *refs, block, starts, nesterov, apply, index_maps, tracked):
+def _group_kernel(s_ref, seed_ref, *refs, block, starts, sizes, nesterov, apply, index_maps,
+                  tracked):
   n_leaves = len(starts) - 1
   n_in = (4 if apply else 3) + tracked
   n_out = 3 + tracked
@@ -160,8 +161,12 @@ def _group_kernel(s_ref, seed_ref, *refs, block, starts, nesterov, apply, index_
   # and the three roundings are emitted once, so the kernel's code (and its
   # lowering and compile time) does not grow with the leaves' count
   # (docs/fused_step.md, "Compile time").
+  def bound(j, leaf_refs):
+    # Leaf j's last block runs past its end unless the block divides it.
+    return elementwise_tiling.triton_bound(leaf_refs, local < sizes[j], sizes[j] % block != 0)
+
   def load(j):
-    leaf = ins[n_in * j:n_in * (j + 1)]
+    leaf = bound(j, ins[n_in * j:n_in * (j + 1)])
     index = sharding_lib.global_index(local, index_maps[j], seed_ref[j * N_SEEDS + SEED_BASE])
     return tuple(r[...] for r in leaf) + (index,)
 
@@ -181,7 +186,7 @@ def _group_kernel(s_ref, seed_ref, *refs, block, starts, nesterov, apply, index_
     # The other leaves' (clamped) blocks are neither loaded nor stored.
     @pl.when(k == j)
     def _(j=j):
-      for r, v in zip(outs[n_out * j:n_out * (j + 1)], new):
+      for r, v in zip(bound(j, outs[n_out * j:n_out * (j + 1)]), new):
         r[...] = v.value
 
 
@@ -229,7 +234,7 @@ def update_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config, interpre
     # As in update_flat: params, moments (and companions) in place, the direction fresh.
     aliases.update(in_place_aliases(2 + n_in * k, n_out * k, apply=apply, tracked=tracked))
   outs = pl.pallas_call(
-      functools.partial(_group_kernel, block=block, starts=tuple(starts),
+      functools.partial(_group_kernel, block=block, starts=tuple(starts), sizes=tuple(sizes),
                         nesterov=nesterov, apply=apply, tracked=tracked,
                         index_maps=tuple(index_maps or (None,) * n_leaves)),
       out_shape=tuple(out_shape),
@@ -254,10 +259,19 @@ update_group_jit = jax.jit(update_group,
 
 
 # ------------------------------------------------------- triton, 8-bit moments --
-def _quantized_kernel(s_ref, seed_ref, *refs, rows, nesterov, apply, index_map):
+def _quantized_kernel(s_ref, seed_ref, *refs, rows, n_rows, nesterov, apply, index_map):
   """``rows`` whole quantisation blocks a program: p, g (rows, BLOCK); the
   codes likewise; the scales (rows,). Each block's new absmax is a row
   reduction in registers."""
+  block = quantized.BLOCK
+  first = (pl.program_id(0) * rows).astype(jnp.uint32)
+  row = first + jax.lax.iota(jnp.uint32, rows)
+  if n_rows % rows:
+    # The last program's rows past the leaf's end: masked loads and stores.
+    valid = row < n_rows
+    tile_mask = jnp.broadcast_to(valid[:, None], (rows, block))
+    refs = tuple(elementwise_tiling.TritonBounded(r, valid if len(r.shape) == 1 else tile_mask)
+                 for r in refs)
   p_ref, (g_ref, muc_ref, mus_ref, nuc_ref, nus_ref), (o_ref, muc_out, mus_out, nuc_out, nus_out) = (
       quantized.split_kernel_refs(refs, apply))
   f32 = lambda r: r[...].astype(jnp.float32)
@@ -265,10 +279,7 @@ def _quantized_kernel(s_ref, seed_ref, *refs, rows, nesterov, apply, index_map):
   nu32 = quantized.dequantize_nu(nuc_ref[...], nus_ref[...][:, None])
   out, mu_new, nu_new = adam_math(lambda k: s_ref[k], f32(p_ref) if apply else None, f32(g_ref),
                                   mu32, nu32, nesterov=nesterov, apply=apply, reciprocal=True)
-  block = quantized.BLOCK
-  first = (pl.program_id(0) * rows).astype(jnp.uint32)
-  local = ((first + jax.lax.iota(jnp.uint32, rows))[:, None] * jnp.uint32(block)
-           + jax.lax.iota(jnp.uint32, block)[None, :])
+  local = row[:, None] * jnp.uint32(block) + jax.lax.iota(jnp.uint32, block)[None, :]
   index = sharding_lib.global_index(local, index_map, seed_ref[SEED_BASE])
   o_ref[...] = store(out, o_ref.dtype, index, seed_ref[0])
   codes, scale = quantized.quantize_mu(mu_new, counter_hash.hash_bits(index, seed_ref[1]))
@@ -299,8 +310,8 @@ def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, confi
   if apply:
     aliases[2] = 0
   outs = pl.pallas_call(
-      functools.partial(_quantized_kernel, rows=rows, nesterov=nesterov, apply=apply,
-                        index_map=index_map),
+      functools.partial(_quantized_kernel, rows=rows, n_rows=n_rows, nesterov=nesterov,
+                        apply=apply, index_map=index_map),
       out_shape=out_shape,
       grid=(pl.cdiv(n_rows, rows),),
       in_specs=[pl.BlockSpec((N_SCALARS,), lambda i: (0,)),

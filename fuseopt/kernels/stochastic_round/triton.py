@@ -1,7 +1,8 @@
 """Counter-hash stochastic rounding fp32 → bf16: the Triton backend (GPU).
 
 A 1-D grid over the flattened array, ``block`` elements a program (a power
-of two); the ragged last block is masked by Pallas.
+of two); the ragged last block's loads and stores are masked
+(:class:`~fuseopt.kernels.elementwise_tiling.TritonBounded`).
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ heuristic = elementwise_tiling.triton_heuristic
 supports = dispatch.supports_every_call
 
 
-def _kernel(scalars_ref, x_ref, o_ref, *, block, index_map):
+def _kernel(scalars_ref, x_ref, o_ref, *, block, n, index_map):
   seed = scalars_ref[0]
   offset = scalars_ref[1]
-  index = sharding_lib.global_index(elementwise_tiling.triton_flat_index(block), index_map,
-                                    offset)
+  local = elementwise_tiling.triton_flat_index(block)
+  x_ref, o_ref = elementwise_tiling.triton_bound((x_ref, o_ref), local < n, n % block != 0)
+  index = sharding_lib.global_index(local, index_map, offset)
   o_ref[...] = counter_hash.stochastic_round_values(x_ref[...], index, seed)
 
 
@@ -40,7 +42,7 @@ def round_flat(flat, scalars, *, config: TritonConfig, interpret, index_map=None
   (n,) = flat.shape
   block = config.block
   return pl.pallas_call(
-      functools.partial(_kernel, block=block, index_map=index_map),
+      functools.partial(_kernel, block=block, n=n, index_map=index_map),
       out_shape=jax.ShapeDtypeStruct((n,), jnp.bfloat16),
       grid=(pl.cdiv(n, block),),
       in_specs=[pl.BlockSpec((2,), lambda i: (0,)),
