@@ -244,8 +244,9 @@ def cmd_report(args, out=print) -> int:
     out(report.markdown(report.find_results(args.results, include_cpu=args.include_cpu)))
     return 0
   from fuseopt.benchmarks import compiled
-  changed = report.render_readme(args.readme, args.results, include_cpu=args.include_cpu)
-  out(f"{args.readme}: performance table {'updated' if changed else 'unchanged'}")
+  changed = report.render_readme(args.readme, args.results, include_cpu=args.include_cpu,
+                                 full_page=args.readme.parent / "docs" / "benchmarks.md")
+  out(f"{args.readme}, docs/benchmarks.md: performance tables {'updated' if changed else 'unchanged'}")
   tier_page = args.readme.parent / "docs" / "compile_tier.md"
   if tier_page.exists():
     changed = compiled.render_tables(tier_page, args.results / "compiled")

@@ -59,14 +59,29 @@ def test_report_renders_readme_between_markers(tmp_path, capsys):
   assert cli.main(args) == 0
   text = readme.read_text()
   assert text.startswith(README.split("old table")[0]) and text.endswith("<!-- perf-table:end -->\nafter\n")
-  assert "old table" not in text and "**NVIDIA H200**" in text and "**cpu**" not in text
-  assert "| newton_schulz | 2048x2048 | fuseopt[triton] | 0.200 | 3.29× faster | 68% | 640 TFLOP/s |" in text
-  assert "| newton_schulz | 2048x2048 | optax | 0.658 | baseline |" in text
+  assert "old table" not in text and "NVIDIA H200: jax" in text and "cpu: jax" not in text
+  # The front page: one row per case, the baseline and the fastest fuseopt variant.
+  assert ("| NVIDIA H200 | newton_schulz | 2048x2048 | optax | 0.658 | fuseopt[triton] | 0.200 | "
+          "3.29× faster |") in text
   assert "llama-1.2b" not in text  # failed rows are not rendered
   assert "updated" in capsys.readouterr().out
   assert cli.main(args) == 0 and readme.read_text() == text  # idempotent
   assert "unchanged" in capsys.readouterr().out
-  assert cli.main(args + ["--include-cpu"]) == 0 and "**cpu**" in readme.read_text()
+  assert cli.main(args + ["--include-cpu"]) == 0 and "cpu: jax" in readme.read_text()
+
+
+def test_report_renders_every_row_into_the_benchmarks_page(tmp_path, capsys):
+  _results(tmp_path)
+  readme = tmp_path / "README.md"
+  readme.write_text(README)
+  (tmp_path / "docs").mkdir()
+  page = tmp_path / "docs" / "benchmarks.md"
+  page.write_text("# Benchmarks\n<!-- perf-table:start -->\nold\n<!-- perf-table:end -->\nend\n")
+  assert cli.main(["report", "--results", str(tmp_path / "results"), "--readme", str(readme)]) == 0
+  text = page.read_text()
+  assert "old" not in text and "**NVIDIA H200**" in text and text.endswith("end\n")
+  assert "| newton_schulz | 2048x2048 | fuseopt[triton] | 0.400 | 1.65× faster | 68% |" in text
+  assert "| newton_schulz | 2048x2048 | optax | 0.658 | baseline |" in text
 
 
 def test_report_print_and_missing_markers(tmp_path, capsys):

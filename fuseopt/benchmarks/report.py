@@ -303,19 +303,65 @@ def markdown(results_list: list[dict]) -> str:
   return "\n".join(parts).rstrip() + "\n"
 
 
-def render_readme(readme: Path | str, results_root: Path | str, *, include_cpu: bool = False) -> bool:
-  """Replaces the text between the perf-table markers of ``readme`` with the
-  tables of :func:`find_results`. Returns whether the file changed."""
-  readme = Path(readme)
-  text = readme.read_text()
+def summary_markdown(results_list: list[dict]) -> str:
+  """The front page's table: per device and case, the baseline, the fastest
+  fuseopt variant and the fastest other peer (e.g. PyTorch), one row each."""
+  if not results_list:
+    return markdown([])
+  runs = "; ".join(f"{r['meta']['device_kind']}: jax {r['meta']['jax']}, {r['meta'].get('time_utc', '')[:10]}"
+                   + (f" (`{r['_path']}`)" if r.get("_path") else "") for r in results_list)
+  parts = [f"{runs}. Every row: [benchmarks.md](docs/benchmarks.md#measured-on-hardware).", "",
+           "| device | op | case | baseline | ms | fastest fuseopt | ms | vs baseline | state B/param "
+           "| fastest peer | ms |",
+           "| --- | --- | --- | --- | ---: | --- | ---: | ---: | ---: | --- | ---: |"]
+  for res in results_list:
+    cases: dict[tuple[str, str], list[dict]] = {}
+    for r in res["rows"]:
+      if "ms" in r and "error" not in r:
+        cases.setdefault((r["op"], r["case"]), []).append(r)
+    for (op, case), rows in cases.items():
+      base = next((r for r in rows if r.get("is_baseline")), None)
+      ours = min((r for r in rows if r["variant"].startswith("fuseopt")), key=lambda r: r["ms"],
+                 default=None)
+      peers = [r for r in rows if not r.get("is_baseline") and not r["variant"].startswith("fuseopt")
+               and not r["variant"].startswith(("optax", "xla"))]
+      peer = min(peers, key=lambda r: r["ms"], default=None)
+      if base is None or ours is None:
+        continue
+      ratio = ours["ms"] / base["ms"]
+      vs = f"{1 / ratio:.2f}× faster" if ratio <= 1 else f"{ratio:.2f}× slower"
+      parts.append(f"| {res['meta']['device_kind']} | {op} | {case} | {base['variant']} | {base['ms']:.3f} "
+                   f"| {ours['variant']} | {ours['ms']:.3f} | {vs} "
+                   f"| {_num(ours.get('state_bytes_per_param'), '.1f')} "
+                   f"| {peer['variant'] if peer else '-'} | {f'{peer['ms']:.3f}' if peer else '-'} |")
+  return "\n".join(parts) + "\n"
+
+
+def replace_between(path: Path | str, start_marker: str, end_marker: str, body: str) -> bool:
+  """Replaces the text between two marker lines of ``path`` with ``body``.
+  Returns whether the file changed."""
+  path = Path(path)
+  text = path.read_text()
   # Markers count only on lines of their own (prose may quote them).
-  start = re.search(rf"^{re.escape(README_START)}[ \t]*\n", text, re.M)
-  end = re.search(rf"^{re.escape(README_END)}[ \t]*$", text, re.M)
+  start = re.search(rf"^{re.escape(start_marker)}[ \t]*\n", text, re.M)
+  end = re.search(rf"^{re.escape(end_marker)}[ \t]*$", text, re.M)
   if not start or not end or end.start() < start.end():
-    raise ValueError(f"{readme}: needs the markers {README_START} and {README_END}, "
+    raise ValueError(f"{path}: needs the markers {start_marker} and {end_marker}, "
                      "each on a line of its own, in that order")
-  body = markdown(find_results(results_root, include_cpu=include_cpu))
   new = text[:start.end()] + body + text[end.start():]
   if new != text:
-    readme.write_text(new)
+    path.write_text(new)
   return new != text
+
+
+def render_readme(readme: Path | str, results_root: Path | str, *, include_cpu: bool = False,
+                  full_page: Path | str | None = None) -> bool:
+  """Replaces the text between the perf-table markers of ``readme`` with
+  :func:`summary_markdown` of :func:`find_results`, and those of
+  ``full_page`` (docs/benchmarks.md) with every row (:func:`markdown`).
+  Returns whether a file changed."""
+  results = find_results(results_root, include_cpu=include_cpu)
+  changed = replace_between(readme, README_START, README_END, summary_markdown(results))
+  if full_page is not None and Path(full_page).exists():
+    changed |= replace_between(full_page, README_START, README_END, markdown(results))
+  return changed
