@@ -15,12 +15,15 @@ step's minimal traffic: read p, g 4+4, mu, nu 2+2, write p 4, mu, nu 2+2):
 - ``fuseopt_adamw[drop_in]``: :func:`fuseopt.optim.adamw` through
   ``update`` + ``optax.apply_updates`` (the update leaves the kernel as an
   fp32 tree, then XLA applies weight decay and lr: more traffic);
-- ``fuseopt_step``: :func:`fuseopt.optim.step`, the fused in-place kernel
-  (target <= 0.63x the baseline, about 7.2 ms on the H200);
+- ``fuseopt_step``: :func:`fuseopt.optim.step`, the fused in-place kernel,
+  one launch per leaf (target <= 0.63x the baseline, about 7.2 ms on the H200);
 - ``fuseopt_step[xla]`` (accelerators): the same forced to the plain-jnp
   implementation, to choose the default implementation per platform;
-- ``fuseopt_step[per_leaf]`` (accelerators): one kernel launch per leaf
-  instead of grouped launches, to measure what grouping buys.
+- ``fuseopt_step[grouped]`` (accelerators): ``step(group=True)``, the
+  leaves of one dtype signature in shared launches, to measure what
+  grouping buys;
+- ``fuseopt_step[int8]``, ``fuseopt_step[int8,grouped]``: the same with
+  8-bit moments (``moment_dtype="int8"``).
 
 Case ``llama1.2b_bf16_params`` (bf16 params and grads; 14 B/param): the
 fused step (target <= 0.44x optax fp32) and its xla form, against the same
@@ -52,10 +55,10 @@ INT8_BOUND = 0.1
 
 BYTES_PER_PARAM = {
     "optax_adamw_fp32": 28, "optax_adamw_mu_bf16": 24, "fuseopt_adamw[drop_in]": 20,
-    "fuseopt_step": 20, "fuseopt_step[xla]": 20, "fuseopt_step[per_leaf]": 20,
+    "fuseopt_step": 20, "fuseopt_step[xla]": 20, "fuseopt_step[grouped]": 20,
     # 8-bit moments: p 4 + g 4 + codes 2 read, p 4 + codes 2 written, plus
     # one fp32 scale per 256 elements of each moment read and written.
-    "fuseopt_step[int8]": 16 + 16 / 256, "fuseopt_step[int8,per_leaf]": 16 + 16 / 256,
+    "fuseopt_step[int8]": 16 + 16 / 256, "fuseopt_step[int8,grouped]": 16 + 16 / 256,
 }
 
 
@@ -73,23 +76,23 @@ def _optimizers(platform):
   }
   if _accel(platform):
     opts["fuseopt_step[xla]"] = (fo.adamw(LR, weight_decay=WD, implementation="xla"), True)
-    # One launch per leaf instead of grouped launches: measures what grouping buys.
-    opts["fuseopt_step[per_leaf]"] = (fo.adamw(LR, weight_decay=WD), "per_leaf")
-  # 8-bit moments (docs/adam.md): grouped (leaves the grouped launch cannot
-  # take run per leaf) and one launch per leaf.
+    # Grouped launches instead of one per leaf: measures what grouping buys.
+    opts["fuseopt_step[grouped]"] = (fo.adamw(LR, weight_decay=WD), "grouped")
+  # 8-bit moments (docs/adam.md): one launch per leaf, and grouped (the
+  # leaves with 8-bit moments run per leaf, the others grouped).
   int8 = fo.adamw(LR, weight_decay=WD, moment_dtype="int8")
   opts["fuseopt_step[int8]"] = (int8, True)
   if _accel(platform):
-    opts["fuseopt_step[int8,per_leaf]"] = (int8, "per_leaf")
+    opts["fuseopt_step[int8,grouped]"] = (int8, "grouped")
   return opts
 
 
 def step_fn(tx, fused):
   """``fused``: False (update + apply), True (fuseopt.optim.step) or
-  ``"per_leaf"`` (fuseopt.optim.step without grouped launches)."""
+  ``"grouped"`` (fuseopt.optim.step with grouped launches)."""
   if fused:
     def step(params, state, grads):
-      return fo.step(tx, grads, state, params, group=fused != "per_leaf")
+      return fo.step(tx, grads, state, params, group=fused == "grouped")
   else:
     def step(params, state, grads):
       updates, state = tx.update(grads, state, params)
