@@ -153,7 +153,7 @@ def test_every_group_config_lowers_for_the_h200():
   assert _triton_calls(one_limit, *_leaves(k + 1, 2)) == 2 + 1
   # Direction-only mode (fresh output, moments aliased) and nesterov.
   fn = lambda g, mu, nu: A.adam_update_tree(None, g, mu, nu, count=3, nesterov=True,
-                                            implementation="triton")
+                                            implementation="triton", group=True)
   _, g, m, _, _, _ = _leaves(2, 0)
   assert _triton_calls(fn, g, m, m) == 1
 
@@ -167,7 +167,7 @@ def _step_kernels(group):
   return len(TRITON_CALL.findall(text)), len(jax.tree.leaves(params))
 
 
-def test_step_uses_grouped_launches_on_the_h200():
+def test_step_groups_launches_on_the_h200_when_asked():
   grouped, n_leaves = _step_kernels(True)
   per_leaf, _ = _step_kernels(False)
   assert per_leaf == n_leaves == 21
@@ -192,7 +192,7 @@ def test_group_config_errors_and_heuristic():
   x = [jnp.zeros((8,), F32)]
   with pytest.raises(TypeError, match="config must be a TritonGroupConfig"):
     A.adam_update_tree(x, x, x, x, count=1, implementation="triton", interpret=True,
-                       config=A.TritonConfig())
+                       config=A.TritonConfig(), group=True)
   # The per-leaf config still serves group=False.
   A.adam_update_tree(x, x, x, x, count=1, implementation="triton", interpret=True,
                      config=A.TritonConfig(128, 4), group=False)

@@ -218,7 +218,7 @@ def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9,
   stored as it is. Leaf ``i`` rounds with ``adam_seeds(seed, count, i)``.
 
   Launches: one kernel per leaf by default. With the ``triton``
-  implementation and ``group=True`` the leaves of one dtype signature
+  implementation and ``group=True`` (or ``config`` a :class:`TritonGroupConfig`) the leaves of one dtype signature
   (params, grads, mu, nu) share one kernel launch, at most
   ``config.max_leaves_per_launch`` leaves a launch (``config``: a
   :class:`TritonGroupConfig`), each leaf read and written in place where it
@@ -267,10 +267,9 @@ def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9,
                     f"launches (or pass group=False), got {config!r}")
   if impl == "mosaic_gpu" and config is not None:
     group_config = dispatch.backend_module(OP_NAME, impl).MosaicGPUGroupConfig
-    if not isinstance(config, (MosaicGPUConfig, group_config)) or (
-        not group and isinstance(config, group_config)):
+    if not isinstance(config, (MosaicGPUConfig, group_config)):
       raise TypeError(f"adam_update: config must be a MosaicGPUConfig (one launch per leaf) "
-                      f"or, with group=True, a MosaicGPUGroupConfig for mosaic_gpu, "
+                      f"or a MosaicGPUGroupConfig (grouped launches) for mosaic_gpu, "
                       f"got {config!r}")
   ps = [jnp.asarray(p) for p in params] if apply else None
   los = _companions(params_lo, ps, n)

@@ -113,11 +113,10 @@ def _with_companion(update):
 
 
 def _groups_leaves(impl, group, config) -> bool:
-  """Whether backend ``impl`` runs leaves of one dtype signature in one launch."""
-  if not group:
-    return False
+  """Whether backend ``impl`` runs leaves of one dtype signature in one
+  launch: asked by ``group=True`` or by a grouped launch's config."""
   if impl == "triton":
-    return True
+    return bool(group) or isinstance(config, _backend(impl).TritonGroupConfig)
   return impl == "mosaic_gpu" and isinstance(config, _backend(impl).MosaicGPUGroupConfig)
 
 
