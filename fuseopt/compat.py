@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 from typing import Any
 
 import jax
@@ -34,7 +33,6 @@ JAX_VERSION: tuple[int, ...] = tuple(int(x) for x in jax.__version__.split(".")[
 
 # FUSEOPT_DETECT_RACES=1 runs TPU kernels in interpret mode with race
 # detection (slower; on by default in the test suite of the newest release).
-_DETECT_RACES_ENV = "FUSEOPT_DETECT_RACES"
 
 
 @functools.cache
@@ -47,7 +45,8 @@ def interpret_raises_on_race() -> bool:
 
 def detect_races_requested() -> bool:
   """``FUSEOPT_DETECT_RACES=1`` is set (and the release can raise on a race)."""
-  return os.environ.get(_DETECT_RACES_ENV, "") == "1" and interpret_raises_on_race()
+  from fuseopt.kernels import dispatch   # the one reader of fuseopt's environment
+  return dispatch.environment_overrides().detect_races and interpret_raises_on_race()
 
 
 def tpu_interpret_params(**kwargs: Any) -> Any:

@@ -65,9 +65,9 @@ def _on(impl: str) -> dict:
 
 def _sr_cases(impl: str) -> list[Case]:
   from fuseopt.benchmarks import workloads
-  from fuseopt.kernels import dispatch
   from fuseopt.kernels import stochastic_round as sr
-  backend = dispatch.backend_module("stochastic_round", impl)
+  from fuseopt.kernels.stochastic_round.backends import BACKENDS
+  backend = BACKENDS[impl]
   heur, space = backend.heuristic, backend.SEARCH_SPACE
   out, seen = [], set()
 
@@ -98,8 +98,9 @@ _ADAM_RAGGED = (1000, 3001)
 
 
 def _adam_cases(impl: str) -> list[Case]:
-  from fuseopt.kernels import adam, dispatch
-  space = dispatch.backend_module("adam_update", impl).SEARCH_SPACE
+  from fuseopt.kernels import adam
+  from fuseopt.kernels.adam.backends import BACKENDS
+  space = BACKENDS[impl].SEARCH_SPACE
   out = []
 
   def case(tag, shape, pd, gd, md, *, cfg=None, full_only=False, **opts):
@@ -209,8 +210,9 @@ def _llama_leaves(dtype=F32):
 
 
 def _adam_group_cases(impl: str = "triton") -> list[Case]:
-  from fuseopt.kernels import adam, dispatch
-  space = dispatch.backend_module("adam_update", impl).GROUP_SEARCH_SPACE
+  from fuseopt.kernels import adam
+  from fuseopt.kernels.adam.backends import BACKENDS
+  space = BACKENDS[impl].GROUP_SEARCH_SPACE
 
   def case(cfg, full_only):
     def build(t):

@@ -3,10 +3,12 @@
 Every op has a plain-``jnp`` reference (``"xla"``) and Pallas backends:
 ``"triton"`` (GPU, Pallas's Triton lowering), ``"mosaic_tpu"`` (TPU) and, for
 the elementwise ops and Newton–Schulz, ``"mosaic_gpu"`` (Pallas's Mosaic GPU
-lowering, sm_90 only). Each op lists its backends in :data:`BACKENDS`, one entry a backend:
-the module that holds its kernel, config, heuristic and search space, and a
+lowering, sm_90 only). Each op lists its backends in one table in its own
+folder, ``<op>/backends.py`` (``BACKENDS``: name -> the module or record that
+holds the backend's kernel, config, heuristic and search space), each with a
 ``supports(call)`` function that returns ``None`` when the backend can run
-the :class:`Call` or a sentence saying why it cannot.
+the :class:`Call` or a sentence saying why it cannot; the op hands its table
+to :func:`select`.
 
 The rule (:func:`select`):
 
@@ -26,10 +28,10 @@ The rule (:func:`select`):
 GPU default until a device run has timed both).
 
 Adding a backend is one new file (the op's ``<backend>.py``, defining
-``supports``) and one entry in :data:`BACKENDS`.
+``supports``) and one entry in the op's ``BACKENDS``.
 
 Environment overrides (for debugging), read by :func:`environment_overrides`
-and nowhere else:
+and nowhere else, once per op call (the op hands what it read down):
 
 - ``FUSEOPT_IMPLEMENTATION`` (``xla``, ``triton``, ``mosaic_tpu`` or
   ``mosaic_gpu``): the backend of every op called with ``implementation=None``;
@@ -37,7 +39,9 @@ and nowhere else:
   the same for one op, which helps to bisect a numerical problem;
 - ``FUSEOPT_NS_PATH`` (``fused`` or ``tiled``): Newton–Schulz's kernel path
   when neither ``config=`` nor ``gram=`` decides it (a Gram iteration has no
-  fused kernel: the variable is then ignored, with a warning).
+  fused kernel: the variable is then ignored, with a warning);
+- ``FUSEOPT_DETECT_RACES=1``: interpret-mode TPU kernels raise on a data race
+  (where the release can, :mod:`fuseopt.compat`).
 
 They are read when an op is *traced*. ``jax.jit`` caches what it traced and
 does not see the environment, so a function jitted before a variable changed
@@ -49,7 +53,6 @@ changing one.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 import os
 import re
@@ -60,10 +63,11 @@ import jax
 logger = logging.getLogger("fuseopt")
 
 IMPLEMENTATIONS = ("xla", "triton", "mosaic_tpu", "mosaic_gpu")
-# The implementations of an op that is not in BACKENDS (resolve_implementation).
+# The implementations resolve_implementation assumes when not told an op's.
 WITHOUT_MOSAIC_GPU = ("xla", "triton", "mosaic_tpu")
 ENV_VAR = "FUSEOPT_IMPLEMENTATION"
 NS_PATH_ENV_VAR = "FUSEOPT_NS_PATH"
+DETECT_RACES_ENV_VAR = "FUSEOPT_DETECT_RACES"
 
 # The backends implementation=None tries, in order, per platform. Each ends
 # with the reference; a platform not listed runs the reference.
@@ -74,31 +78,6 @@ PLATFORM_ORDER: Mapping[str, tuple[str, ...]] = {
     "rocm": ("xla",),
     "tpu": ("mosaic_tpu", "xla"),
 }
-
-_K = "fuseopt.kernels."
-# op -> {backend name: the module holding it (kernel, config, heuristic,
-# search space, ``supports``)}. One entry a backend.
-BACKENDS: Mapping[str, Mapping[str, str]] = {
-    "stochastic_round": {
-        "xla": _K + "stochastic_round.reference",
-        "triton": _K + "stochastic_round.triton",
-        "mosaic_tpu": _K + "stochastic_round.mosaic_tpu",
-        "mosaic_gpu": _K + "stochastic_round.mosaic_gpu",
-    },
-    "adam_update": {
-        "xla": _K + "adam.reference",
-        "triton": _K + "adam.triton",
-        "mosaic_tpu": _K + "adam.mosaic_tpu",
-        "mosaic_gpu": _K + "adam.mosaic_gpu",
-    },
-    "newton_schulz": {
-        "xla": _K + "newton_schulz.reference",
-        "triton": _K + "newton_schulz.triton",
-        "mosaic_tpu": _K + "newton_schulz.mosaic_tpu",
-        "mosaic_gpu": _K + "newton_schulz.mosaic_gpu",
-    },
-}
-
 
 # ------------------------------------------------------------------ target --
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +164,7 @@ class Overrides:
   implementation: str | None = None              # FUSEOPT_IMPLEMENTATION
   per_op: Mapping[str, str] = dataclasses.field(default_factory=dict)  # FUSEOPT_IMPLEMENTATION_<OP>
   ns_path: str | None = None                     # FUSEOPT_NS_PATH
+  detect_races: bool = False                     # FUSEOPT_DETECT_RACES=1
 
   def implementation_for(self, op: str) -> tuple[str, str] | None:
     """``(variable, value)`` naming the backend of ``op``, or None."""
@@ -202,7 +182,8 @@ def environment_overrides() -> Overrides:
   prefix = ENV_VAR + "_"
   per_op = {k[len(prefix):]: v for k, v in os.environ.items() if k.startswith(prefix) and v}
   ns_path = os.environ.get(NS_PATH_ENV_VAR) or None
-  return Overrides(os.environ.get(ENV_VAR) or None, per_op, ns_path)
+  return Overrides(os.environ.get(ENV_VAR) or None, per_op, ns_path,
+                   os.environ.get(DETECT_RACES_ENV_VAR, "") == "1")
 
 
 # ---------------------------------------------------------------- dispatch --
@@ -239,11 +220,6 @@ def piece_backend(backends: Mapping[str, Any], implementation: str, what: str):
   return backends[implementation]
 
 
-def backend_module(op: str, name: str):
-  """The module of ``op``'s backend ``name`` (imported on first use)."""
-  return importlib.import_module(BACKENDS[op][name])
-
-
 def log_fallback(op: str, backend: str, reason: str, *, runs: str = "the next backend") -> None:
   """Logs at debug level that ``backend`` does not run (part of) ``op``."""
   logger.debug("fuseopt.kernels: %s: %s passed over (%s); %s runs", op, backend, reason, runs)
@@ -251,7 +227,8 @@ def log_fallback(op: str, backend: str, reason: str, *, runs: str = "the next ba
 
 def resolve_implementation(op: str, implementation: str | None,
                            arrays: Iterable[Any] = (),
-                           available: Iterable[str] | None = None) -> str:
+                           available: Iterable[str] = WITHOUT_MOSAIC_GPU,
+                           overrides: Overrides | None = None) -> str:
   """The backend name for ``op`` from the argument, the environment and the
   platform alone (no ``supports`` checks: :func:`select` adds them).
 
@@ -259,14 +236,13 @@ def resolve_implementation(op: str, implementation: str | None,
     op: the op's name, also used for the per-op environment override.
     implementation: ``None`` (choose) or one of ``available``.
     arrays: inputs, to find their platform.
-    available: the op's backends (default: its :data:`BACKENDS` entry, or
-      :data:`WITHOUT_MOSAIC_GPU` for an op not listed there).
+    available: the op's backend names (its ``BACKENDS``' keys).
+    overrides: the environment overrides this call read
+      (:func:`environment_overrides` when not given).
   """
-  if available is None:
-    available = tuple(BACKENDS[op]) if op in BACKENDS else WITHOUT_MOSAIC_GPU
   available = tuple(available)
   if implementation is None:
-    override = environment_overrides().implementation_for(op)
+    override = (overrides or environment_overrides()).implementation_for(op)
     if override is not None:
       variable, implementation = override
       if implementation not in available:
@@ -282,27 +258,31 @@ def resolve_implementation(op: str, implementation: str | None,
   return implementation
 
 
-def select(op: str, implementation: str | None, arrays: Iterable[Any] = (), *,
-           interpret: bool = False, **facts: Any) -> str:
-  """The backend that runs this call of ``op`` (the rule of the module
-  docstring). ``facts`` are what the backends' ``supports`` read."""
+def select(op: str, backends: Mapping[str, Any], implementation: str | None,
+           arrays: Iterable[Any] = (), *, interpret: bool = False,
+           overrides: Overrides | None = None, **facts: Any) -> str:
+  """The backend of ``backends`` (the op's table) that runs this call of
+  ``op`` (the rule of the module docstring). ``facts`` are what the
+  backends' ``supports`` read; ``overrides`` what the op read from the
+  environment for this call (read here when not given)."""
   arrays = tuple(arrays)
+  overrides = overrides or environment_overrides()
   call = Call(op, target_device(arrays), bool(interpret), facts)
   named, source = implementation, ""
   if named is None:
-    override = environment_overrides().implementation_for(op)
+    override = overrides.implementation_for(op)
     if override is not None:
       # Say where the name came from: nothing in the call names it.
       named, source = override[1], f" (set by the environment variable {override[0]})"
   if named is not None:
-    name = resolve_implementation(op, implementation, arrays)
-    reason = backend_module(op, name).supports(call)
+    name = resolve_implementation(op, implementation, arrays, backends, overrides)
+    reason = backends[name].supports(call)
     if reason is not None:
       raise ValueError(f"{op}: implementation={name!r}{source} cannot run this call: {reason}")
     return name
-  order = [n for n in PLATFORM_ORDER.get(call.target.platform, ("xla",)) if n in BACKENDS[op]]
+  order = [n for n in PLATFORM_ORDER.get(call.target.platform, ("xla",)) if n in backends]
   for name in order:
-    reason = backend_module(op, name).supports(call)
+    reason = backends[name].supports(call)
     if reason is None:
       return name
     log_fallback(op, name, reason)

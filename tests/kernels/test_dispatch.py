@@ -10,8 +10,14 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from fuseopt.kernels import adam_update, dispatch, newton_schulz, stochastic_round_bf16
+from fuseopt.kernels.adam.backends import BACKENDS as ADAM_BACKENDS
 from fuseopt.kernels.newton_schulz import paths
+from fuseopt.kernels.newton_schulz.backends import BACKENDS as NS_BACKENDS
+from fuseopt.kernels.stochastic_round.backends import BACKENDS as SR_BACKENDS
 from tests.kernels import harness
+
+# Each op's one table, in its own folder (<op>/backends.py).
+OPS = {"stochastic_round": SR_BACKENDS, "adam_update": ADAM_BACKENDS, "newton_schulz": NS_BACKENDS}
 
 
 def _gpu_mesh(kind):
@@ -19,11 +25,11 @@ def _gpu_mesh(kind):
                                                              platform="gpu"))
 
 
-def test_every_backend_module_declares_what_it_supports():
-  for op, backends in dispatch.BACKENDS.items():
-    for name in backends:
-      assert name in dispatch.IMPLEMENTATIONS, (op, name)
-      assert callable(dispatch.backend_module(op, name).supports), (op, name)
+def test_every_backend_declares_what_it_supports():
+  for op, backends in OPS.items():
+    assert set(backends) == set(dispatch.IMPLEMENTATIONS), op
+    for name, backend in backends.items():
+      assert callable(backend.supports), (op, name)
     for order in dispatch.PLATFORM_ORDER.values():
       assert order[-1] == "xla"
 
@@ -31,22 +37,21 @@ def test_every_backend_module_declares_what_it_supports():
 @pytest.mark.parametrize("target", harness.TARGETS, ids=harness.TARGET_IDS)
 def test_platform_order_picks_the_first_backend(target):
   with jax.sharding.use_abstract_mesh(harness.abstract_mesh(target)):
-    for op in dispatch.BACKENDS:
-      assert dispatch.select(op, None) == target.implementation
+    for op, backends in OPS.items():
+      assert dispatch.select(op, backends, None) == target.implementation
 
 
 def test_cpu_and_unknown_platforms_run_the_reference(monkeypatch):
-  assert dispatch.select("adam_update", None, (jnp.ones(3),)) == "xla"
+  assert dispatch.select("adam_update", ADAM_BACKENDS, None, (jnp.ones(3),)) == "xla"
   monkeypatch.setattr(dispatch, "current_platform", lambda arrays=(): "metal")
-  assert dispatch.resolve_implementation("adam_update", None) == "xla"
+  assert dispatch.resolve_implementation("adam_update", None, available=ADAM_BACKENDS) == "xla"
 
 
 def test_a_refused_default_falls_back_and_is_logged(monkeypatch, caplog):
-  module = dispatch.backend_module("stochastic_round", "triton")
-  monkeypatch.setattr(module, "supports", lambda call: "not today")
+  monkeypatch.setattr(SR_BACKENDS["triton"], "supports", lambda call: "not today")
   with caplog.at_level(logging.DEBUG, logger="fuseopt"):
     with jax.sharding.use_abstract_mesh(_gpu_mesh("NVIDIA H200")):
-      assert dispatch.select("stochastic_round", None) == "xla"
+      assert dispatch.select("stochastic_round", SR_BACKENDS, None) == "xla"
   assert any("stochastic_round" in r.getMessage() and "triton" in r.getMessage()
              and "not today" in r.getMessage() for r in caplog.records), caplog.records
 
@@ -55,12 +60,12 @@ def test_a_forced_backend_that_cannot_run_raises_with_op_backend_and_reason():
   with jax.sharding.use_abstract_mesh(_gpu_mesh("NVIDIA L4")):
     with pytest.raises(ValueError, match=r"adam_update: implementation='mosaic_gpu' cannot run"
                                          r".*compute capability 8\.9"):
-      dispatch.select("adam_update", "mosaic_gpu")
+      dispatch.select("adam_update", ADAM_BACKENDS, "mosaic_gpu")
     with pytest.raises(ValueError, match=r"newton_schulz: implementation='mosaic_gpu' cannot run"
                                          r".*compute capability 8\.9"):
-      dispatch.select("newton_schulz", "mosaic_gpu")
+      dispatch.select("newton_schulz", NS_BACKENDS, "mosaic_gpu")
   with pytest.raises(ValueError, match="not available for newton_schulz"):
-    dispatch.select("newton_schulz", "mosaic")
+    dispatch.select("newton_schulz", NS_BACKENDS, "mosaic")
 
 
 def test_an_untileable_leaf_falls_back_to_the_reference_and_is_logged(caplog):
@@ -84,22 +89,32 @@ def test_environment_overrides_are_read_by_one_function(monkeypatch):
   assert o.implementation_for("newton_schulz") == ("FUSEOPT_IMPLEMENTATION", "triton")
   assert o.ns_path == "tiled"
   # never over an explicit argument
-  assert dispatch.select("newton_schulz", "xla") == "xla"
+  assert dispatch.select("newton_schulz", NS_BACKENDS, "xla") == "xla"
+
+
+def test_one_op_call_reads_the_environment_once(monkeypatch):
+  reads = []
+  real = dispatch.environment_overrides
+  monkeypatch.setattr(dispatch, "environment_overrides", lambda: reads.append(1) or real())
+  x = jax.random.normal(jax.random.key(0), (32, 64))
+  newton_schulz(x, implementation="triton", interpret=True)   # select, then the kernel path
+  assert len(reads) == 1
+  reads.clear()
+  stochastic_round_bf16(jnp.ones((8,)), 3)
+  assert len(reads) == 1
 
 
 def test_ns_path_never_overrides_gram_or_config(monkeypatch, caplog):
-  monkeypatch.setenv("FUSEOPT_NS_PATH", "fused")
-  assert paths.pick_path("triton", 64, 256, 1, None, False) == "fused"
+  assert paths.pick_path("triton", 64, 256, 1, None, False, "fused") == "fused"
   with caplog.at_level(logging.WARNING, logger="fuseopt"):
-    assert paths.pick_path("triton", 64, 256, 1, None, True) == "tiled"
+    assert paths.pick_path("triton", 64, 256, 1, None, True, "fused") == "tiled"
   assert any("FUSEOPT_NS_PATH=fused ignored" in r.getMessage() for r in caplog.records)
-  assert paths.pick_path("triton", 64, 256, 1, paths.TiledConfig(), False) == "tiled"
-  monkeypatch.setenv("FUSEOPT_NS_PATH", "tiled")
+  assert paths.pick_path("triton", 64, 256, 1, paths.TiledConfig(), False, "fused") == "tiled"
   from fuseopt.kernels.newton_schulz import fused
-  assert paths.pick_path("triton", 64, 256, 1, fused.TritonConfig(), False) == "fused"
-  monkeypatch.setenv("FUSEOPT_NS_PATH", "bogus")
+  assert paths.pick_path("triton", 64, 256, 1, fused.TritonConfig(), False, "tiled") == "fused"
   with pytest.raises(ValueError, match="FUSEOPT_NS_PATH='bogus'"):
-    paths.pick_path("triton", 64, 256, 1, None, False)
+    paths.pick_path("triton", 64, 256, 1, None, False, "bogus")
+  monkeypatch.setenv("FUSEOPT_NS_PATH", "bogus")
   x = jax.random.normal(jax.random.key(0), (32, 64))
   with pytest.raises(ValueError, match="FUSEOPT_NS_PATH"):
     newton_schulz(x, implementation="triton", interpret=True)

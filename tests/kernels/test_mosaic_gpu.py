@@ -306,9 +306,10 @@ def test_never_the_default_but_selectable(monkeypatch):
                                          available=_backend.IMPLEMENTATIONS) == MGPU
   # every op has a Mosaic GPU backend now (Newton-Schulz too); a name that is
   # no backend of the op is refused rather than guessed
-  assert _backend.resolve_implementation("newton_schulz", MGPU) == MGPU
+  from fuseopt.kernels.newton_schulz.backends import BACKENDS as NS_BACKENDS
+  assert _backend.resolve_implementation("newton_schulz", MGPU, available=NS_BACKENDS) == MGPU
   with pytest.raises(ValueError, match="not available"):
-    _backend.resolve_implementation("newton_schulz", MGPU + "_sm80")
+    _backend.resolve_implementation("newton_schulz", MGPU + "_sm80", available=NS_BACKENDS)
   assert isinstance(_backend.interpret_arg(MGPU, True),
                     __import__("jax.experimental.pallas.mosaic_gpu",
                                fromlist=["x"]).InterpretGPUParams)

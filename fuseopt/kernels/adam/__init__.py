@@ -37,6 +37,7 @@ import numpy as np
 from fuseopt.kernels import counter_hash
 from fuseopt.kernels import dispatch
 from fuseopt.kernels import sharding as sharding_lib
+from fuseopt.kernels.adam.backends import BACKENDS
 from fuseopt.kernels.adam import mosaic_tpu as _mosaic_tpu
 from fuseopt.kernels.adam import quantized
 from fuseopt.kernels.adam import tree as _tree
@@ -180,7 +181,7 @@ def adam_update(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0
                          nesterov=nesterov, grad_scale=grad_scale, apply=apply,
                          cautious=cautious_weight_decay)
   seeds = adam_seeds(seed, count, leaf_index)
-  impl = dispatch.select(OP_NAME, implementation, (grads,), interpret=interpret)
+  impl = dispatch.select(OP_NAME, BACKENDS, implementation, (grads,), interpret=interpret)
   if config is not None and impl == "triton" and not isinstance(config, TritonConfig):
     raise TypeError(f"adam_update: config must be a TritonConfig for triton, got {config!r}")
   placements = sharding_lib.resolve_placements(
@@ -260,13 +261,13 @@ def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9,
   applies = apply  # the step's flag; `apply` below says whether params are given
   apply = params is not None
   grads = [jnp.asarray(g) for g in grads]
-  impl = dispatch.select(OP_NAME, implementation, grads, interpret=interpret)
+  impl = dispatch.select(OP_NAME, BACKENDS, implementation, grads, interpret=interpret)
   if impl == "triton" and group and config is not None and not isinstance(config,
                                                                           TritonGroupConfig):
     raise TypeError(f"adam_update: config must be a TritonGroupConfig for grouped triton "
                     f"launches (or pass group=False), got {config!r}")
   if impl == "mosaic_gpu" and config is not None:
-    group_config = dispatch.backend_module(OP_NAME, impl).MosaicGPUGroupConfig
+    group_config = BACKENDS[impl].MosaicGPUGroupConfig
     if not isinstance(config, (MosaicGPUConfig, group_config)):
       raise TypeError(f"adam_update: config must be a MosaicGPUConfig (one launch per leaf) "
                       f"or a MosaicGPUGroupConfig (grouped launches) for mosaic_gpu, "

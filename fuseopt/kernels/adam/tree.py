@@ -22,13 +22,14 @@ from fuseopt.kernels import mantissa
 from fuseopt.kernels import sharding as sharding_lib
 from fuseopt.kernels.adam import quantized
 from fuseopt.kernels.adam import reference
+from fuseopt.kernels.adam.backends import BACKENDS
 from fuseopt.kernels.adam.math import SEED_BASE, no_derivative
 
 OP_NAME = "adam_update"
 
 
 def _backend(impl):
-  return dispatch.backend_module(OP_NAME, impl)
+  return BACKENDS[impl]
 
 
 def _leaf_fallback(impl, p, g, mu, nu, out_dtype, config, index_map, lo) -> str | None:

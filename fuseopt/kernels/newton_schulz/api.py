@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from fuseopt.kernels import _validate
 from fuseopt.kernels import dispatch
+from fuseopt.kernels.newton_schulz.backends import BACKENDS
 from fuseopt.kernels.newton_schulz.coefficients import coefficient_table
 from fuseopt.kernels.newton_schulz.coefficients import DEFAULT_STEPS
 from fuseopt.kernels.newton_schulz.coefficients import GRAM_AUTO_ASPECT
@@ -77,8 +78,9 @@ def newton_schulz(x, *, coeffs="polar_express", steps=None, ns_dtype=jnp.bfloat1
   ns_dtype = check_dtype(x, ns_dtype)
   _validate.check_real("newton_schulz", "eps", eps, lo=0.0)
   table, scale = coefficient_table(coeffs, steps)
-  impl = dispatch.select(OP_NAME, implementation, (x,), interpret=interpret, shape=x.shape,
-                         dtype=x.dtype, ns_dtype=ns_dtype)
+  overrides = dispatch.environment_overrides()
+  impl = dispatch.select(OP_NAME, BACKENDS, implementation, (x,), interpret=interpret,
+                         overrides=overrides, shape=x.shape, dtype=x.dtype, ns_dtype=ns_dtype)
   xb, _ = as_batched(x)
   if impl == "xla" or xb.size == 0:
     return newton_schulz_reference(x, coeffs=coeffs, steps=steps, ns_dtype=ns_dtype,
@@ -89,7 +91,7 @@ def newton_schulz(x, *, coeffs="polar_express", steps=None, ns_dtype=jnp.bfloat1
                                 ns_dtype=ns_dtype, eps=eps, gram=gram)
   kernel = functools.partial(_run_backend, impl=impl, interpret=interpret,
                              config=config, table=table, scale=scale, eps=eps,
-                             ns_dtype=ns_dtype, restarts=restarts)
+                             ns_dtype=ns_dtype, restarts=restarts, ns_path=overrides.ns_path)
   return _reference_derivative(kernel, reference, x)
 
 
@@ -108,11 +110,11 @@ def _reference_derivative_jvp(kernel, reference, primals, tangents):
   return kernel(x), dy
 
 
-def _run_backend(x, *, impl, interpret, config, table, scale, eps, ns_dtype, restarts):
+def _run_backend(x, *, impl, interpret, config, table, scale, eps, ns_dtype, restarts, ns_path):
   """Normalises ``x`` and runs backend ``impl``'s iteration on it."""
   xb, restore = as_batched(x)
   y = normalise(xb, scale, eps, ns_dtype)
-  y = dispatch.backend_module(OP_NAME, impl).orthogonalize(
+  y = BACKENDS[impl].orthogonalize(
       y, table=table, restarts=restarts, ns_dtype=ns_dtype, config=config,
-      interpret=dispatch.interpret_arg(impl, interpret))
+      interpret=dispatch.interpret_arg(impl, interpret), ns_path=ns_path)
   return restore(y.astype(x.dtype))

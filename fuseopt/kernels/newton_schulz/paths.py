@@ -15,13 +15,14 @@ from fuseopt.kernels.newton_schulz.tiled import TiledConfig
 PATHS = ("fused", "tiled")
 
 
-def pick_path(impl, m, n, batch, config, use_gram) -> str:
+def pick_path(impl, m, n, batch, config, use_gram, ns_path=None) -> str:
   """``"fused"`` or ``"tiled"`` for backend ``impl`` on a batch of (m, n) matrices.
 
   An explicit ``config`` decides (any :class:`TiledConfig` but
   ``TiledConfig(matmul="pallas")`` is tiled, a fused config fused); then a
   Gram iteration is tiled (it has no fused kernel: ``FUSEOPT_NS_PATH=fused``
-  is ignored for it, with a warning); then ``FUSEOPT_NS_PATH``
+  is ignored for it, with a warning); then ``ns_path``, the
+  ``FUSEOPT_NS_PATH`` override the caller read
   (:func:`fuseopt.kernels.dispatch.environment_overrides`); then whether the
   matrix fits the fused kernel.
   """
@@ -30,7 +31,7 @@ def pick_path(impl, m, n, batch, config, use_gram) -> str:
     return "tiled"
   if isinstance(config, tuple(b.Config for b in fused.BACKENDS.values())):
     return "fused"
-  forced = dispatch.environment_overrides().ns_path
+  forced = ns_path
   if forced is not None and forced not in PATHS:
     raise ValueError(f"{dispatch.NS_PATH_ENV_VAR}={forced!r}: expected one of {PATHS}")
   if use_gram:
@@ -44,11 +45,11 @@ def pick_path(impl, m, n, batch, config, use_gram) -> str:
   return "fused" if fused.fits(impl, m, n) else "tiled"
 
 
-def orthogonalize(impl, y, *, table, restarts, ns_dtype, interpret, config):
+def orthogonalize(impl, y, *, table, restarts, ns_dtype, interpret, config, ns_path=None):
   """The iteration on a normalised batch ``y`` (B, m, n), m <= n, on backend
   ``impl``'s kernels; ``interpret`` is the Pallas call's value."""
   batch, m, n = y.shape
-  if pick_path(impl, m, n, batch, config, restarts is not None) == "fused":
+  if pick_path(impl, m, n, batch, config, restarts is not None, ns_path) == "fused":
     return fused.newton_schulz_fused(y, table, implementation=impl, interpret=interpret,
                                      config=config if not isinstance(config, TiledConfig) else None)
   cfg = config if isinstance(config, TiledConfig) else TiledConfig()

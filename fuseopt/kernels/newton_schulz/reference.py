@@ -52,9 +52,9 @@ supports = dispatch.supports_every_call
 
 
 
-def orthogonalize(y, *, table, restarts, ns_dtype, interpret, config):
+def orthogonalize(y, *, table, restarts, ns_dtype, interpret, config, ns_path=None):
   """The iteration on a normalised batch ``(B, m, n)``, ``m <= n``."""
-  del interpret, config
+  del interpret, config, ns_path
   return iterate(table, restarts, ReferenceOps(ns_dtype))(y)
 
 

@@ -31,6 +31,7 @@ from fuseopt.kernels import sharding as sharding_lib
 from fuseopt.kernels.elementwise_tiling import MosaicGPUConfig
 from fuseopt.kernels.elementwise_tiling import MosaicTPUConfig
 from fuseopt.kernels.elementwise_tiling import TritonConfig
+from fuseopt.kernels.stochastic_round.backends import BACKENDS
 from fuseopt.kernels.stochastic_round import mosaic_tpu as _mosaic_tpu
 from fuseopt.kernels.stochastic_round import triton as _triton
 from fuseopt.kernels.stochastic_round.reference import stochastic_round_reference
@@ -92,10 +93,10 @@ def stochastic_round_bf16(x, seed, *, offset=0, sharding=None, implementation=No
   if x.dtype != jnp.float32:
     raise TypeError(f"stochastic_round_bf16: x must be float32 (or bfloat16, "
                     f"returned unchanged), got {x.dtype}")
-  impl = dispatch.select(OP_NAME, implementation, (x,), interpret=interpret,
+  impl = dispatch.select(OP_NAME, BACKENDS, implementation, (x,), interpret=interpret,
                          dtype=x.dtype, shape=x.shape)
   if impl != "xla":
-    want = dispatch.backend_module(OP_NAME, impl).Config
+    want = BACKENDS[impl].Config
     if config is not None and not isinstance(config, want):
       raise TypeError(f"stochastic_round_bf16: config must be a {want.__name__} for "
                       f"implementation={impl!r}, got {config!r}")
@@ -121,7 +122,7 @@ def _round_local(x, seed, offset, *, index_map, impl, interpret, config):
   """Rounds one (local) array whose global indices ``index_map`` gives."""
   if impl == "xla" or x.size == 0:
     return stochastic_round_reference(x, seed, offset=offset, index_map=index_map)
-  return dispatch.backend_module(OP_NAME, impl).round_leaf(
+  return BACKENDS[impl].round_leaf(
       x, seed, offset, jnp.stack([seed, offset]), config=config, index_map=index_map,
       interpret=dispatch.interpret_arg(impl, interpret))
 
