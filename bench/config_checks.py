@@ -30,6 +30,12 @@ one first (the largest blocks, the likeliest to fail), ids
   training. Correct within ``ADAM_TOL`` of the XLA reference; bitwise
   equality with the reference and with the family's heuristic config (the
   determinism contract: same bits on any block size) recorded.
+- ``adam_int8``: the same update with 8-bit moments (``QuantizedMoment``
+  codes and scales) on the tree's leaves whose last axis divides the
+  quantisation block, plus a (3, 1280) leaf that no block config divides;
+  parameters within ``ADAM_TOL`` of the reference and at most 0.1 % of the
+  codes and scales differing (``state_differing``), bitwise equality with
+  the heuristic config recorded.
 - ``ns_poly``, ``ns_gram`` (``gram.sym``), ``ns_update`` (``update.matmul``)
   at ``--ns-shape`` (2048×8192, an issue target), ``ns_fused`` at the
   largest shape its kernel takes; relative Frobenius error below

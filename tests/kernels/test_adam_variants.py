@@ -369,7 +369,8 @@ def test_grouped_launches_split_tracked_from_untracked_leaves(monkeypatch):
   ps = [s(x, BF16) for x in shapes]
   los = [s(shapes[0], U16), None, s(shapes[2], U16)]
   jax.eval_shape(lambda ps, los: adam_update_tree(ps, ps, ps, ps, count=1, params_lo=los,
-                                                  implementation="triton", interpret=True),
+                                                  group=True, implementation="triton",
+                                                  interpret=True),
                  ps, los)
   assert sorted(launches) == [(1, False), (2, True)]
 
