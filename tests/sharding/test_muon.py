@@ -89,6 +89,28 @@ def test_distributed_ns_places_each_matrix_on_one_device():
     assert g.sharding.is_equivalent_to(x.sharding, x.ndim)
 
 
+def test_one_whole_matrix_a_device_moves_as_rows_of_a_2d_array():
+  """A device holding one slot of a row-sharded family exchanges rows of a
+  2-D array: no all-to-all operand has the size-1 slot axis that libtpu
+  re-laid out and tile-padded to twice the matrix (docs/scaling.md); the
+  result is the matrix's own NS, laid back as it was sharded."""
+  mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,))
+  ns = lambda x: newton_schulz(x, implementation="xla", ns_dtype=jnp.float32)
+  x = jax.random.normal(jax.random.key(3), (64, 32))
+  placed = jax.device_put(x, NamedSharding(mesh, P("x", None)))
+
+  def run(x):
+    return distributed.orthogonalize_sharded([x], [sharding_lib.placement_of(x)], [((0,), (1,))],
+                                             ns)[0]
+  text = str(jax.make_jaxpr(run)(placed))
+  ops = re.findall(r"all_to_all\[[^\]]*\]", text)
+  assert len(ops) == 2, text   # there and back
+  assert all("split_axis=0" in o and "concat_axis=0" in o for o in ops), ops
+  got = jax.jit(run)(placed)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(ns(x)), atol=1e-5)
+  assert got.sharding.is_equivalent_to(placed.sharding, 2)
+
+
 def test_supported_takes_any_sharded_side_axis_and_refuses_uneven_shards():
   mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,))
   where = sharding_lib.Placement(mesh, P(None, None, "x"))

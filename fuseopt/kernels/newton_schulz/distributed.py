@@ -444,12 +444,27 @@ class _Family:
     if self.free:
       per_free = padded // _size(mesh, self.free)
       x = jax.lax.dynamic_slice_in_dim(x, self.f_idx * per_free, per_free, axis=0)
+    if self._one_slot_rows():
+      # One whole matrix a device, its rows sharded: the device's stack of
+      # row blocks as one 2-D array, the all-to-all splitting and
+      # concatenating rows. The same blocks in the same order as the 3-D
+      # form below, without its size-1 slot axis, which libtpu re-laid out
+      # as bf16[R, 1, O] and padded to a tile (2x the matrix on v5p).
+      x = jax.lax.optimization_barrier(x).reshape(x.shape[0] * x.shape[1], -1)
+      return jax.lax.all_to_all(x, _axis(self.sharded[0][1]), 0, 0, tiled=True).reshape(
+          1, self.R, self.O)
     for s, names in self.sharded:
       # (the barrier: XLA's CPU backend otherwise gives the all-to-all's
       # operands different layouts when they are slices of transposed
       # pieces, and its verifier rejects the program)
       x = jax.lax.all_to_all(jax.lax.optimization_barrier(x), _axis(names), 0, 1 + s, tiled=True)
     return x.reshape(k, self.R, self.O)
+
+  def _one_slot_rows(self, statistic: bool = False) -> bool:
+    """One slot a device and one sharded segment, the first (rows): the
+    all-to-all is one of rows of 2-D arrays (:meth:`gather`)."""
+    return (self.k == 1 and not statistic and len(self.sharded) == 1
+            and self.sharded[0][0] == 0)
 
   def run(self, x, ns):
     """``ns`` on this device's whole matrices, padding slots included.
@@ -478,8 +493,15 @@ class _Family:
     mesh = self.plan.mesh
     full = tuple(1 if statistic and s < self.n_red else e
                  for s, (e, _) in enumerate(self.segments))
-    y = y.reshape((self.k,) + full)
-    for s, names in reversed(self.sharded):
+    if self._one_slot_rows(statistic):
+      # The inverse of gather's 2-D all-to-all: this device's matrix split
+      # by rows, block j to device j; the blocks received stacked by source.
+      y = jax.lax.all_to_all(y.reshape(full[0], -1), _axis(self.sharded[0][1]), 0, 0, tiled=True)
+      y = y.reshape((-1,) + tuple(e // _size(mesh, n) if n else e
+                                  for e, (_, n) in zip(full, self.segments)))
+    else:
+      y = y.reshape((self.k,) + full)
+    for s, names in ([] if self._one_slot_rows(statistic) else reversed(self.sharded)):
       if statistic and s < self.n_red:
         y = jax.lax.all_gather(y, _axis(names), axis=0, tiled=True)
       else:
