@@ -175,6 +175,17 @@ class TritonBounded:
     plgpu.store(self.ref, jnp.asarray(value, self.ref.dtype), mask=self.mask)
 
 
+def triton_masks(n: int, block: int, interpret) -> bool:
+  """Whether a Triton kernel over ``n`` elements (or rows) in blocks of
+  ``block`` masks its last block: when the block does not divide ``n`` and
+  the kernel is compiled. Interpret mode pads a ragged block itself and
+  drops what falls outside the array; there the masks would only change
+  XLA:CPU's program for the kernel body, and with it the rounding of a few
+  elements between a sharded and an unsharded run (docs/pallas_notes.md,
+  "Triton: ragged blocks")."""
+  return n % block != 0 and not interpret
+
+
 def triton_bound(refs, mask, ragged: bool):
   """``refs`` as :class:`TritonBounded` under ``mask`` where ``ragged``
   (the grid runs past the array's end), else as they are: a leaf that the

@@ -15,13 +15,13 @@ step's minimal traffic: read p, g 4+4, mu, nu 2+2, write p 4, mu, nu 2+2):
 - ``fuseopt_adamw[drop_in]``: :func:`fuseopt.optim.adamw` through
   ``update`` + ``optax.apply_updates`` (the update leaves the kernel as an
   fp32 tree, then XLA applies weight decay and lr: more traffic);
-- ``fuseopt_step``: :func:`fuseopt.optim.step`, the fused in-place kernel,
-  one launch per leaf (target <= 0.63x the baseline, about 7.2 ms on the H200);
+- ``fuseopt_step``: :func:`fuseopt.optim.step` with ``group=False``, the
+  fused in-place kernel, one launch per leaf, measured fastest on the H200
+  (target <= 0.63x the baseline, about 7.2 ms there);
 - ``fuseopt_step[xla]`` (accelerators): the same forced to the plain-jnp
   implementation, to choose the default implementation per platform;
 - ``fuseopt_step[grouped]`` (accelerators): ``step(group=True)``, the
-  leaves of one dtype signature in shared launches, to measure what
-  grouping buys;
+  default, the leaves of one dtype signature in shared launches;
 - ``fuseopt_step[int8]``, ``fuseopt_step[int8,grouped]``: the same with
   8-bit moments (``moment_dtype="int8"``).
 

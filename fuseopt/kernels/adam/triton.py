@@ -37,9 +37,9 @@ heuristic = elementwise_tiling.triton_heuristic
 supports = dispatch.supports_every_call
 
 
-def _kernel(s_ref, seed_ref, *refs, block, n, nesterov, apply, index_map, tracked):
+def _kernel(s_ref, seed_ref, *refs, block, n, masked, nesterov, apply, index_map, tracked):
   local = elementwise_tiling.triton_flat_index(block)
-  refs = elementwise_tiling.triton_bound(refs, local < n, n % block != 0)
+  refs = elementwise_tiling.triton_bound(refs, local < n, masked)
   out, mu_new, nu_new, out_refs = kernel_body(s_ref, refs, nesterov=nesterov, apply=apply,
                                               tracked=tracked)
   index = sharding_lib.global_index(local, index_map, seed_ref[SEED_BASE])
@@ -62,7 +62,8 @@ def update_flat(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, in
                    (jax.ShapeDtypeStruct((n,), lo.dtype),) if tracked else ())
   return pl.pallas_call(
       functools.partial(_kernel, block=block, n=n, nesterov=nesterov, apply=apply,
-                        index_map=index_map, tracked=tracked),
+                        index_map=index_map, tracked=tracked,
+                        masked=elementwise_tiling.triton_masks(n, block, interpret)),
       out_shape=out_shape,
       grid=(pl.cdiv(n, block),),
       in_specs=[pl.BlockSpec((N_SCALARS,), lambda i: (0,)),
@@ -146,8 +147,8 @@ class _Held:
     self.value = value
 
 
-def _group_kernel(s_ref, seed_ref, *refs, block, starts, sizes, nesterov, apply, index_maps,
-                  tracked):
+def _group_kernel(s_ref, seed_ref, *refs, block, starts, sizes, masked, nesterov, apply,
+                  index_maps, tracked):
   n_leaves = len(starts) - 1
   n_in = (4 if apply else 3) + tracked
   n_out = 3 + tracked
@@ -163,7 +164,7 @@ def _group_kernel(s_ref, seed_ref, *refs, block, starts, sizes, nesterov, apply,
   # (docs/fused_step.md, "Compile time").
   def bound(j, leaf_refs):
     # Leaf j's last block runs past its end unless the block divides it.
-    return elementwise_tiling.triton_bound(leaf_refs, local < sizes[j], sizes[j] % block != 0)
+    return elementwise_tiling.triton_bound(leaf_refs, local < sizes[j], masked[j])
 
   def load(j):
     leaf = bound(j, ins[n_in * j:n_in * (j + 1)])
@@ -235,6 +236,8 @@ def update_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config, interpre
     aliases.update(in_place_aliases(2 + n_in * k, n_out * k, apply=apply, tracked=tracked))
   outs = pl.pallas_call(
       functools.partial(_group_kernel, block=block, starts=tuple(starts), sizes=tuple(sizes),
+                        masked=tuple(elementwise_tiling.triton_masks(n, block, interpret)
+                                     for n in sizes),
                         nesterov=nesterov, apply=apply, tracked=tracked,
                         index_maps=tuple(index_maps or (None,) * n_leaves)),
       out_shape=tuple(out_shape),
@@ -259,14 +262,14 @@ update_group_jit = jax.jit(update_group,
 
 
 # ------------------------------------------------------- triton, 8-bit moments --
-def _quantized_kernel(s_ref, seed_ref, *refs, rows, n_rows, nesterov, apply, index_map):
+def _quantized_kernel(s_ref, seed_ref, *refs, rows, n_rows, masked, nesterov, apply, index_map):
   """``rows`` whole quantisation blocks a program: p, g (rows, BLOCK); the
   codes likewise; the scales (rows,). Each block's new absmax is a row
   reduction in registers."""
   block = quantized.BLOCK
   first = (pl.program_id(0) * rows).astype(jnp.uint32)
   row = first + jax.lax.iota(jnp.uint32, rows)
-  if n_rows % rows:
+  if masked:
     # The last program's rows past the leaf's end: masked loads and stores.
     valid = row < n_rows
     tile_mask = jnp.broadcast_to(valid[:, None], (rows, block))
@@ -311,7 +314,8 @@ def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, confi
     aliases[2] = 0
   outs = pl.pallas_call(
       functools.partial(_quantized_kernel, rows=rows, n_rows=n_rows, nesterov=nesterov,
-                        apply=apply, index_map=index_map),
+                        apply=apply, index_map=index_map,
+                        masked=elementwise_tiling.triton_masks(n_rows, rows, interpret)),
       out_shape=out_shape,
       grid=(pl.cdiv(n_rows, rows),),
       in_specs=[pl.BlockSpec((N_SCALARS,), lambda i: (0,)),

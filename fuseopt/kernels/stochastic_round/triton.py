@@ -27,11 +27,11 @@ heuristic = elementwise_tiling.triton_heuristic
 supports = dispatch.supports_every_call
 
 
-def _kernel(scalars_ref, x_ref, o_ref, *, block, n, index_map):
+def _kernel(scalars_ref, x_ref, o_ref, *, block, n, masked, index_map):
   seed = scalars_ref[0]
   offset = scalars_ref[1]
   local = elementwise_tiling.triton_flat_index(block)
-  x_ref, o_ref = elementwise_tiling.triton_bound((x_ref, o_ref), local < n, n % block != 0)
+  x_ref, o_ref = elementwise_tiling.triton_bound((x_ref, o_ref), local < n, masked)
   index = sharding_lib.global_index(local, index_map, offset)
   o_ref[...] = counter_hash.stochastic_round_values(x_ref[...], index, seed)
 
@@ -42,7 +42,8 @@ def round_flat(flat, scalars, *, config: TritonConfig, interpret, index_map=None
   (n,) = flat.shape
   block = config.block
   return pl.pallas_call(
-      functools.partial(_kernel, block=block, n=n, index_map=index_map),
+      functools.partial(_kernel, block=block, n=n, index_map=index_map,
+                        masked=elementwise_tiling.triton_masks(n, block, interpret)),
       out_shape=jax.ShapeDtypeStruct((n,), jnp.bfloat16),
       grid=(pl.cdiv(n, block),),
       in_specs=[pl.BlockSpec((2,), lambda i: (0,)),
