@@ -493,7 +493,8 @@ class _Family:
     mesh = self.plan.mesh
     full = tuple(1 if statistic and s < self.n_red else e
                  for s, (e, _) in enumerate(self.segments))
-    if self._one_slot_rows(statistic):
+    rows_2d = self._one_slot_rows(statistic)
+    if rows_2d:
       # The inverse of gather's 2-D all-to-all: this device's matrix split
       # by rows, block j to device j; the blocks received stacked by source.
       y = jax.lax.all_to_all(y.reshape(full[0], -1), _axis(self.sharded[0][1]), 0, 0, tiled=True)
@@ -501,7 +502,7 @@ class _Family:
                                   for e, (_, n) in zip(full, self.segments)))
     else:
       y = y.reshape((self.k,) + full)
-    for s, names in ([] if self._one_slot_rows(statistic) else reversed(self.sharded)):
+    for s, names in ([] if rows_2d else reversed(self.sharded)):
       if statistic and s < self.n_red:
         y = jax.lax.all_gather(y, _axis(names), axis=0, tiled=True)
       else:
