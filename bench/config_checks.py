@@ -361,6 +361,9 @@ def families(st: Settings) -> list[Family]:
     out.append(Family("adam_group_mosaic_gpu", "fuseopt.kernels.adam.mosaic_gpu.update_group",
                       adam_mosaic_gpu.GROUP_SEARCH_SPACE, adam_setup,
                       adam_runner(True, "mosaic_gpu"), adam_compare, adam_work))
+    out.append(Family("adam_int8_mosaic_gpu", "fuseopt.kernels.adam.mosaic_gpu.update_quantized",
+                      adam_mosaic_gpu.SEARCH_SPACE, int8_setup, int8_runner("mosaic_gpu"),
+                      int8_compare, int8_work))
 
   # -- Newton–Schulz kernels ------------------------------------------------
   b, m, n = st.ns_shape

@@ -3,7 +3,6 @@ quick CPU bench case against bench/baseline/cpu.json (compile only)."""
 
 import copy
 import math
-import warnings
 
 import jax
 import pytest
@@ -31,14 +30,16 @@ def test_figures_are_deterministic(current):
     assert figs == current["figures"][vid], vid
 
 
-def test_wallclock_ratios_are_reported_not_enforced():
-  ratios = regression.wallclock(iters=3)
+def test_wallclock_ratios_are_computed_against_the_cases_baseline():
+  """The wall-clock report's arithmetic on one op (stochastic rounding: its
+  cases are the smallest), one timed call a variant: a ratio per variant, the
+  baseline's exactly 1. The figures themselves are `fuseopt regression`'s
+  report, never a test's."""
+  ratios = regression.wallclock(["stochastic_round"], iters=1)
   assert ratios and all(math.isfinite(r) and r > 0 for r in ratios.values())
+  assert any(r == 1.0 for r in ratios.values())
   lines = regression.compare_wallclock(ratios, regression.load_baseline())
   assert len(lines) == len(ratios)
-  # One warning with every ratio: it shows in CI's warnings summary, and never fails the run.
-  warnings.warn("CPU wall-clock, time / optax baseline of the same run (report only, noise margin "
-                f"{regression.WALLCLOCK_NOISE:.0%}):\n" + "\n".join(lines), stacklevel=1)
 
 
 def _base(figures):

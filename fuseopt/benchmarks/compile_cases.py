@@ -149,26 +149,27 @@ def _adam_cases(impl: str) -> list[Case]:
     out += _adam_group_cases(impl)
   if impl == "triton":
     out.append(_adam_group_mantissa_case(impl))
-  if impl != "mosaic_gpu":
-    out.append(_adam_int8_case(impl))
+  out.append(_adam_int8_case(impl))
+  out += [_adam_int8_case(impl, cfg) for cfg in space]
   return out
 
 
-def _adam_int8_case(impl: str) -> Case:
-  """8-bit moments (int8 mu, uint8 nu, fp32 scales per 256) on the MLP matrix:
-  the Triton kernel; on TPU the reference (Mosaic TPU has no 8-bit kernel yet)."""
+def _adam_int8_case(impl: str, cfg=None) -> Case:
+  """8-bit moments (int8 mu, uint8 nu, fp32 scales per 256) on the MLP matrix,
+  each backend's 8-bit kernel: the heuristic config in CI, every config of
+  the backend's space in the full sweep."""
   from fuseopt.kernels import adam
   from fuseopt.kernels.adam import quantized
 
   def build(t):
     def fn(p, g, mu, nu):
       return adam.adam_update(p, g, mu, nu, count=3, learning_rate=1e-3, weight_decay=0.1,
-                              implementation=impl)
+                              implementation=impl, config=cfg)
     moment = lambda dtype: quantized.QuantizedMoment(
         _S(_ADAM_SHAPE, dtype), _S(quantized.scales_shape(_ADAM_SHAPE), F32))
     return fn, (_S(_ADAM_SHAPE), _S(_ADAM_SHAPE), moment(jnp.int8), moment(jnp.uint8)), (0, 2, 3)
-  return Case(f"kernel/adam_update/{impl}/int8-pf32-gf32/heuristic", build,
-              expect_kernels=impl == "triton", **_on(impl))
+  return Case(f"kernel/adam_update/{impl}/int8-pf32-gf32/{_cfg_name(cfg)}", build,
+              full_only=cfg is not None, **_on(impl))
 
 
 def _adam_mantissa_case(impl: str, tag: str, shape) -> Case:
@@ -341,6 +342,9 @@ def _step_fn(tx, fused):
 CI_TARGETS = {
     "fallback": ("h200", "v6e"),
     "builder_fallback": ("h200",),
+    # The builder's step is the hybrid recipe's plus a schedule and clipping:
+    # one TPU and one GPU in CI, every target in the full sweep.
+    "builder": ("h200", "v6e"),
     "sharded_explicit": ("h200", "v6e"),
     "sharded_auto": ("h200", "v5e", "v6e"),
     "variants": ("h200", "v6e"),
@@ -361,7 +365,7 @@ def step_cases() -> list[Case]:
         tree = workloads.llama_tree(F32)
         state = jax.eval_shape(tx.init, tree)
         return _step_fn(tx, fused), (tree, state, tree), (0, 1)
-      ci = None
+      ci = CI_TARGETS["builder"] if recipe == "builder_recipe" else None
       if variant == "fuseopt_fallback":
         ci = CI_TARGETS["builder_fallback" if recipe == "builder_recipe" else "fallback"]
       out.append(Case(f"step/{recipe}/{variant}/llama1.2b", build, kind="step",

@@ -59,7 +59,7 @@ CASES = [  # shape, p dtype (None: direction only), g dtype, nesterov
 ]
 
 
-KERNELS = ["triton", "mosaic_tpu"]
+KERNELS = ["triton", "mosaic_tpu", "mosaic_gpu"]
 
 
 @pytest.mark.parametrize("impl", KERNELS)
@@ -267,13 +267,51 @@ def test_nu_map_errors():
       assert abs(got[2] - zeroed) <= 0.06 * zeroed + 2e-4, (sigma, kind, got)
 
 
-def test_mosaic_gpu_leaves_8bit_leaves_to_the_reference(caplog):
+def test_mosaic_gpu_runs_its_8bit_kernel(caplog):
+  """No fallback: the Mosaic GPU kernel itself (in interpret mode) runs, and
+  gives the reference's codes and scales."""
   shape = (2, 256)
   g = jax.random.normal(jax.random.key(4), shape)
   mu, nu = Q.zeros(shape, signed=True), Q.zeros(shape, signed=False)
+  fn = lambda g, mu, nu: adam_update(None, g, mu, nu, count=1, implementation="mosaic_gpu",
+                                     interpret=True)
   with caplog.at_level("DEBUG", logger="fuseopt"):
-    got = adam_update(None, g, mu, nu, count=1, implementation="mosaic_gpu", interpret=True)
-  assert "8-bit moments have no kernel on this backend yet" in caplog.text
+    got = fn(g, mu, nu)
+  assert "reference" not in caplog.text
+  assert "fuseopt_adam_update_int8" in str(jax.make_jaxpr(fn)(g, mu, nu))
   want = adam_update_reference(None, g, mu, nu, count=1)
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+  for a, b in zip(jax.tree.leaves(got[1:]), jax.tree.leaves(want[1:])):
     _same(a, b)
+
+
+def test_mosaic_gpu_8bit_every_config_same_bits(request):
+  """Every block config of the Mosaic GPU space (a ragged last program at
+  each: 74 quantisation blocks) writes the same codes, scales and params."""
+  from fuseopt.kernels.adam import mosaic_gpu
+  shape = (37, 512)
+  k = jax.random.split(harness.fresh_key(request), 3)
+  p, g = jax.random.normal(k[0], shape), jax.random.normal(k[1], shape)
+  mu, nu = _moments(k[2], shape)
+  outs = [_steps("mosaic_gpu", p, g, mu, nu, config=cfg) for cfg in mosaic_gpu.SEARCH_SPACE]
+  for cfg, out in zip(mosaic_gpu.SEARCH_SPACE[1:], outs[1:]):
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(outs[0])):
+      _same(a, b, str(cfg))
+
+
+@pytest.mark.skipif(__import__("fuseopt.targets", fromlist=["missing"]).missing("h200") is not None,
+                    reason="the CUDA plugin is not installed")
+def test_mosaic_gpu_8bit_lowers_for_h200_in_place():
+  """Lowered for an H200 on the CPU: a Mosaic GPU kernel, the parameter and
+  the codes and scales aliased to the outputs (in place)."""
+  s = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt)
+  shape = (64, 512)
+  moment = lambda dt: Q.QuantizedMoment(s(shape, dt), s(Q.scales_shape(shape), F32))
+  mesh = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(
+      device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+  fn = lambda p, g, mu, nu: adam_update(p, g, mu, nu, count=3, implementation="mosaic_gpu")
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = jax.jit(fn, donate_argnums=(0, 2, 3)).trace(
+        s(shape, F32), s(shape, BF16), moment(jnp.int8), moment(jnp.uint8)).lower(
+            lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text and "fuseopt_adam_update_int8" in text
+  assert text.count("tf.aliasing_output") + text.count("output_operand_aliases") >= 1

@@ -402,11 +402,12 @@ def test_device_script_times_mosaic_gpu_beside_triton():
                    (2, 32, 64), 1, None, mosaic_gpu=True)
   fams = {f.name: f for f in cc.families(st)}
   assert {"stochastic_round", "adam", "stochastic_round_mosaic_gpu", "adam_mosaic_gpu",
-          "adam_group_mosaic_gpu"} <= set(fams)
+          "adam_group_mosaic_gpu", "adam_int8_mosaic_gpu"} <= set(fams)
   assert "adam_mosaic_gpu" not in {f.name for f in cc.families(
       cc.Settings("triton", False, dict(d=32, ff=64, layers=0, vocab=64), ((13, 7),), (1, 64, 128),
                   (2, 32, 64), 1, None))}
-  for name in ("stochastic_round_mosaic_gpu", "adam_mosaic_gpu", "adam_group_mosaic_gpu"):
+  for name in ("stochastic_round_mosaic_gpu", "adam_mosaic_gpu", "adam_group_mosaic_gpu",
+               "adam_int8_mosaic_gpu"):
     fam = fams[name]
     call = fam.run(fam.setup(), fam.space[-1])
     structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), call.args)

@@ -25,6 +25,15 @@ their block counts, program ``i`` updating leaf ``k``'s block ``i -
 starts[k]`` with that leaf's own flat index, so the bits are the per-leaf
 kernel's. Safe here where Mosaic TPU is not: a program touches only the
 global memory it loads and stores, nothing is written back behind it.
+8-bit moments (:func:`update_quantized`, :mod:`.quantized`): ``block``
+elements a program as whole quantisation blocks of ``BLOCK`` (256), a loop
+over them (``lax.fori_loop``: the code stays one block's whatever the
+config), each block loaded as one warpgroup's 256-element register arrays;
+its new absmax is a reduction over the warpgroup (through shared memory,
+which Mosaic GPU's lowering provides), its scale stored as a scalar. Mosaic
+GPU lowers no ``floor`` or ``is_finite``: the block arithmetic is written
+with truncation and comparisons, the same bits (:mod:`.quantized`).
+
 Compiles for sm_90 only
 (:func:`supports` refuses other targets before lowering); runs anywhere in
 interpret mode.
@@ -39,11 +48,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from fuseopt.kernels import counter_hash
 from fuseopt.kernels import dispatch
 from fuseopt.kernels import elementwise_tiling
 from fuseopt.kernels import mantissa
 from fuseopt.kernels import sharding as sharding_lib
 from fuseopt.kernels.adam import math as adam_lib
+from fuseopt.kernels.adam import quantized
 from fuseopt.kernels.elementwise_tiling import MosaicGPUConfig
 
 Config = MosaicGPUConfig
@@ -272,3 +283,87 @@ def update_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config: MosaicGP
       outs = tuple(o.at[main:].set(t) for o, t in zip(outs, tail))
     out.append(outs)
   return out
+
+
+# ------------------------------------------------------- 8-bit moments --
+def _quantized_kernel(s_ref, seed_ref, g_ref, *refs, n, block, nesterov, apply, index_map):
+  """``block // BLOCK`` quantisation blocks a program (the last program: what
+  is left), one loop iteration each; every ref flat, the scales one per
+  ``BLOCK`` elements."""
+  q_block = quantized.BLOCK
+  if apply:
+    p_ref, muc_ref, mus_ref, nuc_ref, nus_ref = refs
+    o_ref = p_ref
+  else:
+    muc_ref, mus_ref, nuc_ref, nus_ref, o_ref = refs
+    p_ref = None
+  scalars = [s_ref[k] for k in range(adam_lib.N_SCALARS)]
+  seeds = [seed_ref[k] for k in range(adam_lib.N_SEEDS)]
+  # As in the per-leaf kernel: the skip and cautious flags as blocks.
+  s = lambda k: (jnp.broadcast_to(scalars[k], (q_block,))
+                 if k in (adam_lib.APPLY, adam_lib.CAUTIOUS) else scalars[k])
+  wide = lambda x: jnp.broadcast_to(x, (q_block,))
+
+  def one_block(start):
+    elems = pl.ds(start, q_block)
+    row = start // q_block
+    f32 = lambda r: r[elems].astype(jnp.float32)
+    mu32 = quantized.dequantize_mu(muc_ref[elems], mus_ref[row])
+    nu32 = quantized.dequantize_nu(nuc_ref[elems], nus_ref[row])
+    out, mu_new, nu_new = adam_lib.adam_math(
+        s, f32(p_ref) if apply else None, f32(g_ref), mu32, nu32, nesterov=nesterov,
+        apply=apply, reciprocal=True)
+    index = sharding_lib.global_index(elementwise_tiling.mosaic_gpu_flat_index(start, q_block),
+                                      index_map, seeds[adam_lib.SEED_BASE])
+    o_ref[elems] = adam_lib.store(out, o_ref.dtype, index, seeds[0])
+    # The scale is reduced here (a scalar) and handed to the block arithmetic
+    # as a block: Mosaic GPU lowers scalar constants only inside vector ops.
+    scale = quantized.mu_scale(mu_new, axis=None)
+    muc_ref[elems], _ = quantized.quantize_mu(
+        mu_new, counter_hash.hash_bits(index, seeds[1]), wide(scale))
+    mus_ref[row] = scale
+    scale = quantized.nu_scale(nu_new, axis=None)
+    nuc_ref[elems], _ = quantized.quantize_nu(
+        nu_new, counter_hash.hash_bits(index, seeds[2]), wide(scale))
+    nus_ref[row] = scale
+
+  def program(start, size):
+    def body(j, carry):
+      one_block(start + j * q_block)
+      return carry
+    jax.lax.fori_loop(0, size // q_block, body, 0)
+
+  elementwise_tiling.mosaic_gpu_blocks(n, block, program)
+
+
+def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype,
+                     config: MosaicGPUConfig, interpret, index_map=None):
+  """One leaf with 8-bit moments as ``(R, BLOCK)`` rows (``p``, ``g``, the
+  codes) and ``(R,)`` scales, as the Triton kernel takes them; returns
+  ``(out, mu, nu)``, the moments :class:`~.quantized.QuantizedMoment`, all
+  in place (``p`` None: the direction, a fresh output). ``config.block``
+  elements a program, at least one quantisation block. The caller guards
+  the inputs against differentiation."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  rows_shape = g.shape
+  n = g.size
+  block = max(config.block, quantized.BLOCK)
+  apply = p is not None
+  kernel = plgpu.kernel(
+      functools.partial(_quantized_kernel, n=n, block=block, nesterov=nesterov, apply=apply,
+                        index_map=index_map),
+      out_type=() if apply else (jax.ShapeDtypeStruct((n,), out_dtype),),
+      grid=(elementwise_tiling.mosaic_gpu_programs(n, block),),
+      grid_names=(elementwise_tiling.MOSAIC_GPU_AXIS,),
+      interpret=interpret or None,
+      kernel_name="fuseopt_adam_update_int8",
+  )
+  flat = lambda a: a.reshape(-1)
+  refs = [jax.new_ref(flat(a)) for a in ((p,) if apply else ()) + (
+      mu.codes, mu.scales, nu.codes, nu.scales)]
+  results = kernel(scalars, seeds, flat(g), *refs)
+  outs = [jax.freeze(r) for r in refs]
+  out = outs.pop(0) if apply else results[0]
+  moment = lambda codes, scales, like: quantized.QuantizedMoment(
+      codes.reshape(rows_shape), scales.reshape(like.scales.shape))
+  return (out.reshape(rows_shape), moment(outs[0], outs[1], mu), moment(outs[2], outs[3], nu))

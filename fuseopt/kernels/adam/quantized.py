@@ -8,9 +8,9 @@ scales shard with the same ``PartitionSpec`` as the leaf). State bytes per
 parameter: ``2 + 2 * 4 / BLOCK`` = 2.03 (bf16 moments: 4; fp32: 8).
 
 - ``mu`` (int8, signed, linear): :math:`\\mu = c\\, s` with
-  :math:`c \\in [-127, 127]` and :math:`s = \\max_{block} |\\mu| / 127`.
+  :math:`c \\in [-127, 127]` and :math:`s = \\max_{block} |\\mu| \\cdot fl(1/127)`.
 - ``nu`` (uint8, square-root companding): :math:`\\nu = (c\\, s)^2` with
-  :math:`c \\in [0, 255]` and :math:`s = \\sqrt{\\max_{block} \\nu} / 255`.
+  :math:`c \\in [0, 255]` and :math:`s = \\sqrt{\\max_{block} \\nu} \\cdot fl(1/255)`.
   Codes are linear in :math:`\\sqrt\\nu`, the quantity Adam divides by, so a
   block's small second moments keep resolution: the smallest non-zero value is
   :math:`\\max/65025` (a linear map: :math:`\\max/255`). ``c >= 1`` wherever the
@@ -156,33 +156,68 @@ def _inverse(scale):
   return jnp.float32(1.0) / jnp.where(scale > 0, scale, jnp.ones_like(scale))
 
 
-def quantize_mu(x, bits):
+def _floor(y):
+  """``floor(y)`` of fp32 ``y`` with ``|y| < 2**31``, written as a truncation
+  through int32 and a correction (exact, so the same bits as ``jnp.floor``):
+  Mosaic GPU lowers no ``floor``."""
+  t = y.astype(jnp.int32).astype(jnp.float32)
+  return t - jnp.where(t > y, 1.0, 0.0)
+
+
+def _finite(x):
+  """``isfinite(x)`` as a comparison (false for NaN and ±Inf): Mosaic GPU
+  lowers no ``is_finite``."""
+  return jnp.abs(x) < jnp.float32(jnp.inf)
+
+
+# The scales multiply by the fp32 reciprocals of the code ranges rather than
+# divide by the ranges: a compiler may rewrite a division by a constant into
+# a multiplication in one program and not in another (a kernel's reduced
+# scalar, the reference's broadcast block), which would round the scales of
+# two backends differently; a multiplication leaves nothing to rewrite.
+_MU_STEP = 1.0 / MU_CODE_MAX
+_NU_STEP = 1.0 / NU_CODE_MAX
+
+
+def mu_scale(x, axis=-1):
+  """A block's ``mu`` scale, ``max |x| · fl(1/127)``, reduced over ``axis``
+  (kept as size 1; ``axis=None``: the whole array is one block, a scalar)."""
+  return jnp.max(jnp.abs(x), axis=axis, keepdims=axis is not None) * jnp.float32(_MU_STEP)
+
+
+def nu_scale(x, axis=-1):
+  """A block's ``nu`` scale, ``sqrt(max x) · fl(1/255)`` (``axis`` as :func:`mu_scale`)."""
+  return jnp.sqrt(jnp.max(x, axis=axis, keepdims=axis is not None)) * jnp.float32(_NU_STEP)
+
+
+def quantize_mu(x, bits, scale=None):
   """fp32 ``x`` (..., B) → ``(int8 codes, scale (..., 1))``, stochastically
-  rounded with the uint32 ``bits`` (..., B)."""
-  scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / jnp.float32(MU_CODE_MAX)
+  rounded with the uint32 ``bits`` (..., B). ``scale``: the block's
+  :func:`mu_scale`, where a kernel reduced it itself (returned as given)."""
+  scale = mu_scale(x) if scale is None else scale
   y = jnp.clip(x * _inverse(scale), -MU_CODE_MAX, MU_CODE_MAX)
-  lo = jnp.floor(y)
+  lo = _floor(y)
   code = lo + jnp.where(uniform(bits) < y - lo, 1.0, 0.0)
-  code = jnp.where(jnp.isfinite(y) & jnp.isfinite(scale), code, 0.0)
+  code = jnp.where(_finite(y) & _finite(scale), code, 0.0)
   return code.astype(jnp.int32).astype(MU_CODE_DTYPE), scale
 
 
-def quantize_nu(x, bits):
+def quantize_nu(x, bits, scale=None):
   """fp32 ``x >= 0`` (..., B) → ``(uint8 codes, scale (..., 1))``: codes
   linear in ``sqrt(x)``, rounded stochastically between the neighbouring
   values ``(k s)^2`` and ``((k+1) s)^2`` so that the stored ``nu`` is
-  unbiased; at least 1 wherever ``x > 0``."""
-  scale = jnp.sqrt(jnp.max(x, axis=-1, keepdims=True)) / jnp.float32(NU_CODE_MAX)
+  unbiased; at least 1 wherever ``x > 0``. ``scale`` as in :func:`quantize_mu`."""
+  scale = nu_scale(x) if scale is None else scale
   s = jnp.where(scale > 0, scale, jnp.ones_like(scale))
   t = jnp.clip(jnp.sqrt(x) * _inverse(scale), 0.0, NU_CODE_MAX - 1)
-  k = jnp.floor(t)
+  k = _floor(t)
   below, above = k * s, (k + 1.0) * s
   below, above = below * below, above * above
   width = above - below
   frac = jnp.where(width > 0, (x - below) / jnp.where(width > 0, width, 1.0), 0.0)
   code = k + jnp.where(uniform(bits) < frac, 1.0, 0.0)
   code = jnp.maximum(code, jnp.where(x > 0, 1.0, 0.0))
-  code = jnp.where(jnp.isfinite(t) & jnp.isfinite(scale), code, 0.0)
+  code = jnp.where(_finite(t) & _finite(scale), code, 0.0)
   return code.astype(jnp.int32).astype(NU_CODE_DTYPE), scale
 
 

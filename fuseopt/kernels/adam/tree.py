@@ -260,18 +260,18 @@ def update_leaves(impl, scalars, seeds, ps, gs, mus, nus, placements, *, nestero
 def _run_quantized(impl, scalars, seeds, p, g, mu, nu, *, nesterov, interpret, config,
                    index_map=None):
   """One local leaf with 8-bit moments on ``impl`` (the reference where that
-  backend has no 8-bit kernel, logged); returns ``(out, mu, nu)``."""
+  backend leaves this leaf, logged); returns ``(out, mu, nu)``."""
   out_dtype = (g if p is None else p).dtype
-  if impl not in ("xla", "triton", "mosaic_tpu"):
-    dispatch.log_fallback(OP_NAME, impl, "8-bit moments have no kernel on this backend yet",
-                          runs="the reference")
-    impl = "xla"
   if impl != "xla":
     backend = _backend(impl)
     if not isinstance(config, backend.Config):
       # (a grouped launch's config, or none: 8-bit leaves run one launch each)
-      config = (backend.Config(config.block, config.num_warps) if impl == "triton"
-                and config is not None else backend.heuristic(g.size))
+      if impl == "triton" and config is not None:
+        config = backend.Config(config.block, config.num_warps)
+      elif impl == "mosaic_gpu" and config is not None:
+        config = backend.Config(config.block)
+      else:
+        config = backend.heuristic(g.size)
     reason = (backend.quantized_leaf_reason(g, config, index_map) if impl == "mosaic_tpu"
               else None)
     if reason is not None:
@@ -289,8 +289,13 @@ def _run_quantized(impl, scalars, seeds, p, g, mu, nu, *, nesterov, interpret, c
     return no_derivative(impl, run, scalars, seeds, p, g, mu, nu)
   rows = lambda a: a.reshape(-1, quantized.BLOCK)
   vec = lambda m: quantized.QuantizedMoment(rows(m.codes), m.scales.reshape(-1))
-  out, new_mu, new_nu = no_derivative(impl, run, scalars, seeds, None if p is None else rows(p),
-                                      rows(g), vec(mu), vec(nu))
+  operands = (scalars, seeds, None if p is None else rows(p), rows(g), vec(mu), vec(nu))
+  if impl == "mosaic_gpu":
+    # (as in _run_leaf: the guard on the inputs, jax cannot discharge the
+    # kernel's in-place refs inside a custom_jvp)
+    out, new_mu, new_nu = run(*no_derivative(impl, lambda *a: a, *operands))
+  else:
+    out, new_mu, new_nu = no_derivative(impl, run, *operands)
   back = lambda m, like: quantized.QuantizedMoment(m.codes.reshape(shape),
                                                    m.scales.reshape(like.scales.shape))
   return out.reshape(shape), back(new_mu, mu), back(new_nu, nu)
