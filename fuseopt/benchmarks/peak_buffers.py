@@ -119,7 +119,8 @@ def compile_and_dump(target: str, case_id: str, dump: str | Path) -> dict:
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}").strip()
   import jax
   from fuseopt.benchmarks import compile_cases, compile_harness
-  for case in compile_cases.cases(target, kinds=("step", "sharded")):
+  for case in compile_cases.cases(target, kinds=("step", "sharded", "scale"), full=True,
+                                  baselines=True):
     if case.id == case_id:
       if case.devices > 1:
         jax.config.update("jax_num_cpu_devices", case.devices)
