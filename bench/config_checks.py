@@ -261,8 +261,8 @@ def families(st: Settings) -> list[Family]:
 
   hyper = dict(count=3, learning_rate=1e-3, weight_decay=0.1, seed=5)
 
-  def adam_setup():
-    p, g = _normal_tree(st, 1), _normal_tree(st, 2)
+  def adam_setup(param_dtype=jnp.float32):
+    p, g = ([x.astype(param_dtype) for x in _normal_tree(st, k)] for k in (1, 2))
     mu = [x.astype(jnp.bfloat16) for x in _normal_tree(st, 3, scale=1e-3)]
     nu = [jnp.square(x).astype(jnp.bfloat16) for x in _normal_tree(st, 4, scale=1e-3)]
     ref = jax.jit(lambda p, g, mu, nu: adam.adam_update_tree(
@@ -295,12 +295,7 @@ def families(st: Settings) -> list[Family]:
     # bf16 params and grads (14 B/param): on the H200 the suite's 1.2 B step of
     # this kind ran at 1.0 TB/s where the fp32-param step reaches 2.0 (docs/
     # measurements.md); every block config, to find whether the block is why.
-    state = adam_setup()
-    p, g, mu, nu = state["args"]
-    p, g = ([x.astype(jnp.bfloat16) for x in xs] for xs in (p, g))
-    ref = jax.jit(lambda p, g, mu, nu: adam.adam_update_tree(
-        p, g, mu, nu, implementation="xla", **hyper))(p, g, mu, nu)
-    return {"args": (p, g, mu, nu), "ref": _flat(_block(ref))}
+    return adam_setup(jnp.bfloat16)
 
   adam_work = {"bytes": 20 * n_ew}  # fp32 params r/w, fp32 grads, bf16 mu and nu r/w
   out.append(Family("adam", "fuseopt.kernels.adam.adam_update_tree(group=False)",

@@ -337,8 +337,9 @@ def _step_fn(tx, fused):
 # libtpu takes 1.5-3.5 min for one sharded or Muon step of the 1.20 B tree.
 # The fused steps and every kernel compile on all five targets; the
 # ``tx.update`` + ``apply_updates`` path (XLA glue around the same kernels)
-# on the H200 (the fused steps and the kernels cover the TPU side); the sharded steps on 8 x H200 and v6e "2x4", and
-# the Auto mesh (the FSDP setup the scaling figures quote) on v5e too.
+# on the H200 (the fused steps and the kernels cover the TPU side); the
+# sharded steps on 8 x H200 and v6e "2x4", and the Auto mesh (the FSDP setup
+# the scaling figures quote) on v5e too.
 CI_TARGETS = {
     "fallback": ("h200",),
     "builder_fallback": ("h200",),

@@ -107,10 +107,7 @@ def _leaf(scalar, seed, g_ref, mu_ref, nu_ref, o_ref, p_ref, *, main, block, nes
   def one(start, size):
     rows = pl.ds(start, size)
     f32 = lambda r: r.at[rows][...].astype(jnp.float32)
-    # The skip and cautious flags as blocks: Mosaic GPU's warpgroup lowering
-    # has no select with a scalar predicate (an implicit broadcast).
-    s = lambda k: (jnp.broadcast_to(scalars[k], (size,))
-                   if k in (adam_lib.APPLY, adam_lib.CAUTIOUS) else scalars[k])
+    s = _scalar_reader(scalars, size)
     p32 = None
     if apply:
       p32 = adam_lib.load_param(p_ref.at[rows][...],
@@ -127,6 +124,15 @@ def _leaf(scalar, seed, g_ref, mu_ref, nu_ref, o_ref, p_ref, *, main, block, nes
     nu_ref.at[rows][...] = adam_lib.store(nu_new, nu_ref.dtype, index, seeds[2])
 
   elementwise_tiling.mosaic_gpu_blocks(main, block, one, program)
+
+
+def _scalar_reader(scalars, size):
+  """``s(k)`` for :func:`~fuseopt.kernels.adam.math.adam_math` on blocks of
+  ``size``: the skip and cautious flags as blocks, since Mosaic GPU's
+  warpgroup lowering has no select with a scalar predicate (an implicit
+  broadcast); the other scalars as they are."""
+  return lambda k: (jnp.broadcast_to(scalars[k], (size,))
+                    if k in (adam_lib.APPLY, adam_lib.CAUTIOUS) else scalars[k])
 
 
 def _split_refs(refs, apply, tracked=False):
@@ -297,11 +303,8 @@ def _quantized_kernel(s_ref, seed_ref, g_ref, *refs, n, block, nesterov, apply, 
   else:
     muc_ref, mus_ref, nuc_ref, nus_ref, o_ref = refs
     p_ref = None
-  scalars = [s_ref[k] for k in range(adam_lib.N_SCALARS)]
+  s = _scalar_reader([s_ref[k] for k in range(adam_lib.N_SCALARS)], q_block)
   seeds = [seed_ref[k] for k in range(adam_lib.N_SEEDS)]
-  # As in the per-leaf kernel: the skip and cautious flags as blocks.
-  s = lambda k: (jnp.broadcast_to(scalars[k], (q_block,))
-                 if k in (adam_lib.APPLY, adam_lib.CAUTIOUS) else scalars[k])
   wide = lambda x: jnp.broadcast_to(x, (q_block,))
 
   def one_block(start):
