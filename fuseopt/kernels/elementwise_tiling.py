@@ -148,10 +148,15 @@ class TritonBounded:
   ragged leaf then writes past the leaf, into whatever buffer XLA placed
   after it (docs/pallas_notes.md, "Triton: ragged blocks"). The kernels
   wrap such refs; ``[...]`` reads (zeros outside the mask) and writes
-  (nothing outside it) the whole block.
+  (nothing outside it) the whole block. A mask over the block's leading
+  axes covers whole rows of a ref with more axes (an 8-bit kernel's rows
+  of codes beside its one scale a row).
   """
 
   def __init__(self, ref, mask):
+    extra = len(ref.shape) - mask.ndim
+    if extra:
+      mask = jnp.broadcast_to(mask.reshape(mask.shape + (1,) * extra), ref.shape)
     self.ref, self.mask = ref, mask
 
   @property

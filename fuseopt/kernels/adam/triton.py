@@ -269,12 +269,8 @@ def _quantized_kernel(s_ref, seed_ref, *refs, rows, n_rows, masked, nesterov, ap
   block = quantized.BLOCK
   first = (pl.program_id(0) * rows).astype(jnp.uint32)
   row = first + jax.lax.iota(jnp.uint32, rows)
-  if masked:
-    # The last program's rows past the leaf's end: masked loads and stores.
-    valid = row < n_rows
-    tile_mask = jnp.broadcast_to(valid[:, None], (rows, block))
-    refs = tuple(elementwise_tiling.TritonBounded(r, valid if len(r.shape) == 1 else tile_mask)
-                 for r in refs)
+  # The last program's rows past the leaf's end: masked loads and stores.
+  refs = elementwise_tiling.triton_bound(refs, row < n_rows, masked)
   p_ref, (g_ref, muc_ref, mus_ref, nuc_ref, nus_ref), (o_ref, muc_out, mus_out, nuc_out, nus_out) = (
       quantized.split_kernel_refs(refs, apply))
   f32 = lambda r: r[...].astype(jnp.float32)
