@@ -37,7 +37,7 @@ CASES = {
     # bf16 moments, stochastically rounded with per-step seeds, through the fused step.
     "adamw_bf16_fused_step": (lambda: fo.adamw(1e-2, weight_decay=0.1), True),
     # Muon's momentum and its AdamW side's bf16 moments.
-    "muon": (lambda: fo.muon(1e-2, muon_weight_dimension_numbers=_DIMS, adam_moment_dtype=jnp.bfloat16), False),
+    "muon": (lambda: fo.muon(1e-2, muon_weight_dimension_numbers=_DIMS, execution=fo.Execution(adam_moment_dtype=jnp.bfloat16)), False),
     # The builder's nesting: freeze / skip_nonfinite / MultiSteps / clip / partition of groups.
     "builder": (lambda: fo.build_optimizer(fo.OptimConfig.from_dict({
         "optimizer": "muon", "schedule": {"kind": "cosine", "peak": 0.02, "warmup_steps": 2},

@@ -384,14 +384,16 @@ def _variant_recipes():
   import fuseopt.optim as fo
   from fuseopt.benchmarks.cases import muon as muon_cases
   from fuseopt.optim import fusion, safeguards
-  def hybrid(factory, mantissa=False, **kw):
-    tx = factory(0.02, weight_decay=0.1, adam_weight_decay=0.1, ns_coeffs="jordan",
-                 adam_moment_dtype=BF16, muon_weight_dimension_numbers=muon_cases.muon_dims, **kw)
+  def hybrid(factory, mantissa=False, cautious=False):
+    wd = fo.cautious(0.1) if cautious else 0.1
+    tx = factory(0.02, weight_decay=wd, adam_weight_decay=wd, ns_coeffs="jordan",
+                 execution=fo.Execution(adam_moment_dtype=BF16),
+                 muon_weight_dimension_numbers=muon_cases.muon_dims)
     return fusion.chain(safeguards.clip_by_global_norm(1.0),
                         fo.track_mantissa(tx, owner="muon") if mantissa else tx)
   return {
       "normuon_recipe": (hybrid(fo.normuon), F32),
-      "cautious_hybrid_recipe": (hybrid(fo.muon, cautious_weight_decay=True), F32),
+      "cautious_hybrid_recipe": (hybrid(fo.muon, cautious=True), F32),
       # bf16 parameters (and gradients) with their uint16 companions: the
       # mantissa wrapper inside the clip, as the builder places it.
       "mantissa_adamw_recipe": (fusion.chain(
@@ -451,8 +453,8 @@ def hybrid_tx(variant: str, shardings=None, dims=None, **options):
     return optax.contrib.muon(0.02, ns_coeffs=muon_cases.COEFFS, weight_decay=0.1,
                               adam_weight_decay=0.1, muon_weight_dimension_numbers=dims)
   return fo.muon(0.02, ns_coeffs="jordan", weight_decay=0.1, adam_weight_decay=0.1,
-                 adam_moment_dtype=BF16, muon_weight_dimension_numbers=dims,
-                 execution=fo.Execution(shardings=shardings), **options)
+                 muon_weight_dimension_numbers=dims,
+                 execution=fo.Execution(shardings=shardings, adam_moment_dtype=BF16), **options)
 
 
 def sharded_step_args(t, tx, tree, shardings, *, fused: bool):

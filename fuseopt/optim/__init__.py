@@ -26,11 +26,15 @@ from fuseopt.optim.normuon_transforms import normuon
 from fuseopt.optim.normuon_transforms import NorMuonState
 from fuseopt.optim.normuon_transforms import scale_by_normuon
 
-# Cautious weight decay; exact bf16 parameters (a mantissa companion).
+# Cautious weight decay (a decay rate's piece); exact bf16 parameters (a
+# mantissa companion); stacked experts (a spec's piece).
 from fuseopt.optim.weight_decay import add_cautious_decayed_weights
+from fuseopt.optim.weight_decay import cautious
+from fuseopt.optim.weight_decay import CautiousDecay
 from fuseopt.optim.mantissa import master_params
 from fuseopt.optim.mantissa import MantissaState
 from fuseopt.optim.mantissa import track_mantissa
+from fuseopt.optim.matrix_views import Experts
 from fuseopt.optim.matrix_views import MatrixViews
 from fuseopt.optim.matrix_views import mla_kv_b_proj_views
 from fuseopt.optim.muon_axes import BATCH_AXES
@@ -65,9 +69,11 @@ from fuseopt.optim.schedules import WSD
 
 __all__ = (
     "BATCH_AXES",
+    "CautiousDecay",
     "Constant",
     "Cosine",
     "Execution",
+    "Experts",
     "HEAD_AXES",
     "LAYER_AXES",
     "Linear",
@@ -92,6 +98,7 @@ __all__ = (
     "apply_updates",
     "bf16_moments",
     "build_optimizer",
+    "cautious",
     "freeze",
     "global_norm_of",
     "learning_rate_schedule",

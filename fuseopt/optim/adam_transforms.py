@@ -415,7 +415,7 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
           mask: Optional[Any | Callable[[optax.Params], Any]] = None, *,
           nesterov: bool = False, moment_dtype: Any = "bfloat16", seed: Optional[int] = None,
           implementation: Optional[str] = None, interpret: bool = False,
-          shardings: Any = None, cautious_weight_decay: bool = False,
+          shardings: Any = None,
           bf16_params: str = "stochastic") -> FusedAdamTransformation:
   r"""AdamW (Loshchilov & Hutter 2019) with bf16 moments: drop-in for :func:`optax.adamw`.
 
@@ -426,23 +426,24 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
   in-place update.
 
   Args:
-    learning_rate, weight_decay: scalars or optax schedules.
+    learning_rate, weight_decay: scalars or optax schedules; a
+      ``weight_decay`` given as :func:`~fuseopt.optim.cautious` decays only
+      where the Adam direction and the parameter have the same sign,
+      :math:`p_t = p_{t-1} - \alpha_t (u_t + \lambda\,1[u_t p_{t-1} \ge 0]\,p_{t-1})`
+      (Chen et al. 2025, "Cautious Weight Decay", arXiv 2510.12402); one
+      select inside the fused kernel.
     mask: a pytree of bools (prefix of the params) or a callable returning
       one; True where weight decay applies.
     b1, b2, eps, eps_root, mu_dtype, nesterov: as in :func:`optax.adamw`.
     moment_dtype, seed, implementation, interpret, shardings: see :func:`scale_by_adam`.
-    cautious_weight_decay: decay only where the Adam direction and the
-      parameter have the same sign, :math:`p_t = p_{t-1} - \alpha_t (u_t +
-      \lambda\,1[u_t p_{t-1} \ge 0]\,p_{t-1})` (Chen et al. 2025, "Cautious
-      Weight Decay", arXiv 2510.12402); one select inside the fused kernel.
     bf16_params: ``"stochastic"`` or ``"mantissa"``, see :func:`adam`.
   """
   _checks.check_rate("adamw", "learning_rate", learning_rate)
+  weight_decay, cautious = weight_decay_lib.split_rate(weight_decay)
   _checks.check_rate("adamw", "weight_decay", weight_decay)
   _check_hyper(b1, b2, eps, eps_root, "adamw")
   mu_dtype = _check_int8(_canon_dtype(moment_dtype, "moment_dtype", "adamw"), mu_dtype,
                         "adamw")
-  cautious = weight_decay_lib.check_cautious("adamw", cautious_weight_decay)
   mantissa.check_mode("adamw", bf16_params)
   decay = (weight_decay_lib.add_cautious_decayed_weights if cautious else
            optax.add_decayed_weights)

@@ -21,6 +21,7 @@ adafactor) fall back to ``update`` + ``apply_updates``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -33,9 +34,11 @@ from fuseopt.optim import fusion
 from fuseopt.optim import groups as groups_lib
 from fuseopt.optim import mantissa
 from fuseopt.optim import muon_axes
+from fuseopt.optim import muon_settings
 from fuseopt.optim import normuon_transforms
 from fuseopt.optim import qk_clip
 from fuseopt.optim import safeguards
+from fuseopt.optim import weight_decay as weight_decay_lib
 from fuseopt.optim.config import OptimConfig
 
 __all__ = ["OPTIMIZER_MAP", "build_optimizer", "learning_rate_schedule"]
@@ -78,6 +81,11 @@ def _betas(config: OptimConfig, b1="b1", b2="b2", eps="eps") -> dict[str, Any]:
   return out
 
 
+def _decay(config, rate):
+  """The weight-decay rate, cautious where the config says so."""
+  return weight_decay_lib.cautious(rate) if config.cautious_weight_decay else rate
+
+
 def _adam(config, rate, weight_decay):
   kw = {**_betas(config), **config.optimizer_kwargs}
   return adam_transforms.adam(rate, moment_dtype=_adam_moments(config), **kw)
@@ -85,9 +93,8 @@ def _adam(config, rate, weight_decay):
 
 def _adamw(config, rate, weight_decay):
   kw = {**_betas(config), **config.optimizer_kwargs}
-  return adam_transforms.adamw(rate, weight_decay=weight_decay,
-                          moment_dtype=_adam_moments(config),
-                          cautious_weight_decay=config.cautious_weight_decay, **kw)
+  return adam_transforms.adamw(rate, weight_decay=_decay(config, weight_decay),
+                          moment_dtype=_adam_moments(config), **kw)
 
 
 def _keep_state_dtypes(tx: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -144,12 +151,18 @@ def pattern_dimension_numbers(patterns):
 
 def _muon_kwargs(config, weight_decay, adam_rate):
   # Muon's b1/b2 are its AdamW side's; its own momentum is optimizer_kwargs["beta"].
-  kw = dict(weight_decay=weight_decay, adam_weight_decay=weight_decay, mu_dtype=_moments(config),
-            cautious_weight_decay=config.cautious_weight_decay,
+  kw = dict(weight_decay=_decay(config, weight_decay),
+            adam_weight_decay=_decay(config, weight_decay), mu_dtype=_moments(config),
             **_betas(config, b1="adam_b1", b2="adam_b2"))
+  extra = dict(config.optimizer_kwargs)
   if config.state_dtype in ("bfloat16", "int8"):
-    # both AdamW-side moments (optax's muon has mu only); int8 leaves Muon's momentum fp32
-    kw["adam_moment_dtype"] = _adam_moments(config)
+    # both AdamW-side moments (optax's muon has mu only); int8 leaves Muon's
+    # momentum fp32. An execution record of the kwargs keeps its own fields.
+    execution = muon_settings.as_record("build_optimizer", "optimizer_kwargs['execution']",
+                                        extra.pop("execution", None), muon_settings.Execution)
+    if execution.adam_moment_dtype is None:
+      execution = dataclasses.replace(execution, adam_moment_dtype=_adam_moments(config))
+    kw["execution"] = execution
   if adam_rate is not None:
     kw["adam_learning_rate"] = adam_rate
   if config.muon_patterns is not None:
@@ -157,7 +170,7 @@ def _muon_kwargs(config, weight_decay, adam_rate):
   elif config.muon_logical_axes:
     kw["muon_weight_dimension_numbers"] = muon_axes.logical_axes_dimension_numbers(
         **config.muon_axis_rules)
-  return {**kw, **config.optimizer_kwargs}
+  return {**kw, **extra}
 
 
 def _muon(config, rate, weight_decay, adam_rate=None):

@@ -26,7 +26,7 @@ OPTIMIZERS = ("adam", "adamw", "lamb", "lion", "adafactor", "muon", "muonclip", 
 BF16_STATE_OPTIMIZERS = ("adam", "adamw", "lion", "muon", "muonclip", "normuon")
 # The Muon family: an AdamW side, Muon's parameter split.
 MUON_OPTIMIZERS = ("muon", "muonclip", "normuon")
-# Optimizers with cautious weight decay (their own kwarg, and in the fused step).
+# Optimizers with cautious weight decay (a decay rate given as fuseopt.optim.cautious).
 CAUTIOUS_OPTIMIZERS = ("adamw", "muon", "muonclip", "normuon")
 BF16_PARAMS = ("stochastic", "mantissa")
 STATE_DTYPES = ("float32", "bfloat16", "int8")

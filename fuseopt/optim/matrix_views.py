@@ -76,6 +76,20 @@ class MatrixViews(NamedTuple):
   groups: int = 1
 
 
+class Experts(NamedTuple):
+  """Declares that a weight is a stack of expert matrices (mixture of experts).
+
+  ``spec`` (:class:`MuonDimensionNumbers` or :class:`MatrixViews`) cuts the
+  weight into matrices as it would alone; each index of its batch axes is
+  one expert. An expert whose gradient is all zero this step -- one no token
+  was routed to -- is frozen: it keeps its momentum (and NorMuon's second
+  moment) and gets no update and no weight decay. optax's rule decays the
+  momentum and the weight of such an expert; a weight not declared
+  ``Experts`` keeps optax's rule.
+  """
+  spec: MuonDimensionNumbers | MatrixViews = MuonDimensionNumbers()
+
+
 def mla_kv_b_proj_views(num_heads: int, qk_nope_head_dim: int, v_head_dim: int, *,
                         reduction_axis: int = 0, output_axis: int = 1) -> MatrixViews:
   """Views of MLA's ``kv_b_proj`` (DeepSeek-V2/V3): per head, the key rows
@@ -168,6 +182,17 @@ def split(x: jax.Array, spec, path: str = "") -> tuple[list[Piece], Callable[[li
   views = geometry(spec, x.shape, path)
   red, out = views.piece_axes()
   return [_flatten(p, red, out) for p in views.split(x)], views.merge
+
+
+def unwrap_experts(spec):
+  """``(spec, is_experts)``: the cut of a leaf's spec, and whether it was
+  declared :class:`Experts`."""
+  if isinstance(spec, Experts):
+    if not isinstance(spec.spec, DIMENSION_NUMBER_TYPES + (MatrixViews,)):
+      raise TypeError(f"Muon: Experts.spec must be MuonDimensionNumbers or MatrixViews, got "
+                      f"{spec.spec!r}")
+    return spec.spec, True
+  return spec, False
 
 
 def base_dimension_numbers(spec):

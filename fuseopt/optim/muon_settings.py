@@ -1,5 +1,6 @@
 """The two settings records of the Muon family: how the Newton-Schulz runs
-(:class:`NewtonSchulz`) and where the kernels run (:class:`Execution`).
+(:class:`NewtonSchulz`) and how the kernels run and keep their state
+(:class:`Execution`).
 
 :func:`~fuseopt.optim.muon`, :func:`~fuseopt.optim.normuon`,
 :func:`~fuseopt.optim.muonclip` and their ``scale_by_`` directions take
@@ -22,6 +23,8 @@ from typing import Any, Optional
 
 import jax.numpy as jnp
 import numpy as np
+
+from fuseopt.optim import _checks
 
 __all__ = ["Execution", "NewtonSchulz"]
 
@@ -80,7 +83,7 @@ class NewtonSchulz:
 @dataclasses.dataclass(frozen=True)
 class Execution:
   """Where and how the kernels of an optimizer run (both its Muon and its
-  AdamW side).
+  AdamW side), and the format the AdamW kernel keeps its moments in.
 
   Attributes:
     implementation: force one backend of the kernels (``None``: picked by the
@@ -94,10 +97,18 @@ class Execution:
       the Newton-Schulz, same-shaped matrices are re-laid out with
       ``all_to_all`` so that each device orthogonalises about 1/N of them,
       whole, then laid back (docs/scaling.md).
+    adam_moment_dtype: the AdamW side's two moments, as the Adam kernel
+      stores them (:func:`~fuseopt.optim.adamw`'s ``moment_dtype``):
+      ``None`` (default) keeps optax's dtypes (``mu`` in ``mu_dtype``, ``nu``
+      in the parameter's), ``"bfloat16"`` (stochastically rounded, 4 B of
+      state a parameter), ``"float32"``, or ``"int8"`` (8-bit codes with a
+      scale per 256 elements, docs/adam.md). Muon's own momentum is
+      ``mu_dtype``'s.
   """
   implementation: Optional[str] = None
   interpret: bool = False
   shardings: Any = None
+  adam_moment_dtype: Any = None
 
   def __post_init__(self):
     if self.implementation is not None and not isinstance(self.implementation, str):
@@ -105,6 +116,19 @@ class Execution:
                        f"{self.implementation!r}")
     if not isinstance(self.interpret, bool):
       raise ValueError(f"Execution: interpret must be a bool, got {self.interpret!r}")
+    moments = self.adam_moment_dtype
+    if isinstance(moments, str) and moments == "int8" or _is_dtype(moments, jnp.int8):
+      object.__setattr__(self, "adam_moment_dtype", "int8")
+    elif moments is not None:
+      object.__setattr__(self, "adam_moment_dtype", _checks.check_dtype(
+          "Execution", "adam_moment_dtype (or 'int8')", moments, (jnp.float32, jnp.bfloat16)))
+
+
+def _is_dtype(value, dtype) -> bool:
+  try:
+    return value is not None and jnp.dtype(value) == dtype
+  except TypeError:
+    return False
 
 
 def as_record(owner: str, name: str, value, cls):

@@ -21,7 +21,8 @@ from fuseopt.optim import adam_transforms
 from fuseopt.optim import groups as groups_lib
 from fuseopt.optim import mantissa
 from fuseopt.optim import matrix_views
-from fuseopt.optim.matrix_views import DIMENSION_NUMBER_TYPES, MatrixViews, MuonDimensionNumbers
+from fuseopt.optim.matrix_views import (DIMENSION_NUMBER_TYPES, Experts, MatrixViews,
+                                       MuonDimensionNumbers, unwrap_experts)
 from fuseopt.optim.muon_newton_schulz import default_ns_max_elements
 
 
@@ -46,7 +47,7 @@ def _store(x32, dtype, count, leaf_index, stream):
 
 
 def _is_spec(x) -> bool:
-  return isinstance(x, DIMENSION_NUMBER_TYPES + (MatrixViews,))
+  return isinstance(x, DIMENSION_NUMBER_TYPES + (MatrixViews, Experts))
 
 
 def _is_spec_or_none(x) -> bool:
@@ -74,13 +75,30 @@ def _broadcast_specs(specs, tree):
   return jax.tree.map(spread, specs, tree, is_leaf=_is_spec_or_none)
 
 
-def _leaf_specs(weight_dimension_numbers, updates, treedef):
+def _declared_specs(weight_dimension_numbers, updates, treedef):
+  """Each leaf's spec as declared (:class:`Experts` kept), or None."""
   if weight_dimension_numbers is None:
     return [MuonDimensionNumbers()] * treedef.num_leaves
   specs = weight_dimension_numbers(updates) if callable(weight_dimension_numbers) else weight_dimension_numbers
   if _is_spec(specs):
     return [specs] * treedef.num_leaves
   return treedef.flatten_up_to(_broadcast_specs(specs, updates))
+
+
+def _leaf_specs(weight_dimension_numbers, updates, treedef):
+  """Each leaf's cut into matrices (dimension numbers or views), or None
+  where Muon passes the leaf through."""
+  return [unwrap_experts(s)[0] for s in _declared_specs(weight_dimension_numbers, updates, treedef)]
+
+
+def _expert_specs(weight_dimension_numbers, updates, treedef):
+  """Each leaf's cut where the leaf is declared :class:`Experts` (its
+  matrices are frozen while their gradient is all zero), else None."""
+  out = []
+  for s in _declared_specs(weight_dimension_numbers, updates, treedef):
+    spec, experts = unwrap_experts(s)
+    out.append(spec if experts else None)
+  return out
 
 
 def _matrix_axes(spec, ndim):
@@ -103,7 +121,6 @@ class _MuonConfig:
   adaptive: bool
   shape_scaling: bool
   consistent_rms: Any
-  skip_inactive: bool
   ns_max_elements: Optional[int]   # None: the platform's default
   shardings: Any
   ns: Callable[[jax.Array], jax.Array]   # Newton-Schulz on a (batch, rows, cols) array
@@ -114,7 +131,7 @@ class _MuonConfig:
 class UpdatePiece:
   """The one extension point of Muon's direction: what happens to the
   orthogonalised update of a leaf before Muon's own scaling (the adaptive
-  dual norm, the width factor, the ``skip_inactive`` mask), with a state of
+  dual norm, the width factor, the frozen experts' mask), with a state of
   its own beside Muon's (a tree like the momentum). NorMuon's per-neuron
   normalisation (:mod:`fuseopt.optim.normuon_transforms`) is one.
 
@@ -173,6 +190,7 @@ class _MuonStep:
     self.paths = [jax.tree_util.keystr(p)
                   for p, _ in jax.tree_util.tree_flatten_with_path(updates)[0]]
     self.specs = _leaf_specs(config.weight_dimension_numbers, updates, self.treedef)
+    self.expert_specs = _expert_specs(config.weight_dimension_numbers, updates, self.treedef)
     if config.weight_dimension_numbers is None:
       _check_matrices(self.paths, self.g_leaves)
     self.m_old = self.treedef.flatten_up_to(mu)
@@ -191,9 +209,9 @@ class _MuonStep:
   def momentum(self, i, g, m):
     """One elementwise pass: the fp32 momentum, stored in the state's dtype
     (stochastically rounded when bf16), and the NS input from the same
-    values; and the leaf's active mask (``skip_inactive``)."""
-    beta, s = self.config.beta, self.specs[i]
-    a = _active(g, s) if self.config.skip_inactive and s is not None else None
+    values; and, for a leaf declared :class:`Experts`, its active mask."""
+    beta, s, e = self.config.beta, self.specs[i], self.expert_specs[i]
+    a = None if e is None else _active(g, e)
     # fp32 math for fp32/bf16 (bf16 momentum is stored stochastically
     # rounded); other dtypes keep optax's arithmetic in their own dtype.
     wide = (jnp.float32 if {jnp.result_type(g), jnp.result_type(m)} <= set(adam_transforms.KERNEL_DTYPES)

@@ -21,8 +21,9 @@ three differences in how the work is done:
   gives optax's fp32 numerics.
 * :class:`~fuseopt.optim.matrix_views.MatrixViews` may stand where
   dimension numbers go, to orthogonalise several matrices held in one tensor
-  independently; ``skip_inactive=True`` freezes matrices whose gradient is
-  all zero this step (unrouted experts).
+  independently; :class:`~fuseopt.optim.matrix_views.Experts` around either
+  freezes the matrices of a stacked experts weight whose gradient is all zero
+  this step (unrouted experts).
 
 :func:`muon` declares an in-place rule (:mod:`fuseopt.optim.fusion`):
 :func:`fuseopt.optim.step` runs its Muon leaves as one elementwise pass
@@ -46,6 +47,7 @@ platform's call size, optax's iteration).
 
 # No `from __future__ import annotations`: optax's tests (and tools) read
 # `learning_rate`'s annotation as the object optax.ScalarOrSchedule.
+import dataclasses
 import functools
 import inspect
 import types
@@ -65,14 +67,14 @@ from fuseopt.optim import mantissa
 from fuseopt.optim import muon_axes
 from fuseopt.optim import muon_settings
 from fuseopt.optim import weight_decay as weight_decay_lib
-from fuseopt.optim.matrix_views import MatrixViews, MuonDimensionNumbers
+from fuseopt.optim.matrix_views import Experts, MatrixViews, MuonDimensionNumbers
 from fuseopt.optim.muon_calls import _direction
 from fuseopt.optim.muon_newton_schulz import _NS_STEPS, _PRECONDITIONINGS, _orthogonalize
 from fuseopt.optim.muon_settings import Execution, NewtonSchulz
-from fuseopt.optim.muon_step import (_MuonConfig, _active, _broadcast_specs, _is_spec,
-                                     _is_spec_or_none, _leaf_specs, _store)
+from fuseopt.optim.muon_step import (_MuonConfig, _active, _broadcast_specs, _expert_specs,
+                                     _is_spec, _is_spec_or_none, _store)
 
-__all__ = ["Execution", "MuonDimensionNumbers", "MatrixViews", "MuonState", "NewtonSchulz",
+__all__ = ["Execution", "Experts", "MuonDimensionNumbers", "MatrixViews", "MuonState", "NewtonSchulz",
            "scale_by_muon", "muon"]
 
 
@@ -96,7 +98,6 @@ def scale_by_muon(
     weight_dimension_numbers=None,
     shape_scaling: bool = False,
     consistent_rms: Optional[float] = None,
-    skip_inactive: bool = False,
     newton_schulz: Optional[NewtonSchulz] = None,
     execution: Optional[Execution] = None,
 ) -> optax.GradientTransformation:
@@ -120,7 +121,10 @@ def scale_by_muon(
       :class:`MuonDimensionNumbers` -- optax's or fuseopt's -- or of
       :class:`MatrixViews`, a prefix of the updates, or a callable of the
       updates returning one; ``None`` leaves pass the momentum through; a
-      ``None`` argument means every leaf is a 2-D matrix). ``ns_coeffs``
+      ``None`` argument means every leaf is a 2-D matrix). A spec wrapped in
+      :class:`~fuseopt.optim.Experts` declares a stack of experts: a matrix
+      whose gradient is all zero this step (an expert no token reached)
+      keeps its momentum and gets a zero update. ``ns_coeffs``
       also takes fuseopt's schedules: ``"jordan"`` (Jordan's triple x
       ``ns_steps``, with Jordan's Gram restarts) and ``"polar_express"``
       (Amsel et al. 2025, arXiv 2505.16932); optax's ``"standard"`` and
@@ -131,15 +135,14 @@ def scale_by_muon(
       consistent_rms`` when ``consistent_rms`` is set (Liu et al. 2025, arXiv
       2502.16982); fan-in/out are those of the matrix (of the view).
       :func:`muon` turns this on; optax does it in a separate transform.
-    skip_inactive: a matrix whose gradient is all zero this step (an expert
-      that no token reached) keeps its momentum and gets a zero update.
     newton_schulz: a :class:`~fuseopt.optim.NewtonSchulz` record (or a
       mapping of its fields; ``None``: its defaults): the iteration's dtype
       (bf16 by default), Gram Newton-Schulz, the most elements a call,
       the matmul of the Pallas backends.
     execution: an :class:`~fuseopt.optim.Execution` record (or a mapping;
       ``None``: its defaults): a forced backend, interpret mode, and the
-      parameters' shardings on an Auto mesh.
+      parameters' shardings on an Auto mesh (its ``adam_moment_dtype`` is
+      :func:`muon`'s, for the AdamW side: refused here).
 
   Dtypes: float32 and bfloat16 matrices (frobenius preconditioning) go
   through the kernel; float16, float64 (x64) and complex matrices, and
@@ -186,6 +189,10 @@ def _direction_transform(args, piece=None) -> optax.GradientTransformation:
   ns = muon_settings.as_record("scale_by_muon", "newton_schulz", args["newton_schulz"],
                                NewtonSchulz)
   execution = muon_settings.as_record("scale_by_muon", "execution", args["execution"], Execution)
+  if execution.adam_moment_dtype is not None:
+    raise ValueError(f"scale_by_muon: execution.adam_moment_dtype="
+                     f"{execution.adam_moment_dtype!r} is the AdamW side's, and Muon's direction "
+                     f"has none (muon, normuon and muonclip take it)")
   dims = args["weight_dimension_numbers"]
 
   def init_fn(params):
@@ -211,7 +218,7 @@ def _direction_transform(args, piece=None) -> optax.GradientTransformation:
   config = _MuonConfig(
       weight_dimension_numbers=dims, beta=beta, nesterov=args["nesterov"],
       adaptive=args["adaptive"], shape_scaling=args["shape_scaling"],
-      consistent_rms=args["consistent_rms"], skip_inactive=args["skip_inactive"],
+      consistent_rms=args["consistent_rms"],
       ns_max_elements=ns.max_elements, shardings=execution.shardings,
       # Jitted: a step's NS calls of one shape (a model's layers repeat a
       # handful) are traced and lowered once, and their kernels compiled once.
@@ -230,26 +237,49 @@ def _direction_transform(args, piece=None) -> optax.GradientTransformation:
   return tx
 
 
-def _add_decayed_weights_active(weight_decay, dims_fn,
-                                cautious=False) -> optax.GradientTransformation:
-  """``u + wd * p`` except on matrices whose Muon update is exactly zero
-  (the ones :func:`scale_by_muon` froze with ``skip_inactive``); ``cautious``
-  as :func:`fuseopt.optim.weight_decay.add_cautious_decayed_weights`."""
+def _add_decayed_weights(weight_decay, weight_decay_mask, dims_fn, may_freeze: bool,
+                         cautious: bool) -> optax.GradientTransformation:
+  """Muon's decay, ``u + wd * p``: :func:`optax.add_decayed_weights` itself
+  when no piece acts on it; else with its state (a checkpoint has optax's
+  structure either way) and the pieces: no decay on the frozen matrices of a
+  leaf declared :class:`~fuseopt.optim.Experts` (``may_freeze``: the specs
+  may hold one), ``cautious`` as
+  :func:`fuseopt.optim.weight_decay.add_cautious_decayed_weights`."""
+  if not may_freeze:
+    if cautious:
+      return weight_decay_lib.add_cautious_decayed_weights(weight_decay, weight_decay_mask)
+    return optax.add_decayed_weights(weight_decay, weight_decay_mask)
+  plain = optax.add_decayed_weights(weight_decay)
+
   def update_fn(updates, state, params):
     if params is None:
       raise ValueError("muon: weight decay needs params; pass params= to update()")
+    if callable(weight_decay):
+      wd = weight_decay(state.count)
+      state = state._replace(count=optax.safe_increment(state.count))
+    else:
+      wd = weight_decay
     leaves, treedef = jax.tree.flatten(updates)
-    specs = _leaf_specs(dims_fn, updates, treedef)
-    p_leaves = treedef.flatten_up_to(params)
+    experts = _expert_specs(dims_fn, updates, treedef)
     out = []
-    for u, p, s in zip(leaves, p_leaves, specs):
-      d = weight_decay_lib.decay_term(u, p, weight_decay, cautious)
-      if s is None:
-        out.append(u + d)
-      else:
-        out.append(u + jnp.where(_active(u, s), d, jnp.zeros((), p.dtype)))
+    for u, p, e in zip(leaves, treedef.flatten_up_to(params), experts):
+      d = weight_decay_lib.decay_term(u, p, wd, cautious)
+      out.append(u + (d if e is None else jnp.where(_active(u, e), d, jnp.zeros((), p.dtype))))
     return treedef.unflatten(out), state
-  return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+  tx = optax.GradientTransformation(plain.init, update_fn)
+  return tx if weight_decay_mask is None else optax.masked(tx, weight_decay_mask)
+
+
+def _may_declare_experts(muon_weight_dimension_numbers) -> bool:
+  """Whether the specs may declare :class:`~fuseopt.optim.Experts` (a
+  callable's are known only at the first update)."""
+  dims = muon_weight_dimension_numbers
+  if dims is None:
+    return False
+  if callable(dims):
+    return True
+  return any(isinstance(x, Experts) for x in jax.tree.leaves(dims, is_leaf=_is_spec_or_none))
 
 
 def _adamw(learning_rate, b1, b2, eps, eps_root, weight_decay, mu_dtype, moment_dtype, nesterov,
@@ -259,13 +289,13 @@ def _adamw(learning_rate, b1, b2, eps, eps_root, weight_decay, mu_dtype, moment_
   if moment_dtype is not None:
     mu_dtype = moment_dtype
   return adam_transforms.adamw(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
-                         weight_decay=weight_decay, nesterov=nesterov, moment_dtype=moment_dtype,
-                         implementation=implementation, interpret=interpret,
-                         shardings=shardings, cautious_weight_decay=cautious)
+                         weight_decay=weight_decay_lib.cautious(weight_decay) if cautious else weight_decay,
+                         nesterov=nesterov, moment_dtype=moment_dtype,
+                         implementation=implementation, interpret=interpret, shardings=shardings)
 
 
 def _muon_branch(direction_tx, decay, learning_rate, weight_decay, weight_decay_mask, dims_fn,
-                 skip_inactive, cautious=False):
+                 cautious=False):
   """``chain(scale_by_muon, decay, scale_by_learning_rate)`` with its in-place
   rule: after the momentum pass and Newton-Schulz of ``direction_tx``, one
   elementwise pass a leaf computes ``p + (-lr) * (u + wd * p)`` in fp32 (the
@@ -292,7 +322,7 @@ def _muon_branch(direction_tx, decay, learning_rate, weight_decay, weight_decay_
       decayed = [True] * len(p_leaves)
     else:
       decayed = fusion.per_leaf_mask(weight_decay_mask, grads)
-    specs = _leaf_specs(dims_fn, grads, treedef) if skip_inactive else [None] * len(p_leaves)
+    specs = _expert_specs(dims_fn, grads, treedef)   # frozen matrices get no decay
 
     def finish(i, u, p):
       d, s = decayed[i], specs[i]
@@ -350,9 +380,6 @@ def muon(
     adam_learning_rate: Optional[optax.ScalarOrSchedule] = None,
     muon_weight_dimension_numbers=None,
     consistent_rms: Optional[float] = None,
-    adam_moment_dtype: Optional[Any] = None,
-    skip_inactive: bool = False,
-    cautious_weight_decay: bool = False,
     newton_schulz: Optional[NewtonSchulz] = None,
     execution: Optional[Execution] = None,
 ) -> optax.GradientTransformation:
@@ -369,22 +396,24 @@ def muon(
   AdamW branch (Loshchilov & Hutter 2019): fuseopt's :func:`~fuseopt.optim.adamw`
   with ``adam_b1, adam_b2, eps, adam_eps_root, adam_weight_decay`` at
   ``adam_learning_rate`` (default: ``learning_rate``); both moments in
-  ``adam_moment_dtype`` when given (``jnp.bfloat16`` halves its state,
-  written back with stochastic rounding), else optax's dtypes (mu in
-  ``mu_dtype``, nu in the parameter's dtype).
+  ``execution.adam_moment_dtype`` when given (``jnp.bfloat16`` halves its
+  state, written back with stochastic rounding; ``"int8"`` 8-bit codes),
+  else optax's dtypes (mu in ``mu_dtype``, nu in the parameter's dtype).
 
   ``muon_weight_dimension_numbers`` picks the sides: a tree (or prefix) of
   :class:`MuonDimensionNumbers` / :class:`MatrixViews` with ``None`` where
   AdamW steps in, or a callable of the params returning one; ``None`` means
   "every 2-D leaf is a Muon matrix, the rest AdamW" -- all as in
-  :func:`optax.contrib.muon`, whose arguments this accepts (the first 18).
-  fuseopt's: ``adam_moment_dtype``; ``skip_inactive`` (see
-  :func:`scale_by_muon`; a frozen matrix also gets no weight decay);
-  ``cautious_weight_decay`` (both sides: decay only where the update and
-  the parameter agree in sign, Chen et al. 2025, arXiv 2510.12402); the
-  records ``newton_schulz`` (:class:`~fuseopt.optim.NewtonSchulz`) and
-  ``execution`` (:class:`~fuseopt.optim.Execution`, both sides). Exact bf16
-  parameters are a composition: ``track_mantissa(muon(...))``.
+  :func:`optax.contrib.muon`, whose arguments this accepts (the first 18);
+  then fuseopt's two records, ``newton_schulz``
+  (:class:`~fuseopt.optim.NewtonSchulz`) and ``execution``
+  (:class:`~fuseopt.optim.Execution`, both sides). The variants are pieces
+  where they act, not flags: a spec wrapped in :class:`~fuseopt.optim.Experts`
+  freezes that leaf's matrices while their gradient is all zero (no update,
+  no weight decay); a ``weight_decay`` or ``adam_weight_decay`` given as
+  :func:`~fuseopt.optim.cautious` decays that side only where the update and
+  the parameter agree in sign (Chen et al. 2025, arXiv 2510.12402); exact
+  bf16 parameters are ``track_mantissa(muon(...))``.
 
   Tied weights (one embedding used again as the LM head) are ONE leaf of the
   params tree used twice by the model: ``jax.grad`` sums both uses into its
@@ -398,42 +427,38 @@ def _muon(args, piece=None, owner="muon") -> optax.GradientTransformation:
   """:func:`muon` of ``args`` (its arguments by name), with ``piece`` acting
   on the Muon side's orthogonalised update (see :func:`_direction_transform`)."""
   a = types.SimpleNamespace(**args)
-  for name in ("learning_rate", "weight_decay", "adam_weight_decay"):
-    _checks.check_rate(owner, name, args[name])
+  weight_decay, cautious = weight_decay_lib.split_rate(a.weight_decay)
+  adam_weight_decay, adam_cautious = weight_decay_lib.split_rate(a.adam_weight_decay)
+  for name, rate in (("learning_rate", a.learning_rate), ("weight_decay", weight_decay),
+                     ("adam_weight_decay", adam_weight_decay)):
+    _checks.check_rate(owner, name, rate)
   _checks.check_rate(owner, "adam_learning_rate", a.adam_learning_rate, optional=True)
   for name in ("beta", "adam_b1", "adam_b2"):
     _checks.check_decay(owner, name, args[name])
   _checks.check_nonnegative(owner, "eps", a.eps)
   _checks.check_nonnegative(owner, "adam_eps_root", a.adam_eps_root)
   _checks.check_positive(owner, "consistent_rms", a.consistent_rms, optional=True)
-  cautious = weight_decay_lib.check_cautious(owner, a.cautious_weight_decay)
   execution = muon_settings.as_record(owner, "execution", a.execution, Execution)
   adam_learning_rate = a.learning_rate if a.adam_learning_rate is None else a.adam_learning_rate
-  weight_decay, weight_decay_mask = a.weight_decay, a.weight_decay_mask
+  weight_decay_mask = a.weight_decay_mask
   dims_fn, param_labels = _muon_split(a.muon_weight_dimension_numbers)
-
-  if a.skip_inactive:
-    decay = _add_decayed_weights_active(weight_decay, dims_fn, cautious)
-    if weight_decay_mask is not None:
-      decay = optax.masked(decay, weight_decay_mask)
-  elif cautious:
-    decay = weight_decay_lib.add_cautious_decayed_weights(weight_decay, weight_decay_mask)
-  else:
-    decay = optax.add_decayed_weights(weight_decay, weight_decay_mask)
+  decay = _add_decayed_weights(weight_decay, weight_decay_mask, dims_fn,
+                               _may_declare_experts(a.muon_weight_dimension_numbers), cautious)
 
   direction = _direction_transform(dict(
       ns_coeffs=a.ns_coeffs, ns_steps=a.ns_steps, beta=a.beta, eps=a.eps, mu_dtype=a.mu_dtype,
       nesterov=a.nesterov, adaptive=a.adaptive, preconditioning=a.preconditioning,
       weight_dimension_numbers=dims_fn, shape_scaling=True, consistent_rms=a.consistent_rms,
-      skip_inactive=a.skip_inactive, newton_schulz=a.newton_schulz, execution=execution), piece)
+      newton_schulz=a.newton_schulz,
+      execution=dataclasses.replace(execution, adam_moment_dtype=None)), piece)
   return fusion.partition(
       transforms={
           "muon": _muon_branch(direction, decay, a.learning_rate, weight_decay, weight_decay_mask,
-                               dims_fn, a.skip_inactive, cautious),
+                               dims_fn, cautious),
           "adam": _adamw(adam_learning_rate, a.adam_b1, a.adam_b2, a.eps, a.adam_eps_root,
-                         a.adam_weight_decay, a.mu_dtype, a.adam_moment_dtype, a.nesterov,
+                         adam_weight_decay, a.mu_dtype, execution.adam_moment_dtype, a.nesterov,
                          implementation=execution.implementation, interpret=execution.interpret,
-                         shardings=execution.shardings, cautious=cautious),
+                         shardings=execution.shardings, cautious=adam_cautious),
       },
       param_labels=param_labels,
       name=owner,

@@ -9,28 +9,53 @@ parameter have the same sign:
 
 so the decay never pushes against the update that is moving a weight away
 from zero. It has no hyperparameter of its own (the same :math:`\\lambda`).
-The fused kernels apply it as one select on the decay term
-(:func:`decay_term`); :func:`add_cautious_decayed_weights` is the optax piece
-for the unfused chain.
+
+It is a piece of the decay, not a flag of the optimizers: a weight-decay
+rate given as :func:`cautious` (``weight_decay=fo.cautious(0.1)``) decays
+cautiously wherever that rate goes -- :func:`~fuseopt.optim.adamw`'s
+``weight_decay``, the Muon family's ``weight_decay`` (its Muon side) and
+``adam_weight_decay`` (its AdamW side), each on its own. The fused kernels
+apply it as one select on the decay term (:func:`decay_term`);
+:func:`add_cautious_decayed_weights` is the optax piece for the unfused chain.
 """
 
 # No `from __future__ import annotations`: optax reads annotations of
 # ScalarOrSchedule arguments as objects.
+import dataclasses
 from typing import Any, Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
 import optax
 
-__all__ = ["add_cautious_decayed_weights", "check_cautious", "decay_term"]
+__all__ = ["CautiousDecay", "add_cautious_decayed_weights", "cautious", "decay_term", "split_rate"]
 
 
-def check_cautious(owner: str, value) -> bool:
-  """``cautious_weight_decay`` must be a Python bool (it picks the chain)."""
-  if not isinstance(value, bool):
-    raise TypeError(f"{owner}: cautious_weight_decay must be a bool (True or False), "
-                    f"got {value!r}")
-  return value
+@dataclasses.dataclass(frozen=True)
+class CautiousDecay:
+  """A weight-decay rate applied cautiously (:func:`cautious` makes one).
+
+  ``rate`` is what the plain argument takes: a number or an optax schedule.
+  Not a number itself, so :func:`optax.inject_hyperparams` keeps it static
+  (a rate to trace is given plain).
+  """
+  rate: Any
+
+
+def cautious(rate: optax.ScalarOrSchedule) -> CautiousDecay:
+  """``rate`` as cautious weight decay: pass it where a weight-decay rate
+  goes (``fo.adamw(1e-3, weight_decay=fo.cautious(0.1))``)."""
+  if isinstance(rate, CautiousDecay):
+    raise TypeError(f"cautious: the rate is cautious already: {rate!r}")
+  return CautiousDecay(rate)
+
+
+def split_rate(value) -> tuple[Any, bool]:
+  """``(rate, is_cautious)`` of a weight-decay argument, plain or
+  :class:`CautiousDecay`."""
+  if isinstance(value, CautiousDecay):
+    return value.rate, True
+  return value, False
 
 
 def decay_term(u, p, weight_decay, cautious: bool):

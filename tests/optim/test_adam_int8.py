@@ -130,13 +130,13 @@ def test_inject_hyperparams():
 
 
 def test_muon_adamw_side_takes_int8_moments():
-  """fo.muon(adam_moment_dtype="int8"): the AdamW side's leaves hold
+  """fo.muon(execution=Execution(adam_moment_dtype="int8")): the AdamW side's leaves hold
   QuantizedMoment pairs; the fused step equals update + apply_updates."""
   k = jax.random.split(jax.random.key(0), 3)
   params = {"w": jax.random.normal(k[0], (256, 512)), "emb": jax.random.normal(k[1], (64, 256)),
             "b": jax.random.normal(k[2], (512,))}
   dims = {"w": fo.MuonDimensionNumbers(0, 1), "emb": None, "b": None}
-  tx = fo.muon(1e-2, adam_moment_dtype="int8", muon_weight_dimension_numbers=dims,
+  tx = fo.muon(1e-2, execution=fo.Execution(adam_moment_dtype="int8"), muon_weight_dimension_numbers=dims,
                weight_decay=0.1, adam_weight_decay=0.1)
   state = tx.init(params)
   quant = [x for x in jax.tree.leaves(state, is_leaf=Q.is_quantized) if Q.is_quantized(x)]

@@ -1,4 +1,5 @@
-"""Cautious weight decay: decay only where the update and the parameter agree in sign."""
+"""Cautious weight decay: decay only where the update and the parameter agree
+in sign; a piece of the decay rate (``weight_decay=fo.cautious(rate)``)."""
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +39,8 @@ def test_adamw_cautious_unfused_is_the_formula():
   params, grads = _tree(0), _tree(1)
   lr, wd = 1e-2, 0.5
   plain = fo.adamw(lr, weight_decay=wd, moment_dtype=jnp.float32, implementation="xla")
-  cautious = fo.adamw(lr, weight_decay=wd, moment_dtype=jnp.float32, implementation="xla",
-                      cautious_weight_decay=True)
+  cautious = fo.adamw(lr, weight_decay=fo.cautious(wd), moment_dtype=jnp.float32,
+                      implementation="xla")
   adam = fo.adam(lr, moment_dtype=jnp.float32, implementation="xla")
   ua, _ = adam.update(grads, adam.init(params), params)
   uc, _ = cautious.update(grads, cautious.init(params), params)
@@ -57,11 +58,15 @@ def test_adamw_cautious_unfused_is_the_formula():
   assert jax.tree.structure(cautious.init(params)) == jax.tree.structure(plain.init(params))
 
 
+def _rate(c, rate=0.5):
+  return fo.cautious(rate) if c else rate
+
+
 @pytest.mark.parametrize("make", [
-    lambda c: fo.adamw(1e-2, weight_decay=0.5, cautious_weight_decay=c),
-    lambda c: fo.muon(1e-2, weight_decay=0.5, adam_weight_decay=0.5, cautious_weight_decay=c,
+    lambda c: fo.adamw(1e-2, weight_decay=_rate(c)),
+    lambda c: fo.muon(1e-2, weight_decay=_rate(c), adam_weight_decay=_rate(c),
                       muon_weight_dimension_numbers=DIMS, newton_schulz=fo.NewtonSchulz(dtype=jnp.float32)),
-    lambda c: fo.normuon(1e-2, weight_decay=0.5, adam_weight_decay=0.5, cautious_weight_decay=c,
+    lambda c: fo.normuon(1e-2, weight_decay=_rate(c), adam_weight_decay=_rate(c),
                          muon_weight_dimension_numbers=DIMS, newton_schulz=fo.NewtonSchulz(dtype=jnp.float32)),
 ], ids=["adamw", "muon", "normuon"])
 def test_fused_step_matches_update_and_differs_from_plain_decay(make):
@@ -82,29 +87,32 @@ def test_fused_step_matches_update_and_differs_from_plain_decay(make):
     assert not np.array_equal(np.asarray(new[n]), np.asarray(plain_new[n])), n
 
 
-def test_cautious_false_is_bitwise_the_plain_decay():
+@pytest.mark.parametrize("cautious_side", ["muon", "adam"])
+def test_each_side_takes_its_own_piece(cautious_side):
+  """A cautious rate on one side of the Muon family changes that side only:
+  the other side's leaves are bitwise the plain decay's, fused and unfused."""
   params, grads = _tree(0), _tree(1)
-  for tx_a, tx_b in [(fo.adamw(1e-2, weight_decay=0.1),
-                      fo.adamw(1e-2, weight_decay=0.1, cautious_weight_decay=False)),
-                     (fo.muon(1e-2, weight_decay=0.1, muon_weight_dimension_numbers=DIMS),
-                      fo.muon(1e-2, weight_decay=0.1, muon_weight_dimension_numbers=DIMS,
-                              cautious_weight_decay=False))]:
-    a, _ = jax.jit(lambda g, s, p, tx=tx_a: fo.step(tx, g, s, p))(grads, tx_a.init(params), params)
-    b, _ = jax.jit(lambda g, s, p, tx=tx_b: fo.step(tx, g, s, p))(grads, tx_b.init(params), params)
-    for n in SHAPES:
-      np.testing.assert_array_equal(np.asarray(a[n]), np.asarray(b[n]))
+  kw = dict(muon_weight_dimension_numbers=DIMS)
+  plain = fo.muon(1e-2, weight_decay=0.5, adam_weight_decay=0.5, **kw)
+  mixed = fo.muon(1e-2, weight_decay=_rate(cautious_side == "muon"),
+                  adam_weight_decay=_rate(cautious_side == "adam"), **kw)
+  assert jax.tree.structure(mixed.init(params)) == jax.tree.structure(plain.init(params))
+  changed, kept = ("w", "b") if cautious_side == "muon" else ("b", "w")
+  for run in (lambda tx: jax.jit(lambda g, s, p: fo.step(tx, g, s, p))(grads, tx.init(params), params)[0],
+              lambda tx: optax.apply_updates(params, jax.jit(tx.update)(grads, tx.init(params), params)[0])):
+    a, b = run(plain), run(mixed)
+    np.testing.assert_array_equal(np.asarray(a[kept]), np.asarray(b[kept]))
+    assert not np.array_equal(np.asarray(a[changed]), np.asarray(b[changed]))
 
 
-def test_inject_hyperparams_keeps_the_flag_static():
+def test_inject_hyperparams_keeps_the_piece_static():
   params, grads = _tree(0), _tree(1)
-  tx = optax.inject_hyperparams(fo.muon)(learning_rate=1e-2, weight_decay=0.5,
-                                         cautious_weight_decay=True,
+  tx = optax.inject_hyperparams(fo.muon)(learning_rate=1e-2, weight_decay=fo.cautious(0.5),
                                          muon_weight_dimension_numbers=DIMS)
   state = jax.jit(tx.init)(params)
-  assert "cautious_weight_decay" not in state.hyperparams
+  assert "weight_decay" not in state.hyperparams and "learning_rate" in state.hyperparams
   u, _ = jax.jit(tx.update)(grads, state, params)
-  plain = fo.muon(1e-2, weight_decay=0.5, cautious_weight_decay=True,
-                  muon_weight_dimension_numbers=DIMS)
+  plain = fo.muon(1e-2, weight_decay=fo.cautious(0.5), muon_weight_dimension_numbers=DIMS)
   want, _ = jax.jit(plain.update)(grads, plain.init(params), params)
   plain_decay = fo.muon(1e-2, weight_decay=0.5, muon_weight_dimension_numbers=DIMS)
   other, _ = jax.jit(plain_decay.update)(grads, plain_decay.init(params), params)
@@ -116,9 +124,11 @@ def test_inject_hyperparams_keeps_the_flag_static():
 
 
 @pytest.mark.parametrize("factory", [fo.adamw, fo.muon, fo.normuon])
-def test_non_bool_flag_is_refused_by_name(factory):
-  with pytest.raises(TypeError, match="cautious_weight_decay must be a bool"):
-    factory(1e-2, cautious_weight_decay="yes")
+def test_a_bad_rate_inside_the_piece_is_refused_by_name(factory):
+  with pytest.raises((TypeError, ValueError), match="weight_decay"):
+    factory(1e-2, weight_decay=fo.cautious("yes"))
+  with pytest.raises(TypeError, match="cautious already"):
+    fo.cautious(fo.cautious(0.1))
 
 
 def test_config_refuses_it_where_there_is_no_decay():

@@ -17,7 +17,7 @@ _STEPS = 5
 
 FACTORIES = {
     "adamw": lambda **kw: fo.adamw(3e-3, weight_decay=0.1, **kw),
-    "adamw-cautious": lambda **kw: fo.adamw(3e-3, weight_decay=0.1, cautious_weight_decay=True,
+    "adamw-cautious": lambda **kw: fo.adamw(3e-3, weight_decay=fo.cautious(0.1),
                                             **kw),
     "adam-fp32-moments": lambda **kw: fo.adam(3e-3, moment_dtype=jnp.float32, **kw),
     "muon": lambda **kw: fo.muon(2e-2, weight_decay=0.1, adam_weight_decay=0.1,

@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 
+import fuseopt.optim as fo
 from fuseopt.optim.matrix_views import MatrixViews, mla_kv_b_proj_views
 from fuseopt.optim.muon_transforms import MuonDimensionNumbers as MDN
 from fuseopt.optim.muon_settings import Execution, NewtonSchulz
@@ -165,7 +166,8 @@ def test_inactive_expert_keeps_momentum_and_gets_no_decay():
         "router": jnp.ones((D, E))}
 
   def run(skip):
-    tx = muon(skip_inactive=skip, **kw)
+    tx = muon(**kw) if not skip else muon(**{**kw, "muon_weight_dimension_numbers": {
+        "experts": {"w_in": fo.Experts(MDN(1, 2))}, "router": None}})
     up = jax.jit(tx.update)
     s = tx.init(params)
     _, s1 = up(g1, s, params)
@@ -182,3 +184,33 @@ def test_inactive_expert_keeps_momentum_and_gets_no_decay():
   for e in (0, 2, 3):                             # active experts: the plain rule, decay included
     _close(u[e], u_all[e])
     _close(mu2[e], mu2_all[e])
+
+
+@pytest.mark.parametrize("declared", ["tree", "callable"])
+def test_experts_fused_step_freezes_the_inactive_expert_and_keeps_optaxs_state(declared):
+  """fo.Experts on one leaf, given as a tree or by a callable: the fused step
+  leaves the unrouted expert's weight and momentum bitwise as they were, is
+  update + apply_updates elsewhere, and the state has optax's structure."""
+  E, D, F = 4, 16, 24
+  k = jax.random.split(jax.random.key(7), 4)
+  params = {"experts": jax.random.normal(k[0], (E, D, F)), "dense": jax.random.normal(k[1], (D, F)),
+            "norm": jnp.ones((F,))}
+  specs = {"experts": fo.Experts(MDN(1, 2)), "dense": MDN(0, 1), "norm": None}
+  dims = specs if declared == "tree" else (lambda p: specs)
+  tx = muon(learning_rate=0.1, weight_decay=0.5, muon_weight_dimension_numbers=dims, **F32)
+  plain = optax.contrib.muon(0.1, weight_decay=0.5,
+                             muon_weight_dimension_numbers={"experts": MDN(1, 2), "dense": MDN(0, 1),
+                                                            "norm": None})
+  assert jax.tree.structure(tx.init(params)) == jax.tree.structure(plain.init(params))
+  g = {"experts": jax.random.normal(k[2], (E, D, F)).at[2].set(0.0),
+       "dense": jax.random.normal(k[3], (D, F)), "norm": jnp.ones((F,))}
+  state = tx.init(params)
+  new, s_new = jax.jit(lambda g, s, p: fo.step(tx, g, s, p))(g, state, params)
+  np.testing.assert_array_equal(np.asarray(new["experts"][2]), np.asarray(params["experts"][2]))
+  mu = lambda s: s.inner_states["muon"].inner_state[0].mu["experts"]
+  np.testing.assert_array_equal(np.asarray(mu(s_new)[2]), np.asarray(mu(state)[2]))
+  u, _ = jax.jit(tx.update)(g, state, params)
+  ref = optax.apply_updates(params, u)
+  for name in ("experts", "dense"):
+    _close(new[name], ref[name], tol=1e-5)
+  assert float(jnp.max(jnp.abs(new["experts"][0] - params["experts"][0]))) > 0

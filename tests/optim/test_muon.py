@@ -160,7 +160,7 @@ def test_nan_grad_gives_nan_not_crash():
 def test_adam_side_bf16_moments():
   p = _small_tree()
   tx = muon(learning_rate=0.1, muon_weight_dimension_numbers=_SMALL_DIMS,
-            adam_moment_dtype=jnp.bfloat16)
+            execution=Execution(adam_moment_dtype=jnp.bfloat16))
   u, s = jax.jit(tx.update)(p, tx.init(p), p)
   adam_state = s.inner_states["adam"].inner_state[0]
   assert adam_state.mu["b"].dtype == jnp.bfloat16 and adam_state.nu["b"].dtype == jnp.bfloat16

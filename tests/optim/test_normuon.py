@@ -115,10 +115,10 @@ def test_fused_step_matches_update_and_apply_updates(nu_dtype):
                                rtol=2e-2 if nu_dtype else 1e-4)
 
 
-def test_skip_inactive_keeps_a_frozen_matrix_second_moment():
+def test_experts_keep_a_frozen_matrix_second_moment():
   params = {"e": jax.random.normal(jax.random.key(0), (4, 16, 8))}
-  dims = {"e": MDN(1, 2)}
-  tx = fo.scale_by_normuon(weight_dimension_numbers=dims, skip_inactive=True)
+  dims = {"e": fo.Experts(MDN(1, 2))}
+  tx = fo.scale_by_normuon(weight_dimension_numbers=dims)
   state = tx.init(params)
   g = {"e": jax.random.normal(jax.random.key(1), (4, 16, 8))}
   _, state = tx.update(g, state, params)

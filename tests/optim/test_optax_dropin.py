@@ -316,3 +316,13 @@ def test_inject_hyperparams_injects_the_numbers_and_keeps_the_records(factory):
   state.hyperparams["learning_rate"] = jnp.zeros([], jnp.float32)
   u, _ = jax.jit(tx.update)(g, state, params)
   assert all(bool(jnp.all(x == 0)) for x in jax.tree.leaves(u))
+
+
+def test_muon_signature_is_optaxs_then_the_two_records():
+  """fo.muon takes optax.contrib.muon's arguments, in its order, then the two
+  settings records; every variant is a piece of a value (Experts specs, a
+  cautious rate, Execution's AdamW moments), not a parameter."""
+  import inspect
+  ours = list(inspect.signature(fo.muon).parameters)
+  theirs = list(inspect.signature(optax.contrib.muon).parameters)
+  assert ours == theirs + ["newton_schulz", "execution"]

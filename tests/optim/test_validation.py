@@ -355,3 +355,32 @@ def test_a_backend_named_by_the_environment_says_so(monkeypatch):
   with pytest.raises(ValueError, match=r"implementation='mosaic_gpu' cannot run") as info:
     kernels.newton_schulz(jnp.ones((8, 8)), implementation="mosaic_gpu")
   assert "environment" not in str(info.value)
+
+
+@pytest.mark.parametrize("value,error,match", [
+    ("int4", ValueError, "Execution: adam_moment_dtype"),
+    ("eighth", TypeError, "Execution: adam_moment_dtype"),
+    (jnp.float16, ValueError, "Execution: adam_moment_dtype"),
+])
+def test_execution_refuses_a_moment_format_the_adam_kernel_has_not(value, error, match):
+  with pytest.raises(error, match=match):
+    fo.Execution(adam_moment_dtype=value)
+
+
+def test_execution_names_int8_once():
+  assert fo.Execution(adam_moment_dtype=jnp.int8).adam_moment_dtype == "int8"
+  assert fo.Execution(adam_moment_dtype="bfloat16").adam_moment_dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("factory", [fo.scale_by_muon, fo.scale_by_normuon])
+def test_a_direction_refuses_the_adamw_sides_moments(factory):
+  # Muon's direction has no AdamW side: the field would be silently dropped.
+  with pytest.raises(ValueError, match="adam_moment_dtype.*AdamW side"):
+    factory(execution=fo.Execution(adam_moment_dtype=jnp.bfloat16))
+
+
+def test_experts_around_something_else_is_refused_by_name():
+  params = {"e": jnp.ones((2, 8, 4))}
+  tx = fo.muon(0.1, muon_weight_dimension_numbers={"e": fo.Experts((1, 2))})
+  with pytest.raises(TypeError, match="Experts.spec must be MuonDimensionNumbers or MatrixViews"):
+    tx.update(params, tx.init(params), params)

@@ -50,7 +50,7 @@ def _solvers():
       "adamw_param_dtype": lambda: fo.adamw(1e-3, moment_dtype=None),
       "scale_by_adam_nesterov": lambda: fo.scale_by_adam(nesterov=True),
       "muon": lambda: fo.muon(0.02, weight_decay=0.1),
-      "muon_bf16_momentum": lambda: fo.muon(0.02, mu_dtype=jnp.bfloat16, adam_moment_dtype=jnp.bfloat16),
+      "muon_bf16_momentum": lambda: fo.muon(0.02, mu_dtype=jnp.bfloat16, execution=fo.Execution(adam_moment_dtype=jnp.bfloat16)),
       "scale_by_muon": lambda: fo.scale_by_muon(weight_dimension_numbers=mdn),
       "skip_nonfinite": lambda: fo.skip_nonfinite(fo.adamw(1e-3), 3),
   }

@@ -32,7 +32,7 @@ def adamw_steps(params, grads):
 
 
 def muon_steps(params, grads):
-  tx = fo.muon(1e-2, muon_weight_dimension_numbers=DIMS, adam_moment_dtype=jnp.bfloat16, execution=fo.Execution(implementation='xla'))
+  tx = fo.muon(1e-2, muon_weight_dimension_numbers=DIMS, execution=fo.Execution(implementation='xla', adam_moment_dtype=jnp.bfloat16))
   state = tx.init(params)
   update = jax.jit(lambda p, s, g: fo.step(tx, g, s, p))
   for g in grads:

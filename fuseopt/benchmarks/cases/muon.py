@@ -67,7 +67,8 @@ def optimizers() -> dict:
       "fuseopt_muon[gram]": (fmuon.muon(ns_coeffs="jordan", **common, newton_schulz=fmuon.NewtonSchulz(gram='auto')), jnp.float32),
       "fuseopt_muon[calls<=2^25]": (fmuon.muon(ns_coeffs="jordan", **common, newton_schulz=fmuon.NewtonSchulz(max_elements=1 << 25)),
                                     jnp.float32),
-      "fuseopt_muon[bf16_adam]": (fmuon.muon(ns_coeffs="jordan", adam_moment_dtype=jnp.bfloat16, **common),
+      "fuseopt_muon[bf16_adam]": (fmuon.muon(ns_coeffs="jordan", execution=fmuon.Execution(adam_moment_dtype=jnp.bfloat16),
+                                             **common),
                                   jnp.float32),
   }
 
