@@ -256,7 +256,7 @@ def families(st: Settings) -> list[Family]:
 
   n_ew = sum(math.prod(s) for s in ew_shapes(st))
   out.append(Family("stochastic_round", "fuseopt.kernels.stochastic_round.stochastic_round_bf16",
-                    stochastic_round.MOSAIC_SEARCH_SPACE if mosaic else stochastic_round.TRITON_SEARCH_SPACE,
+                    stochastic_round.mosaic_tpu.SEARCH_SPACE if mosaic else stochastic_round.triton.SEARCH_SPACE,
                     sr_setup, sr_runner(impl), sr_compare, {"bytes": 6 * n_ew}))
 
   hyper = dict(count=3, learning_rate=1e-3, weight_decay=0.1, seed=5)
@@ -299,14 +299,14 @@ def families(st: Settings) -> list[Family]:
 
   adam_work = {"bytes": 20 * n_ew}  # fp32 params r/w, fp32 grads, bf16 mu and nu r/w
   out.append(Family("adam", "fuseopt.kernels.adam.adam_update_tree(group=False)",
-                    adam.MOSAIC_SEARCH_SPACE if mosaic else adam.TRITON_SEARCH_SPACE,
+                    adam.mosaic_tpu.SEARCH_SPACE if mosaic else adam.triton.SEARCH_SPACE,
                     adam_setup, adam_runner(False), adam_compare, adam_work))
   out.append(Family("adam_bf16", "fuseopt.kernels.adam.adam_update_tree(bf16 params and grads)",
-                    adam.MOSAIC_SEARCH_SPACE if mosaic else adam.TRITON_SEARCH_SPACE,
+                    adam.mosaic_tpu.SEARCH_SPACE if mosaic else adam.triton.SEARCH_SPACE,
                     adam_bf16_setup, adam_runner(False), adam_compare, {"bytes": 14 * n_ew}))
   if not mosaic:  # Mosaic TPU stays per leaf (docs/pallas_notes.md)
     out.append(Family("adam_group", "fuseopt.kernels.adam.adam_update_tree(group=True)",
-                      adam.TRITON_GROUP_SEARCH_SPACE, adam_setup, adam_runner(True), adam_compare,
+                      adam.triton.GROUP_SEARCH_SPACE, adam_setup, adam_runner(True), adam_compare,
                       adam_work))
   # 8-bit moments (kernels/adam/quantized.py): the leaves whose last axis
   # divides the quantisation block, moments from one reference step from
@@ -352,7 +352,7 @@ def families(st: Settings) -> list[Family]:
   n_int8 = sum(math.prod(s) for s in int8_shapes(st))
   int8_work = {"bytes": (16 + 16 / quantized.BLOCK) * n_int8}
   out.append(Family("adam_int8", "fuseopt.kernels.adam.adam_update_tree(int8 moments)",
-                    adam.MOSAIC_SEARCH_SPACE if mosaic else adam.TRITON_SEARCH_SPACE,
+                    adam.mosaic_tpu.SEARCH_SPACE if mosaic else adam.triton.SEARCH_SPACE,
                     int8_setup, int8_runner(), int8_compare, int8_work))
 
   if st.mosaic_gpu:
@@ -376,7 +376,7 @@ def families(st: Settings) -> list[Family]:
 
   # -- Newton–Schulz kernels ------------------------------------------------
   b, m, n = st.ns_shape
-  space = lambda mod: mod.MOSAIC_SEARCH_SPACE if mosaic else mod.TRITON_SEARCH_SPACE
+  space = lambda mod: mod.mosaic_tpu.SEARCH_SPACE if mosaic else mod.triton.SEARCH_SPACE
   poly = dict(alpha=2.0315, beta=-4.775)
 
   def ns_setup():
@@ -385,7 +385,7 @@ def families(st: Settings) -> list[Family]:
     a = gram.sym_reference(x)
     bmat = (jax.random.normal(k2, (b, m, m), jnp.float32) / m ** 0.5).astype(jnp.bfloat16)
     refs = {"poly": gram.sym_reference(a, **poly), "gram": gram.sym_reference(x),
-            "update": update.matmul_reference(bmat, x, a=3.4445)}
+            "update": update.gemm_reference(bmat, x, a=3.4445)}
     return {"x": x, "a": a, "b": bmat, "refs": _block(refs)}
 
   def ns_family(fn, args_of, ref_key):

@@ -66,16 +66,17 @@ def main(argv=None) -> int:
   platform = jax.default_backend()
   if args.interpret:
     impl, interp, (b, m, n), iters = "triton", True, (1, 64, 128), 1
-    spaces = {"sym": gram.TRITON_SEARCH_SPACE[:2], "update": update.TRITON_SEARCH_SPACE[:2],
-              "fused": fused.TRITON_SEARCH_SPACE[:1]}
+    spaces = {"sym": gram.triton.SEARCH_SPACE[:2], "update": update.triton.SEARCH_SPACE[:2],
+              "fused": fused.triton.SEARCH_SPACE[:1]}
   else:
     impl = {"gpu": "triton", "tpu": "mosaic_tpu"}.get(platform)
     if impl is None:
       print("ns_configs: no GPU/TPU; use --interpret for a dry run", file=sys.stderr)
       return 2
     interp, (b, m, n), iters = False, (args.batch, args.m, args.n), args.iters
-    key = "TRITON_SEARCH_SPACE" if impl == "triton" else "MOSAIC_SEARCH_SPACE"
-    spaces = {k: getattr(mod, key) for k, mod in (("sym", gram), ("update", update), ("fused", fused))}
+    backend = "triton" if impl == "triton" else "mosaic_tpu"
+    spaces = {k: getattr(mod, backend).SEARCH_SPACE
+              for k, mod in (("sym", gram), ("update", update), ("fused", fused))}
   interp = dispatch.interpret_arg(impl, interp)
 
   k1, k2 = jax.random.split(jax.random.key(0))
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
   for cfg in spaces["sym"]:
     records.append(_run("gram", cfg, lambda v, c=cfg: gram.sym(
         v, implementation=impl, interpret=interp, config=c), ref, (x,), iters))
-  ref = update.matmul_reference(bmat, x, a=3.4445)
+  ref = update.gemm_reference(bmat, x, a=3.4445)
   for cfg in spaces["update"]:
     records.append(_run("update", cfg, lambda p, v, c=cfg: update.matmul(
         p, v, a=3.4445, implementation=impl, interpret=interp, config=c), ref, (bmat, x), iters))

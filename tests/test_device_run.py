@@ -84,7 +84,7 @@ def test_dry_run_survives_a_crash_and_an_error(tmp_path):
   # The config after the crash ran in a fresh process, the one after the error in the same.
   assert recs["adam/7"]["process"] == crashed["process"] + 1 == 2
   from fuseopt.kernels.newton_schulz import sym as gram   # the family runs its search space last config first
-  assert recs[f"ns_gram/{len(gram.TRITON_SEARCH_SPACE) - 1}"]["process"] == raised["process"] == 2
+  assert recs[f"ns_gram/{len(gram.triton.SEARCH_SPACE) - 1}"]["process"] == raised["process"] == 2
   assert data["parts"]["configs"]["processes"] == 2
   assert recs["stochastic_round/7"]["bitwise_vs_heuristic"] is True
   summary = data["summary"]["adam"]

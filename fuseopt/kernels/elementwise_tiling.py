@@ -62,8 +62,6 @@ class MosaicTPUConfig:
     return self.block_rows * LANES
 
 
-# The name this config had before the Mosaic GPU backend existed.
-
 
 @dataclasses.dataclass(frozen=True)
 class MosaicGPUConfig:

@@ -136,7 +136,7 @@ def _triton_calls(fn, *avals):
 
 
 def test_every_group_config_lowers_for_the_h200():
-  space = A.TRITON_GROUP_SEARCH_SPACE
+  space = A.triton.GROUP_SEARCH_SPACE
   tilings = sorted({(c.block, c.num_warps) for c in space})
   # Every tiling on a small tree, all in one lowering (Triton lowering costs
   # about 0.1 s a leaf on this CPU): one launch per dtype signature each.
@@ -171,7 +171,7 @@ def test_step_groups_launches_on_the_h200_when_asked():
   grouped, n_leaves = _step_kernels(True)
   per_leaf, _ = _step_kernels(False)
   assert per_leaf == n_leaves == 21
-  assert grouped == math.ceil(n_leaves / A.triton_group_heuristic([1 << 20]).max_leaves_per_launch)
+  assert grouped == math.ceil(n_leaves / A.triton.group_heuristic([1 << 20]).max_leaves_per_launch)
 
 
 def test_mosaic_stays_one_kernel_per_leaf():
@@ -197,10 +197,10 @@ def test_group_config_errors_and_heuristic():
   A.adam_update_tree(x, x, x, x, count=1, implementation="triton", interpret=True,
                      config=A.TritonConfig(128, 4), group=False)
   for sizes in ([1], [100, 7], [4096, 1 << 28]):
-    c = A.triton_group_heuristic(sizes)
+    c = A.triton.group_heuristic(sizes)
     # Block 4096 failed inside a CUDA graph on the H200: never the default.
     assert c.block <= 1024 and c.block & (c.block - 1) == 0
-  assert A.triton_group_heuristic([1 << 20]) == A.TritonGroupConfig(1024, 8, 16)
+  assert A.triton.group_heuristic([1 << 20]) == A.TritonGroupConfig(1024, 8, 16)
 
 
 def test_grouped_launch_applies_grad_scale_and_apply_flag():

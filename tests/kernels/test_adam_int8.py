@@ -315,3 +315,27 @@ def test_mosaic_gpu_8bit_lowers_for_h200_in_place():
             lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text and "fuseopt_adam_update_int8" in text
   assert text.count("tf.aliasing_output") + text.count("output_operand_aliases") >= 1
+
+
+@pytest.mark.parametrize("shape,config,transposed", [
+    ((384, 256), None, True),        # all rows one step, scales (1, 384) on lanes
+    ((512, 256), 128, True),         # 128-row steps: four, scales blocks (1, 128)
+    ((4, 16640), None, False),       # a row past the transposed scales' VMEM: untransposed
+])
+def test_mosaic_tpu_8bit_both_scale_layouts_match_reference(request, shape, config, transposed):
+  """The Mosaic TPU kernel takes the scales transposed (rows on lanes) where
+  128 rows fit VMEM, untransposed past that: both write the reference's codes
+  and scales bitwise, and the state keeps its (M, L / 256) scales."""
+  from fuseopt.kernels.adam import mosaic_tpu
+  from fuseopt.kernels.elementwise_tiling import MosaicTPUConfig
+  cfg = None if config is None else MosaicTPUConfig(block_rows=config)
+  view = mosaic_tpu.quantized_view(shape)
+  assert mosaic_tpu.quantized_tiling(view, cfg or mosaic_tpu.heuristic(math.prod(shape)))[1] is transposed
+  k = jax.random.split(harness.fresh_key(request), 3)
+  p, g = jax.random.normal(k[0], shape), jax.random.normal(k[1], shape)
+  mu, nu = _moments(k[2], shape)
+  got = _steps("mosaic_tpu", p, g, mu, nu, config=cfg)
+  want = _steps("xla", p, g, mu, nu)
+  assert got[1].scales.shape == want[1].scales.shape == mu.scales.shape
+  for a, b in zip(jax.tree.leaves(got[1:]), jax.tree.leaves(want[1:])):
+    _same(a, b, f"moments {shape}")

@@ -210,16 +210,16 @@ def test_errors_name_the_parameter():
 def test_heuristics_stay_in_the_safe_range():
   # Block 4096 failed inside a CUDA graph on the H200: never the default.
   for n in (1, 100, 4096, 1 << 20, 1 << 28):
-    c = A.triton_heuristic(n)
+    c = A.triton.heuristic(n)
     assert c.block <= 1024 and c.block & (c.block - 1) == 0
-    assert A.mosaic_heuristic(n).block_rows % 16 == 0
-  assert A.TritonConfig(1024, 8) in A.TRITON_SEARCH_SPACE
-  assert A.TritonConfig(4096, 8) in A.TRITON_SEARCH_SPACE
+    assert A.mosaic_tpu.heuristic(n).block_rows % 16 == 0
+  assert A.TritonConfig(1024, 8) in A.triton.SEARCH_SPACE
+  assert A.TritonConfig(4096, 8) in A.triton.SEARCH_SPACE
 
 
 @pytest.mark.parametrize("target", harness.TARGETS, ids=harness.TARGET_IDS)
 def test_every_config_lowers(target):
-  space = A.TRITON_SEARCH_SPACE if target.implementation == "triton" else A.MOSAIC_SEARCH_SPACE
+  space = A.triton.SEARCH_SPACE if target.implementation == "triton" else A.mosaic_tpu.SEARCH_SPACE
   s = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt)
   shape = (512, 1024)
   for i, config in enumerate(space):

@@ -59,7 +59,7 @@ def test_tiling_keeps_the_layout_and_the_block_rules(shape, config, want, want_r
 
 @pytest.mark.parametrize("shape", [(2048, 8192), (1000, 3001), (50257, 768), (8, 24, 256),
                                    (3, 5, 129), (4, 1000, 3001), (1, 4096), (2, 1000)], ids=str)
-@pytest.mark.parametrize("config", sorted(set(A.MOSAIC_SEARCH_SPACE + sr.MOSAIC_SEARCH_SPACE),
+@pytest.mark.parametrize("config", sorted(set(A.mosaic_tpu.SEARCH_SPACE + sr.mosaic_tpu.SEARCH_SPACE),
                                           key=lambda c: c.block_rows), ids=str)
 @pytest.mark.parametrize("stream_bytes,ragged_edge", [(28, False), (6, True)],
                          ids=["adam-fp32", "stochastic-round"])

@@ -183,7 +183,7 @@ def test_update_kernel(request, impl):
          else update.MosaicTPUConfig(128, 128, 128))
   for a in (3.4445, 0.0):
     got = update.matmul(b, x, a=a, implementation=impl, interpret=_interp(impl), config=cfg)
-    _assert_tile_close(got, update.matmul_reference(b, x, a=a), f"{impl} a={a}")
+    _assert_tile_close(got, update.gemm_reference(b, x, a=a), f"{impl} a={a}")
 
 
 @pytest.mark.parametrize("impl", BACKENDS)
@@ -291,9 +291,9 @@ def test_sharded_batch_equals_unsharded(impl):
 
 # ---------------------------------------------------------------- lowering --
 LOWER_CASES = [
-    ("sym", gram.TRITON_SEARCH_SPACE, gram.MOSAIC_SEARCH_SPACE),
-    ("update", update.TRITON_SEARCH_SPACE, update.MOSAIC_SEARCH_SPACE),
-    ("fused", fused.TRITON_SEARCH_SPACE, fused.MOSAIC_SEARCH_SPACE),
+    ("sym", gram.triton.SEARCH_SPACE, gram.mosaic_tpu.SEARCH_SPACE),
+    ("update", update.triton.SEARCH_SPACE, update.mosaic_tpu.SEARCH_SPACE),
+    ("fused", fused.triton.SEARCH_SPACE, fused.mosaic_tpu.SEARCH_SPACE),
 ]
 
 

@@ -65,7 +65,7 @@ def test_update_every_config(request, config):
   x = _randn(k2, (2, 100, 200))
   got = update.matmul(b, x, a=3.4445, implementation=MGPU, interpret=_interp(), config=config)
   assert got.shape == x.shape and got.dtype == x.dtype
-  _assert_tile_close(got, update.matmul_reference(b, x, a=3.4445), str(config))
+  _assert_tile_close(got, update.gemm_reference(b, x, a=3.4445), str(config))
 
 
 def test_poly_and_update_without_epilogue_terms(request):
@@ -75,7 +75,7 @@ def test_poly_and_update_without_epilogue_terms(request):
   _assert_tile_close(got, poly.poly_reference(a, b=-4.775, c=2.0315), "poly")
   b, x = _randn(k2, (1, 64, 64)), _randn(k3, (1, 64, 192))   # no padding, a = 0
   got = update.matmul(b, x, implementation=MGPU, interpret=_interp())
-  _assert_tile_close(got, update.matmul_reference(b, x), "B X")
+  _assert_tile_close(got, update.gemm_reference(b, x), "B X")
 
 
 def test_traced_coefficients(request):

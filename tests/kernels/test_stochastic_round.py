@@ -39,14 +39,14 @@ def test_kernel_matches_reference(request, backend, shape):
       (x, seed), what=f"{backend}{shape}")
 
 
-@pytest.mark.parametrize("config", sr.TRITON_SEARCH_SPACE[::3] + sr.TRITON_SEARCH_SPACE[-1:], ids=str)
+@pytest.mark.parametrize("config", sr.triton.SEARCH_SPACE[::3] + sr.triton.SEARCH_SPACE[-1:], ids=str)
 def test_triton_configs_bitwise_equal(config):
   x = jax.random.normal(jax.random.key(3), (50_001,), jnp.float32)
   got = stochastic_round_bf16(x, 5, implementation="triton", interpret=True, config=config)
   harness.assert_bitwise_equal(got, sr.stochastic_round_reference(x, 5), str(config))
 
 
-@pytest.mark.parametrize("config", sr.MOSAIC_SEARCH_SPACE, ids=str)
+@pytest.mark.parametrize("config", sr.mosaic_tpu.SEARCH_SPACE, ids=str)
 def test_mosaic_configs_bitwise_equal(config):
   x = jax.random.normal(jax.random.key(4), (300, 129), jnp.float32)  # 38700: a ragged tail
   got = stochastic_round_bf16(x, 9, implementation="mosaic_tpu", interpret=True, config=config)
@@ -55,7 +55,7 @@ def test_mosaic_configs_bitwise_equal(config):
 
 @pytest.mark.parametrize("target", harness.TARGETS, ids=harness.TARGET_IDS)
 def test_every_config_lowers(target):
-  space = sr.TRITON_SEARCH_SPACE if target.implementation == "triton" else sr.MOSAIC_SEARCH_SPACE
+  space = sr.triton.SEARCH_SPACE if target.implementation == "triton" else sr.mosaic_tpu.SEARCH_SPACE
   avals = (jax.ShapeDtypeStruct((1024, 1000), jnp.float32), jax.ShapeDtypeStruct((), jnp.uint32))
   for config in space:
     harness.lower_for(target, functools.partial(

@@ -71,8 +71,8 @@ def test_any_shape_rounds_as_its_flat_row_major_view(x, seed, offset):
        data=st.data())
 def test_bitwise_across_backends_and_blocks(x, seed, offset, data):
   want = bits16(_round(x, _u32(seed), _u32(offset)))
-  triton = data.draw(st.sampled_from(sr.TRITON_SEARCH_SPACE[:2] + (None,)))
-  mosaic = data.draw(st.sampled_from(sr.MOSAIC_SEARCH_SPACE[:1] + (None,)))
+  triton = data.draw(st.sampled_from(sr.triton.SEARCH_SPACE[:2] + (None,)))
+  mosaic = data.draw(st.sampled_from(sr.mosaic_tpu.SEARCH_SPACE[:1] + (None,)))
   for impl, config in (("triton", triton), ("mosaic_tpu", mosaic)):
     got = _round(x, _u32(seed), _u32(offset), implementation=impl, config=config)
     np.testing.assert_array_equal(bits16(got), want, err_msg=f"{impl} {config}")

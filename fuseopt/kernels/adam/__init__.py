@@ -38,10 +38,10 @@ from fuseopt.kernels import counter_hash
 from fuseopt.kernels import dispatch
 from fuseopt.kernels import sharding as sharding_lib
 from fuseopt.kernels.adam.backends import BACKENDS
-from fuseopt.kernels.adam import mosaic_tpu as _mosaic_tpu
+from fuseopt.kernels.adam import mosaic_tpu  # each backend's SEARCH_SPACE and heuristic
 from fuseopt.kernels.adam import quantized
 from fuseopt.kernels.adam import tree as _tree
-from fuseopt.kernels.adam import triton as _triton
+from fuseopt.kernels.adam import triton
 from fuseopt.kernels.adam.math import adam_scalars
 from fuseopt.kernels.adam.math import adam_seeds
 from fuseopt.kernels.adam.math import check_companion as _check_companion
@@ -58,17 +58,6 @@ OP_NAME = "adam_update"
 # The grouped launch's config is part of the op's public API: this package
 # is its home.
 TritonGroupConfig.__module__ = __name__
-
-# Each backend's search space and heuristic, by the names they had before the
-# backends had modules of their own (fuseopt.kernels.adam.<backend> holds them
-# as SEARCH_SPACE and heuristic; the grouped Triton launch's as
-# GROUP_SEARCH_SPACE and group_heuristic).
-TRITON_SEARCH_SPACE = _triton.SEARCH_SPACE
-TRITON_GROUP_SEARCH_SPACE = _triton.GROUP_SEARCH_SPACE
-MOSAIC_SEARCH_SPACE = _mosaic_tpu.SEARCH_SPACE
-mosaic_heuristic = _mosaic_tpu.heuristic
-triton_heuristic = _triton.heuristic
-triton_group_heuristic = _triton.group_heuristic
 
 __all__ = ["MosaicGPUConfig", "MosaicTPUConfig", "QuantizedMoment", "TritonConfig",
            "TritonGroupConfig", "adam_scalars", "adam_seeds", "adam_update",

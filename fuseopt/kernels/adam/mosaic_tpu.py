@@ -115,9 +115,20 @@ def update(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpr
 # ------------------------------------------------- Mosaic TPU, 8-bit moments --
 # The leaf as (M, L): its leading dims merged, the last axis whole (a 1-D
 # leaf as (L / BLOCK, BLOCK)), so the view keeps the TPU layout (no relayout
-# copies); the scales as (M, L / BLOCK). A grid step holds whole rows; int8
-# data tiles 32 rows a vreg, so its rows are a multiple of 32 (or all M).
+# copies). A grid step holds whole rows. The scales, (M, L / BLOCK) in the
+# state, go to the kernel transposed, (L / BLOCK, M), rows on lanes: libtpu
+# lays a step's (M, L / BLOCK) scales arguments out with the long axis minor,
+# so the transpose is a bitcast of them; taken (M, L / BLOCK) the kernel's
+# lanes would be L / BLOCK wide (8 for a 2048-wide row), padded to 128, and
+# libtpu copies every leaf's scales into that layout (docs/adam.md). The
+# scales block's lanes make the rows a multiple of 128 (or all M). 128 rows of
+# a row longer than _TRANSPOSED_MAX_LENGTH exceed VMEM (seven double-buffered
+# streams): such a leaf (a vocabulary-wide head) takes its scales untransposed,
+# whose minor axis is then long itself, with rows a multiple of 32 (int8's
+# sublane tiling).
 _INT8_ROWS = 32
+_TRANSPOSED_ROWS = 128
+_TRANSPOSED_MAX_LENGTH = 16384
 
 
 def quantized_view(shape) -> tuple[int, int]:
@@ -127,29 +138,53 @@ def quantized_view(shape) -> tuple[int, int]:
   return math.prod(shape[:-1]), shape[-1]
 
 
-def quantized_rows(view, config: MosaicTPUConfig) -> int | None:
-  """Rows a grid step: all of them under the budget, else the largest multiple
-  of 32 under it that divides ``M`` (None: no such tiling, the reference runs)."""
-  m, length = view
-  budget = max(_INT8_ROWS, config.block_elements // length)
+def _rows(m: int, budget: int, unit: int) -> int | None:
+  """All ``m`` rows under the budget, else the largest multiple of ``unit``
+  under it that divides ``m``."""
   if m <= budget:
     return m
-  for rows in range(budget - budget % _INT8_ROWS, 0, -_INT8_ROWS):
+  for rows in range(budget - budget % unit, 0, -unit):
     if m % rows == 0:
       return rows
   return None
+
+
+def quantized_tiling(view, config: MosaicTPUConfig) -> tuple[int, bool] | None:
+  """``(rows a grid step, scales transposed)`` of an ``(M, L)`` view (None: no
+  such tiling, the reference runs)."""
+  m, length = view
+  budget = config.block_elements // length
+  if length <= _TRANSPOSED_MAX_LENGTH:
+    rows = _rows(m, max(_TRANSPOSED_ROWS, budget), _TRANSPOSED_ROWS)
+    if rows is not None:
+      return rows, True
+  rows = _rows(m, max(_INT8_ROWS, budget), _INT8_ROWS)
+  return None if rows is None else (rows, False)
 
 
 def quantized_leaf_reason(g, config, index_map) -> str | None:
   """Why this backend leaves an 8-bit leaf to the reference, or None."""
   if sharding_lib.needs_division(index_map):
     return "a shard's global index needs a vector integer division"
-  if quantized_rows(quantized_view(g.shape), config) is None:
+  if quantized_tiling(quantized_view(g.shape), config) is None:
     return f"no multiple of 32 rows divides the leaf's {quantized_view(g.shape)} view"
   return None
 
 
-def _quantized_kernel(s_ref, seed_ref, *refs, rows, length, nesterov, apply, index_map):
+def _column(row):
+  """A ``(1, rows)`` row of transposed scales as the ``(rows, 1)`` column
+  that scales a block's rows: broadcast to 128 sublanes, one native transpose."""
+  return jnp.broadcast_to(row, (128, row.shape[1])).T[:, :1]
+
+
+def _row(column):
+  """A ``(rows, 1)`` column of scales as the ``(1, rows)`` row of the
+  transposed scales."""
+  return jnp.broadcast_to(column, (column.shape[0], 128)).T[:1, :]
+
+
+def _quantized_kernel(s_ref, seed_ref, *refs, rows, length, transposed, nesterov, apply,
+                      index_map):
   p_ref, (g_ref, muc_ref, mus_ref, nuc_ref, nus_ref), (o_ref, muc_out, mus_out, nuc_out, nus_out) = (
       quantized.split_kernel_refs(refs, apply))
   block = quantized.BLOCK
@@ -158,23 +193,34 @@ def _quantized_kernel(s_ref, seed_ref, *refs, rows, length, nesterov, apply, ind
   row = ((pl.program_id(0) * rows).astype(jnp.uint32)
          + jax.lax.broadcasted_iota(jnp.uint32, shape, 0)) * jnp.uint32(length)
   col = jax.lax.broadcasted_iota(jnp.uint32, shape, 1)
+  # Block j's scales, one per row: row j of transposed scales, else column j.
+  if transposed:
+    read = lambda ref, j: _column(ref[j:j + 1, :])
+    def write(ref, j, column):
+      ref[j:j + 1, :] = _row(column)
+  else:
+    read = lambda ref, j: ref[:, j:j + 1]
+    def write(ref, j, column):
+      ref[:, j:j + 1] = column
   # One quantisation block of every row at a time: static lane slices, each
   # block's absmax a row reduction in VMEM.
   for j in range(length // block):
     lanes = slice(j * block, (j + 1) * block)
     f32 = lambda r: r[:, lanes].astype(jnp.float32)
-    mu32 = quantized.dequantize_mu(muc_ref[:, lanes], mus_ref[:, j:j + 1])
-    nu32 = quantized.dequantize_nu(nuc_ref[:, lanes], nus_ref[:, j:j + 1])
+    mu32 = quantized.dequantize_mu(muc_ref[:, lanes], read(mus_ref, j))
+    nu32 = quantized.dequantize_nu(nuc_ref[:, lanes], read(nus_ref, j))
     out, mu_new, nu_new = adam_math(lambda k: s_ref[k], f32(p_ref) if apply else None,
                                     f32(g_ref), mu32, nu32, nesterov=nesterov, apply=apply,
                                     reciprocal=True)
     index = sharding_lib.global_index(row + (col + jnp.uint32(j * block)), index_map,
                                       seed(SEED_BASE))
     o_ref[:, lanes] = store(out, o_ref.dtype, index, seed(0))
-    muc_out[:, lanes], mus_out[:, j:j + 1] = quantized.quantize_mu(
+    muc_out[:, lanes], mu_scale = quantized.quantize_mu(
         mu_new, counter_hash.hash_bits(index, seed(1)))
-    nuc_out[:, lanes], nus_out[:, j:j + 1] = quantized.quantize_nu(
+    nuc_out[:, lanes], nu_scale = quantized.quantize_nu(
         nu_new, counter_hash.hash_bits(index, seed(2)))
+    write(mus_out, j, mu_scale)
+    write(nus_out, j, nu_scale)
 
 
 def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpret,
@@ -185,13 +231,21 @@ def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, confi
   from jax.experimental.pallas import tpu as pltpu
   shape = g.shape
   m, length = quantized_view(shape)
-  rows = quantized_rows((m, length), config)
+  rows, transposed = quantized_tiling((m, length), config)
   n_scales = length // quantized.BLOCK
   apply = p is not None
   tile = pl.BlockSpec((rows, length), lambda i: (i, 0))
-  vec = pl.BlockSpec((rows, n_scales), lambda i: (i, 0))
+  # The scales transposed where they fit (above): rows on lanes.
+  if transposed:
+    vec = pl.BlockSpec((n_scales, rows), lambda i: (0, i))
+    scales_in = lambda sc: sc.reshape(m, n_scales).T
+    scales_out = lambda sc, like: sc.T.reshape(like.shape)
+  else:
+    vec = pl.BlockSpec((rows, n_scales), lambda i: (i, 0))
+    scales_in = lambda sc: sc.reshape(m, n_scales)
+    scales_out = lambda sc, like: sc.reshape(like.shape)
   view = lambda a: a.reshape(m, length)
-  qview = lambda q: quantized.QuantizedMoment(view(q.codes), q.scales.reshape(m, n_scales))
+  qview = lambda q: quantized.QuantizedMoment(view(q.codes), scales_in(q.scales))
   mu2, nu2 = qview(mu), qview(nu)
   arrays = ((view(p),) if apply else ()) + (view(g), mu2.codes, mu2.scales, nu2.codes,
                                             nu2.scales)
@@ -207,8 +261,8 @@ def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, confi
   # default scoped VMEM (16 MiB on v5e) for 32 rows of 7 double-buffered streams.
   vmem = 2 * sum(rows * length * a.dtype.itemsize for a in arrays[:2 + apply]) * 3
   outs = pl.pallas_call(
-      functools.partial(_quantized_kernel, rows=rows, length=length, nesterov=nesterov,
-                        apply=apply, index_map=index_map),
+      functools.partial(_quantized_kernel, rows=rows, length=length, transposed=transposed,
+                        nesterov=nesterov, apply=apply, index_map=index_map),
       out_shape=out_shape,
       grid=(m // rows,),
       in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
@@ -221,5 +275,5 @@ def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, confi
       name="fuseopt_adam_update_int8",
       cost_estimate=adam_cost(arrays, out_shape, n=g.size),
   )(scalars, jax.lax.bitcast_convert_type(seeds, jnp.int32), *arrays)
-  back = lambda c, sc, q: quantized.QuantizedMoment(c.reshape(shape), sc.reshape(q.scales.shape))
+  back = lambda c, sc, q: quantized.QuantizedMoment(c.reshape(shape), scales_out(sc, q.scales))
   return outs[0].reshape(shape), back(*outs[1:3], mu), back(*outs[3:5], nu)

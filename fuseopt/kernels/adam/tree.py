@@ -248,20 +248,10 @@ def update_leaves(impl, scalars, seeds, ps, gs, mus, nus, placements, *, nestero
     for lst, r in zip(outs, res):
       for i, x in zip(plain, r):
         lst[i] = x
-  previous = None
   for i in quant:
-    mu, nu = mus[i], nus[i]
-    if impl == "mosaic_tpu" and previous is not None:
-      # libtpu lays small-minor scales out column-major as arguments and copies
-      # each into the kernel's row-major, lane-padded operand (16x the data),
-      # hoisting every copy to the start: one leaf's scales wait for the
-      # previous leaf's kernel, so one leaf's copies are live at a time.
-      mu_scales, nu_scales, _ = jax.lax.optimization_barrier((mu.scales, nu.scales, previous))
-      mu, nu = mu._replace(scales=mu_scales), nu._replace(scales=nu_scales)
     r = _update_quantized(impl, scalars[i], seeds[i], None if ps is None else ps[i], gs[i],
-                          mu, nu, placements[i], nesterov=nesterov, interpret=interpret,
+                          mus[i], nus[i], placements[i], nesterov=nesterov, interpret=interpret,
                           config=config)
-    previous = r[1].scales
     for lst, x in zip(outs, r + (None,)):
       lst[i] = x
   return outs

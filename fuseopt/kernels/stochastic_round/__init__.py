@@ -32,18 +32,11 @@ from fuseopt.kernels.elementwise_tiling import MosaicGPUConfig
 from fuseopt.kernels.elementwise_tiling import MosaicTPUConfig
 from fuseopt.kernels.elementwise_tiling import TritonConfig
 from fuseopt.kernels.stochastic_round.backends import BACKENDS
-from fuseopt.kernels.stochastic_round import mosaic_tpu as _mosaic_tpu
-from fuseopt.kernels.stochastic_round import triton as _triton
+from fuseopt.kernels.stochastic_round import mosaic_tpu  # each backend's SEARCH_SPACE and heuristic
+from fuseopt.kernels.stochastic_round import triton
 from fuseopt.kernels.stochastic_round.reference import stochastic_round_reference
 
 OP_NAME = "stochastic_round"
-
-# Each backend's search space and heuristic, by the names they had before the
-# backends had modules of their own (fuseopt.kernels.stochastic_round.<backend>
-# holds them as SEARCH_SPACE and heuristic).
-TRITON_SEARCH_SPACE = _triton.SEARCH_SPACE
-MOSAIC_SEARCH_SPACE = _mosaic_tpu.SEARCH_SPACE
-mosaic_heuristic = _mosaic_tpu.heuristic
 
 __all__ = ["MosaicGPUConfig", "MosaicTPUConfig", "TritonConfig",
            "stochastic_round_bf16", "stochastic_round_reference"]

@@ -36,15 +36,6 @@ F32 = jnp.float32
 # Config, heuristic, SEARCH_SPACE and ``fits``.
 BACKENDS = {"triton": triton, "mosaic_tpu": mosaic_tpu, "mosaic_gpu": mosaic_gpu}
 
-# The names these had before the backends had modules of their own.
-MOSAIC_VMEM_BUDGET = mosaic_tpu.VMEM_BUDGET
-MOSAIC_VMEM_LIMIT = mosaic_tpu.VMEM_LIMIT
-TRITON_MAX_M = triton.MAX_M
-TRITON_MAX_ELEMENTS = triton.MAX_ELEMENTS
-TRITON_SEARCH_SPACE = triton.SEARCH_SPACE
-MOSAIC_SEARCH_SPACE = mosaic_tpu.SEARCH_SPACE
-mosaic_vmem_bytes = mosaic_tpu.vmem_bytes
-
 
 def padded_shape(implementation: str, m: int, n: int) -> tuple[int, int]:
   return _backend(implementation).padded_shape(m, n)

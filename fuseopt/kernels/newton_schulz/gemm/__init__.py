@@ -42,13 +42,6 @@ F32 = jnp.float32
 # heuristic and SEARCH_SPACE.
 BACKENDS = {"triton": triton, "mosaic_tpu": mosaic_tpu, "mosaic_gpu": mosaic_gpu}
 
-# The names these had before the GEMM had a folder of its own.
-TRITON_SEARCH_SPACE = triton.SEARCH_SPACE
-MOSAIC_SEARCH_SPACE = mosaic_tpu.SEARCH_SPACE
-triton_heuristic = triton.heuristic
-mosaic_heuristic = mosaic_tpu.heuristic
-matmul_reference = gemm_reference
-
 
 def _backend(implementation: str):
   return dispatch.piece_backend(BACKENDS, implementation, "gemm")
@@ -65,7 +58,7 @@ def granules(config) -> tuple[int, int]:
 
 
 def gemm(b, x, *, a=0.0, out_dtype=None, implementation="triton", interpret=False, config=None):
-  """a·X + B X for B (batch, m, m) and X (batch, m, n) (``matmul``: its old name)."""
+  """a·X + B X for B (batch, m, m) and X (batch, m, n)."""
   if x.ndim != 3 or b.ndim != 3 or b.shape != (x.shape[0], x.shape[1], x.shape[1]):
     raise ValueError(f"gemm: expected b (batch, m, m) and x (batch, m, n), got {b.shape}, {x.shape}")
   batch, m, n = x.shape

@@ -50,12 +50,6 @@ F32 = jnp.float32
 # heuristic and SEARCH_SPACE.
 BACKENDS = {"triton": triton, "mosaic_tpu": mosaic_tpu, "mosaic_gpu": mosaic_gpu}
 
-# The names these had before the backends had modules of their own.
-TRITON_SEARCH_SPACE = triton.SEARCH_SPACE
-MOSAIC_SEARCH_SPACE = mosaic_tpu.SEARCH_SPACE
-triton_heuristic = triton.heuristic
-mosaic_heuristic = mosaic_tpu.heuristic
-
 
 def _backend(implementation: str, what: str):
   return dispatch.piece_backend(BACKENDS, implementation, what)
