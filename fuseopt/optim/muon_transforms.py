@@ -250,17 +250,22 @@ def _add_decayed_weights(weight_decay, weight_decay_mask, dims_fn, may_freeze: b
       return weight_decay_lib.add_cautious_decayed_weights(weight_decay, weight_decay_mask)
     return optax.add_decayed_weights(weight_decay, weight_decay_mask)
   plain = optax.add_decayed_weights(weight_decay)
+  unfrozen = (weight_decay_lib.add_cautious_decayed_weights(weight_decay) if cautious else plain)
 
   def update_fn(updates, state, params):
     if params is None:
       raise ValueError("muon: weight decay needs params; pass params= to update()")
+    leaves, treedef = jax.tree.flatten(updates)
+    experts = _expert_specs(dims_fn, updates, treedef)
+    if all(e is None for e in experts):
+      # No leaf declared Experts (a callable's specs are known only now): the
+      # plain piece itself, the same program as specs given as a tree.
+      return unfrozen.update(updates, state, params)
     if callable(weight_decay):
       wd = weight_decay(state.count)
       state = state._replace(count=optax.safe_increment(state.count))
     else:
       wd = weight_decay
-    leaves, treedef = jax.tree.flatten(updates)
-    experts = _expert_specs(dims_fn, updates, treedef)
     out = []
     for u, p, e in zip(leaves, treedef.flatten_up_to(params), experts):
       d = weight_decay_lib.decay_term(u, p, wd, cautious)
