@@ -85,20 +85,23 @@ def _declared_specs(weight_dimension_numbers, updates, treedef):
   return treedef.flatten_up_to(_broadcast_specs(specs, updates))
 
 
+def _specs_and_experts(weight_dimension_numbers, updates, treedef):
+  """Each leaf's cut into matrices (dimension numbers or views; None where
+  Muon passes the leaf through), and the same cut where the leaf is
+  declared :class:`Experts` (its matrices frozen while their gradient is all
+  zero), else None: the specs read once."""
+  unwrapped = [unwrap_experts(s) for s in _declared_specs(weight_dimension_numbers, updates, treedef)]
+  return [s for s, _ in unwrapped], [s if experts else None for s, experts in unwrapped]
+
+
 def _leaf_specs(weight_dimension_numbers, updates, treedef):
-  """Each leaf's cut into matrices (dimension numbers or views), or None
-  where Muon passes the leaf through."""
-  return [unwrap_experts(s)[0] for s in _declared_specs(weight_dimension_numbers, updates, treedef)]
+  """Each leaf's cut (:func:`_specs_and_experts`)."""
+  return _specs_and_experts(weight_dimension_numbers, updates, treedef)[0]
 
 
 def _expert_specs(weight_dimension_numbers, updates, treedef):
-  """Each leaf's cut where the leaf is declared :class:`Experts` (its
-  matrices are frozen while their gradient is all zero), else None."""
-  out = []
-  for s in _declared_specs(weight_dimension_numbers, updates, treedef):
-    spec, experts = unwrap_experts(s)
-    out.append(spec if experts else None)
-  return out
+  """Each experts leaf's cut, else None (:func:`_specs_and_experts`)."""
+  return _specs_and_experts(weight_dimension_numbers, updates, treedef)[1]
 
 
 def _matrix_axes(spec, ndim):
@@ -189,8 +192,8 @@ class _MuonStep:
                       default_ns_max_elements(self.platform))
     self.paths = [jax.tree_util.keystr(p)
                   for p, _ in jax.tree_util.tree_flatten_with_path(updates)[0]]
-    self.specs = _leaf_specs(config.weight_dimension_numbers, updates, self.treedef)
-    self.expert_specs = _expert_specs(config.weight_dimension_numbers, updates, self.treedef)
+    self.specs, self.expert_specs = _specs_and_experts(config.weight_dimension_numbers, updates,
+                                                       self.treedef)
     if config.weight_dimension_numbers is None:
       _check_matrices(self.paths, self.g_leaves)
     self.m_old = self.treedef.flatten_up_to(mu)

@@ -237,18 +237,14 @@ def _direction_transform(args, piece=None) -> optax.GradientTransformation:
   return tx
 
 
-def _add_decayed_weights(weight_decay, weight_decay_mask, dims_fn, may_freeze: bool,
+def _add_decayed_weights(weight_decay, weight_decay_mask, dims_fn,
                          cautious: bool) -> optax.GradientTransformation:
-  """Muon's decay, ``u + wd * p``: :func:`optax.add_decayed_weights` itself
-  when no piece acts on it; else with its state (a checkpoint has optax's
-  structure either way) and the pieces: no decay on the frozen matrices of a
-  leaf declared :class:`~fuseopt.optim.Experts` (``may_freeze``: the specs
-  may hold one), ``cautious`` as
-  :func:`fuseopt.optim.weight_decay.add_cautious_decayed_weights`."""
-  if not may_freeze:
-    if cautious:
-      return weight_decay_lib.add_cautious_decayed_weights(weight_decay, weight_decay_mask)
-    return optax.add_decayed_weights(weight_decay, weight_decay_mask)
+  """Muon's decay, ``u + wd * p``, with :func:`optax.add_decayed_weights`'s
+  state (a checkpoint has optax's structure): where no leaf is declared
+  :class:`~fuseopt.optim.Experts` (known at the update: the specs may come
+  from a callable), optax's piece itself (or, ``cautious``,
+  :func:`fuseopt.optim.weight_decay.add_cautious_decayed_weights`); else no
+  decay on the frozen matrices of the experts' leaves."""
   plain = optax.add_decayed_weights(weight_decay)
   unfrozen = (weight_decay_lib.add_cautious_decayed_weights(weight_decay) if cautious else plain)
 
@@ -258,14 +254,8 @@ def _add_decayed_weights(weight_decay, weight_decay_mask, dims_fn, may_freeze: b
     leaves, treedef = jax.tree.flatten(updates)
     experts = _expert_specs(dims_fn, updates, treedef)
     if all(e is None for e in experts):
-      # No leaf declared Experts (a callable's specs are known only now): the
-      # plain piece itself, the same program as specs given as a tree.
       return unfrozen.update(updates, state, params)
-    if callable(weight_decay):
-      wd = weight_decay(state.count)
-      state = state._replace(count=optax.safe_increment(state.count))
-    else:
-      wd = weight_decay
+    wd, state = weight_decay_lib.rate_at(weight_decay, state)
     out = []
     for u, p, e in zip(leaves, treedef.flatten_up_to(params), experts):
       d = weight_decay_lib.decay_term(u, p, wd, cautious)
@@ -276,26 +266,14 @@ def _add_decayed_weights(weight_decay, weight_decay_mask, dims_fn, may_freeze: b
   return tx if weight_decay_mask is None else optax.masked(tx, weight_decay_mask)
 
 
-def _may_declare_experts(muon_weight_dimension_numbers) -> bool:
-  """Whether the specs may declare :class:`~fuseopt.optim.Experts` (a
-  callable's are known only at the first update)."""
-  dims = muon_weight_dimension_numbers
-  if dims is None:
-    return False
-  if callable(dims):
-    return True
-  return any(isinstance(x, Experts) for x in jax.tree.leaves(dims, is_leaf=_is_spec_or_none))
-
-
 def _adamw(learning_rate, b1, b2, eps, eps_root, weight_decay, mu_dtype, moment_dtype, nesterov,
-           implementation=None, interpret=False, shardings=None, cautious=False):
+           implementation=None, interpret=False, shardings=None):
   """fuseopt's AdamW; ``moment_dtype=None`` keeps optax's dtypes (mu in
   ``mu_dtype`` or the parameter's, nu in the parameter's)."""
   if moment_dtype is not None:
     mu_dtype = moment_dtype
   return adam_transforms.adamw(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
-                         weight_decay=weight_decay_lib.cautious(weight_decay) if cautious else weight_decay,
-                         nesterov=nesterov, moment_dtype=moment_dtype,
+                         weight_decay=weight_decay, nesterov=nesterov, moment_dtype=moment_dtype,
                          implementation=implementation, interpret=interpret, shardings=shardings)
 
 
@@ -433,7 +411,7 @@ def _muon(args, piece=None, owner="muon") -> optax.GradientTransformation:
   on the Muon side's orthogonalised update (see :func:`_direction_transform`)."""
   a = types.SimpleNamespace(**args)
   weight_decay, cautious = weight_decay_lib.split_rate(a.weight_decay)
-  adam_weight_decay, adam_cautious = weight_decay_lib.split_rate(a.adam_weight_decay)
+  adam_weight_decay, _ = weight_decay_lib.split_rate(a.adam_weight_decay)   # adamw reads the piece
   for name, rate in (("learning_rate", a.learning_rate), ("weight_decay", weight_decay),
                      ("adam_weight_decay", adam_weight_decay)):
     _checks.check_rate(owner, name, rate)
@@ -447,8 +425,7 @@ def _muon(args, piece=None, owner="muon") -> optax.GradientTransformation:
   adam_learning_rate = a.learning_rate if a.adam_learning_rate is None else a.adam_learning_rate
   weight_decay_mask = a.weight_decay_mask
   dims_fn, param_labels = _muon_split(a.muon_weight_dimension_numbers)
-  decay = _add_decayed_weights(weight_decay, weight_decay_mask, dims_fn,
-                               _may_declare_experts(a.muon_weight_dimension_numbers), cautious)
+  decay = _add_decayed_weights(weight_decay, weight_decay_mask, dims_fn, cautious)
 
   direction = _direction_transform(dict(
       ns_coeffs=a.ns_coeffs, ns_steps=a.ns_steps, beta=a.beta, eps=a.eps, mu_dtype=a.mu_dtype,
@@ -461,9 +438,9 @@ def _muon(args, piece=None, owner="muon") -> optax.GradientTransformation:
           "muon": _muon_branch(direction, decay, a.learning_rate, weight_decay, weight_decay_mask,
                                dims_fn, cautious),
           "adam": _adamw(adam_learning_rate, a.adam_b1, a.adam_b2, a.eps, a.adam_eps_root,
-                         adam_weight_decay, a.mu_dtype, execution.adam_moment_dtype, a.nesterov,
+                         a.adam_weight_decay, a.mu_dtype, execution.adam_moment_dtype, a.nesterov,
                          implementation=execution.implementation, interpret=execution.interpret,
-                         shardings=execution.shardings, cautious=adam_cautious),
+                         shardings=execution.shardings),
       },
       param_labels=param_labels,
       name=owner,

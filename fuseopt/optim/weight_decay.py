@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-__all__ = ["CautiousDecay", "add_cautious_decayed_weights", "cautious", "decay_term", "split_rate"]
+__all__ = ["CautiousDecay", "add_cautious_decayed_weights", "cautious", "decay_term", "rate_at",
+           "split_rate"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +71,14 @@ def decay_term(u, p, weight_decay, cautious: bool):
   return weight_decay * jnp.where(u * p < 0, jnp.zeros((), p.dtype), p)
 
 
+def rate_at(weight_decay, state):
+  """``(rate, new state)`` of an :func:`optax.add_decayed_weights` state: a
+  schedule read at the state's count and the count advanced, or the number."""
+  if callable(weight_decay):
+    return weight_decay(state.count), state._replace(count=optax.safe_increment(state.count))
+  return weight_decay, state
+
+
 def add_cautious_decayed_weights(
     weight_decay: optax.ScalarOrSchedule = 0.0,
     mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
@@ -87,11 +96,7 @@ def add_cautious_decayed_weights(
     if params is None:
       raise ValueError("add_cautious_decayed_weights: weight decay needs params; pass "
                        "params= to update()")
-    if callable(weight_decay):
-      wd = weight_decay(state.count)
-      state = state._replace(count=optax.safe_increment(state.count))
-    else:
-      wd = weight_decay
+    wd, state = rate_at(weight_decay, state)
     if isinstance(wd, (int, float)) and wd == 0.0:
       return updates, state
     return jax.tree.map(lambda u, p: None if u is None else u + decay_term(u, p, wd, True),
