@@ -148,10 +148,30 @@ def _adam_cases(impl: str) -> list[Case]:
   if impl in ("triton", "mosaic_gpu"):
     out += _adam_group_cases(impl)
   if impl == "triton":
-    out.append(_adam_group_mantissa_case(impl))
+    out += [_adam_group_mantissa_case(impl)] + _adam_int8_group_cases(impl)
   out.append(_adam_int8_case(impl))
   out += [_adam_int8_case(impl, cfg) for cfg in space]
   return out
+
+
+def _adam_int8_group_cases(impl: str = "triton") -> list[Case]:
+  """The 1-layer Llama tree, 8-bit moments on every leaf, grouped launches."""
+  from fuseopt.kernels import adam
+  from fuseopt.kernels.adam import quantized as q
+  from fuseopt.kernels.adam.backends import BACKENDS
+
+  def case(cfg):
+    def build(t):
+      leaves = _llama_leaves()
+      moms = [[q.QuantizedMoment(_S(x.shape, d), _S(q.scales_shape(x.shape), F32))
+               for x in leaves] for d in (jnp.int8, jnp.uint8)]
+      fn = lambda ps, gs, mus, nus: adam.adam_update_tree(
+          ps, gs, mus, nus, count=3, learning_rate=1e-3, weight_decay=0.1,
+          implementation=impl, config=cfg, group=True)
+      return fn, (leaves, leaves, *moms), (0, 2, 3)
+    return Case(f"kernel/adam_update_tree/{impl}/llama-1-layer-int8/{_cfg_name(cfg)}", build,
+                full_only=cfg is not None, **_on(impl))
+  return [case(None)] + [case(c) for c in BACKENDS[impl].QUANTIZED_GROUP_SEARCH_SPACE]
 
 
 def _adam_int8_case(impl: str, cfg=None) -> Case:

@@ -78,8 +78,10 @@ def peak(dump: str | Path, module: str = "jit_step") -> Peak:
   values, in_temp = [], False
   for line in ba.read_text().splitlines():
     if line.startswith("allocation"):
-      in_temp = "preallocated-temp" in line or not any(
-          k in line for k in ("parameter", "constant", "output shape", "thread-local"))
+      # (device memory only: a TPU's allocations of other colours are its
+      # on-chip memories, e.g. libtpu's prefetches into VMEM, "S(1)")
+      in_temp = " color " not in line and ("preallocated-temp" in line or not any(
+          k in line for k in ("parameter", "constant", "output shape", "thread-local")))
       continue
     m = _VALUE.match(line) if in_temp else None
     if m:

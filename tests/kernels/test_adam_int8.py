@@ -101,6 +101,66 @@ def test_tree_mixes_8bit_and_bf16_leaves_like_single_calls():
         _same(a, b, f"{impl} leaf {i}")
 
 
+def _ulps(a, b):
+  """Per element, how many fp32 ulps apart ``a`` and ``b`` are (same sign)."""
+  a, b = np.asarray(a, np.float32).view(np.int32), np.asarray(b, np.float32).view(np.int32)
+  return np.abs(a.astype(np.int64) - b.astype(np.int64))
+
+
+def test_grouped_8bit_launch_matches_one_launch_a_leaf():
+  """The Triton grouped launch (what ``fo.step`` runs by default) over 8-bit
+  leaves of two dtype signatures, ragged row counts and a bf16-moment leaf
+  beside them, at the heuristic and at a small config (two leaves a launch):
+  parameters and codes bitwise the per-leaf launches', scales within one
+  fp32 ulp. In interpret mode XLA:CPU contracts ``a * b + c`` into a fused
+  multiply-add in some fusions and not in others (docs/adam.md), here the
+  second moment feeding a block's absmax; the compiled kernel computes each
+  element once."""
+  from fuseopt.kernels.adam.triton import TritonGroupConfig
+  shapes = [(4, 256), (7,), (2, 512), (37, 512), (3, 5, 256), (37, 512), (256,)]
+  k = jax.random.split(jax.random.key(11), 2)
+  ps = [jax.random.normal(jax.random.fold_in(k[0], i), s).astype(BF16 if i == 4 else F32)
+        for i, s in enumerate(shapes)]
+  gs = [jax.random.normal(jax.random.fold_in(k[1], i), s) for i, s in enumerate(shapes)]
+  mus = [Q.zeros(s, signed=True) if Q.fits(s) else jnp.zeros(s, BF16) for s in shapes]
+  nus = [Q.zeros(s, signed=False) if Q.fits(s) else jnp.zeros(s, BF16) for s in shapes]
+
+  def run(**kw):
+    # (the hyperparameters traced, as a step's are: constants would let
+    # XLA:CPU fold them into one interpret-mode program and not the other)
+    f = jax.jit(lambda p, g, m, v, c, h: adam_update_tree(
+        p, g, m, v, count=c, learning_rate=h[0], b1=h[1], b2=h[2], eps=h[3],
+        weight_decay=h[4], seed=17, implementation="triton", interpret=True, **kw))
+    h = jnp.array([3e-3, 0.9, 0.999, 1e-8, 0.1])
+    p, m, v = ps, mus, nus
+    for c in (1, 2, 3):
+      p, m, v = f(p, [g * c for g in gs], m, v, c, h)
+    return p, m, v
+
+  def launches(**kw):
+    jaxpr = jax.make_jaxpr(lambda: adam_update_tree(ps, gs, mus, nus, count=1, seed=17,
+                                                    implementation="triton", interpret=True,
+                                                    **kw))()
+    return str(jaxpr).count("pallas_call[")
+
+  # 8-bit leaves: one launch per dtype signature (fp32 and bf16 params), or
+  # per two leaves; the bf16-moment leaf its own.
+  assert (launches(group=False), launches(group=True),
+          launches(config=TritonGroupConfig(512, 4, 2))) == (7, 3, 5)
+  want = run(group=False)
+  for kw in (dict(group=True), dict(config=TritonGroupConfig(512, 4, 2))):
+    got = run(**kw)
+    for i in range(len(shapes)):
+      _same(got[0][i], want[0][i], f"{kw} param {i}")
+      for j in (1, 2):
+        a, b = got[j][i], want[j][i]
+        if Q.is_quantized(a):
+          _same(a.codes, b.codes, f"{kw} codes {i}")
+          assert _ulps(a.scales, b.scales).max() <= 1, f"{kw} scales {i}"
+        else:
+          _same(a, b, f"{kw} bf16 moment {i}")
+
+
 # Hoeffding: the mean of N draws of a variable in an interval of width w is
 # within t*w of its expectation except with probability 2 exp(-2 N t^2).
 # N = 2048, t = 0.09: below 1e-14 per element, so no seed will ever fail.

@@ -248,6 +248,17 @@ def update_leaves(impl, scalars, seeds, ps, gs, mus, nus, placements, *, nestero
     for lst, r in zip(outs, res):
       for i, x in zip(plain, r):
         lst[i] = x
+  if impl == "triton" and _groups_leaves(impl, group, config):
+    # Unsharded 8-bit leaves share grouped launches as the others do (one
+    # launch a leaf would hold a launch's output table and seed row each in
+    # the step's temporaries); sharded ones run shard-local, one launch each.
+    local = [i for i in quant if placements[i] is sharding_lib.UNSHARDED]
+    done = _run_quantized_group(impl, local, scalars, seeds, ps, gs, mus, nus,
+                                nesterov=nesterov, interpret=interpret, config=config)
+    for i, r in done.items():
+      for lst, x in zip(outs, r + (None,)):
+        lst[i] = x
+    quant = [i for i in quant if i not in done]
   for i in quant:
     r = _update_quantized(impl, scalars[i], seeds[i], None if ps is None else ps[i], gs[i],
                           mus[i], nus[i], placements[i], nesterov=nesterov, interpret=interpret,
@@ -255,6 +266,38 @@ def update_leaves(impl, scalars, seeds, ps, gs, mus, nus, placements, *, nestero
     for lst, x in zip(outs, r + (None,)):
       lst[i] = x
   return outs
+
+
+def _run_quantized_group(impl, members, scalars, seeds, ps, gs, mus, nus, *, nesterov,
+                         interpret, config):
+  """The unsharded leaves ``members`` with 8-bit moments in grouped launches,
+  one kind of launch per dtype signature; returns ``{leaf: (out, mu, nu)}``,
+  the bits of their per-leaf launches."""
+  backend = _backend(impl)
+  apply = ps is not None
+  signatures = {}
+  for i in members:
+    signatures.setdefault(((ps[i] if apply else gs[i]).dtype, gs[i].dtype), []).append(i)
+  out = {}
+  for sig_members in signatures.values():
+    sizes = [gs[i].size for i in sig_members]
+    cfg = (config if isinstance(config, backend.TritonGroupConfig)
+           else backend.group_heuristic(sizes))
+    for chunk in launch_chunks(sizes, cfg.max_leaves_per_launch, by_size=apply):
+      chunk = [sig_members[j] for j in chunk]
+      rows = lambda a: a.reshape(-1, quantized.BLOCK)
+      vec = lambda m: quantized.QuantizedMoment(rows(m.codes), m.scales.reshape(-1))
+      args = (jnp.stack([scalars[i] for i in chunk]), jnp.stack([seeds[i] for i in chunk]),
+              [rows(ps[i]) for i in chunk] if apply else None, [rows(gs[i]) for i in chunk],
+              [vec(mus[i]) for i in chunk], [vec(nus[i]) for i in chunk])
+      run = functools.partial(backend.update_quantized_group_jit, nesterov=nesterov, config=cfg,
+                              interpret=dispatch.interpret_arg(impl, interpret))
+      res = no_derivative(impl, run, *args)
+      back = lambda m, like: quantized.QuantizedMoment(m.codes.reshape(like.codes.shape),
+                                                       m.scales.reshape(like.scales.shape))
+      for i, (o, m, v) in zip(chunk, res):
+        out[i] = (o.reshape(gs[i].shape), back(m, mus[i]), back(v, nus[i]))
+  return out
 
 
 def _run_quantized(impl, scalars, seeds, p, g, mu, nu, *, nesterov, interpret, config,
@@ -265,7 +308,8 @@ def _run_quantized(impl, scalars, seeds, p, g, mu, nu, *, nesterov, interpret, c
   if impl != "xla":
     backend = _backend(impl)
     if not isinstance(config, backend.Config):
-      # (a grouped launch's config, or none: 8-bit leaves run one launch each)
+      # (a grouped launch's config, or none: a sharded 8-bit leaf, or one on
+      # Mosaic GPU, runs one launch of its own)
       if impl == "triton" and config is not None:
         config = backend.Config(config.block, config.num_warps)
       elif impl == "mosaic_gpu" and config is not None:

@@ -104,6 +104,14 @@ GROUP_SEARCH_SPACE = tuple(TritonGroupConfig(b, w, k) for b in (512, 1024, 2048,
                            for w in (4, 8) for k in (8, 16))
 
 
+# The grouped launch over 8-bit leaves holds a block's codes, scales and
+# fp32 moments and the loaded leaf's values across the branch that picks the
+# leaf: at 32 elements a thread (block 4096, 4 warps) ptxas spills 120-200
+# bytes a thread on the H200 and L4 (the compile tier), so its space stops at 16.
+QUANTIZED_GROUP_SEARCH_SPACE = tuple(c for c in GROUP_SEARCH_SPACE
+                                     if c.block // (c.num_warps * 32) <= 16)
+
+
 def group_heuristic(sizes) -> TritonGroupConfig:
   # Block 1024 / 8 warps: the per-leaf kernel's measured best on the H200;
   # a group of tiny leaves gets one small block, as triton_heuristic does.
@@ -262,29 +270,46 @@ update_group_jit = jax.jit(update_group,
 
 
 # ------------------------------------------------------- triton, 8-bit moments --
+def _block_index(row, index_map, base):
+  """The flat index in the whole leaf of each element of the rows ``row``."""
+  local = row[:, None] * jnp.uint32(quantized.BLOCK) + jax.lax.iota(
+      jnp.uint32, quantized.BLOCK)[None, :]
+  return sharding_lib.global_index(local, index_map, base)
+
+
+def _quantized_block(scalar, seed, blocks, index, *, nesterov, apply):
+  """The fp32 step of whole quantisation blocks: ``blocks`` the loaded
+  ``(p or None, g, mu codes, mu scales, nu codes, nu scales)``, ``index``
+  their elements' flat indices, ``scalar(k)`` / ``seed(k)`` the step's scalars
+  and seeds. Returns ``(out, mu codes, mu scales, nu codes, nu scales)``,
+  ``out`` in fp32 (the caller rounds it into its ref's dtype); each block's
+  new absmax is a row reduction in registers."""
+  p, g, muc, mus, nuc, nus = blocks
+  f32 = lambda x: x.astype(jnp.float32)
+  mu32 = quantized.dequantize_mu(muc, mus[:, None])
+  nu32 = quantized.dequantize_nu(nuc, nus[:, None])
+  out, mu_new, nu_new = adam_math(scalar, f32(p) if apply else None, f32(g), mu32, nu32,
+                                  nesterov=nesterov, apply=apply, reciprocal=True)
+  mu_codes, mu_scale = quantized.quantize_mu(mu_new, counter_hash.hash_bits(index, seed(1)))
+  nu_codes, nu_scale = quantized.quantize_nu(nu_new, counter_hash.hash_bits(index, seed(2)))
+  return (out, mu_codes, mu_scale[:, 0], nu_codes, nu_scale[:, 0])
+
+
 def _quantized_kernel(s_ref, seed_ref, *refs, rows, n_rows, masked, nesterov, apply, index_map):
   """``rows`` whole quantisation blocks a program: p, g (rows, BLOCK); the
-  codes likewise; the scales (rows,). Each block's new absmax is a row
-  reduction in registers."""
-  block = quantized.BLOCK
+  codes likewise; the scales (rows,)."""
   first = (pl.program_id(0) * rows).astype(jnp.uint32)
   row = first + jax.lax.iota(jnp.uint32, rows)
   # The last program's rows past the leaf's end: masked loads and stores.
   refs = elementwise_tiling.triton_bound(refs, row < n_rows, masked)
-  p_ref, (g_ref, muc_ref, mus_ref, nuc_ref, nus_ref), (o_ref, muc_out, mus_out, nuc_out, nus_out) = (
-      quantized.split_kernel_refs(refs, apply))
-  f32 = lambda r: r[...].astype(jnp.float32)
-  mu32 = quantized.dequantize_mu(muc_ref[...], mus_ref[...][:, None])
-  nu32 = quantized.dequantize_nu(nuc_ref[...], nus_ref[...][:, None])
-  out, mu_new, nu_new = adam_math(lambda k: s_ref[k], f32(p_ref) if apply else None, f32(g_ref),
-                                  mu32, nu32, nesterov=nesterov, apply=apply, reciprocal=True)
-  local = row[:, None] * jnp.uint32(block) + jax.lax.iota(jnp.uint32, block)[None, :]
-  index = sharding_lib.global_index(local, index_map, seed_ref[SEED_BASE])
-  o_ref[...] = store(out, o_ref.dtype, index, seed_ref[0])
-  codes, scale = quantized.quantize_mu(mu_new, counter_hash.hash_bits(index, seed_ref[1]))
-  muc_out[...], mus_out[...] = codes, scale[:, 0]
-  codes, scale = quantized.quantize_nu(nu_new, counter_hash.hash_bits(index, seed_ref[2]))
-  nuc_out[...], nus_out[...] = codes, scale[:, 0]
+  p_ref, ins, outs = quantized.split_kernel_refs(refs, apply)
+  blocks = ((p_ref[...] if apply else None),) + tuple(r[...] for r in ins)
+  index = _block_index(row, index_map, seed_ref[SEED_BASE])
+  out, *moments = _quantized_block(lambda k: s_ref[k], lambda k: seed_ref[k], blocks, index,
+                                   nesterov=nesterov, apply=apply)
+  outs[0][...] = store(out, outs[0].dtype, index, seed_ref[0])
+  for r, v in zip(outs[1:], moments):
+    r[...] = v
 
 
 def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpret,
@@ -324,3 +349,101 @@ def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, confi
       cost_estimate=adam_cost(arrays, out_shape, n=g.size),
   )(scalars, seeds, *arrays)
   return (outs[0], quantized.QuantizedMoment(*outs[1:3]), quantized.QuantizedMoment(*outs[3:5]))
+
+
+def _quantized_group_kernel(s_ref, seed_ref, *refs, rows, starts, n_rows, masked, nesterov,
+                            apply, index_maps):
+  """:func:`_quantized_kernel` over a launch's leaves: program ``i`` works on
+  leaf ``k``'s rows (``starts`` as in :func:`_group_kernel`). Only the loads,
+  the flat index and the stores are per leaf; the block's math and its
+  roundings are emitted once."""
+  n_leaves = len(starts) - 1
+  n_in, n_out = 6 if apply else 5, 5
+  ins, outs = refs[:n_in * n_leaves], refs[n_in * n_leaves:]
+  i = pl.program_id(0)
+  k, first = _group_leaf(i, starts)
+  row = ((i - first) * rows).astype(jnp.uint32) + jax.lax.iota(jnp.uint32, rows)
+  bound = lambda j, leaf_refs: elementwise_tiling.triton_bound(leaf_refs, row < n_rows[j],
+                                                               masked[j])
+
+  def load(j):
+    index = _block_index(row, index_maps[j], seed_ref[j * N_SEEDS + SEED_BASE])
+    return tuple(r[...] for r in bound(j, ins[n_in * j:n_in * (j + 1)])) + (index,)
+
+  *blocks, index = _bisect(k, 0, n_leaves, load)
+  blocks = tuple(blocks) if apply else (None,) + tuple(blocks)
+  seed = lambda j: seed_ref[k * N_SEEDS + j]
+  out, *moments = _quantized_block(lambda j: s_ref[k * N_SCALARS + j], seed, blocks, index,
+                                   nesterov=nesterov, apply=apply)
+  # (every leaf of a launch has the same dtypes: converted once)
+  new = (store(out, outs[0].dtype, index, seed(0)),) + tuple(moments)
+  for j in range(n_leaves):
+    # The other leaves' (clamped) blocks are neither loaded nor stored.
+    @pl.when(k == j)
+    def _(j=j):
+      for r, v in zip(bound(j, outs[n_out * j:n_out * (j + 1)]), new):
+        r[...] = v
+
+
+def update_quantized_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config, interpret,
+                           index_maps=None):
+  """One launch over leaves with 8-bit moments of one dtype signature, each as
+  in :func:`update_quantized` (``(R, BLOCK)`` rows, ``(R,)`` scales);
+  ``scalars`` ``(K, N_SCALARS)``, ``seeds`` ``(K, N_SEEDS)``, one row a leaf.
+  Returns ``[(out, mu, nu)]``, all in place: the bits of the per-leaf kernel
+  (each leaf its own seeds and flat index)."""
+  from jax.experimental.pallas import triton as plgpu
+  block = quantized.BLOCK
+  rows = max(1, config.block // block)
+  apply = ps is not None
+  n_leaves = len(gs)
+  n_rows = [g.shape[0] for g in gs]
+  starts = [0]
+  for n in n_rows:
+    starts.append(starts[-1] + pl.cdiv(n, rows))
+  index_maps = tuple(index_maps or (None,) * n_leaves)
+  pad_to = pl.next_power_of_2(n_leaves)
+  pad = lambda a: jnp.pad(a, ((0, pad_to - n_leaves), (0, 0))).reshape(-1)
+  arrays, in_specs, out_shape, out_specs, aliases = [], [], [], [], {}
+  n_in = 6 if apply else 5
+  for k in range(n_leaves):
+    lo, nblocks = starts[k], starts[k + 1] - starts[k]
+    # (clamped outside the leaf's own programs, as in update_group)
+    at = lambda i, lo=lo, nblocks=nblocks: jnp.clip(i - lo, 0, nblocks - 1)
+    tile = pl.BlockSpec((rows, block), lambda i, at=at: (at(i), 0))
+    vec = pl.BlockSpec((rows,), lambda i, at=at: (at(i),))
+    leaf = ((ps[k],) if apply else ()) + (gs[k], mus[k].codes, mus[k].scales, nus[k].codes,
+                                          nus[k].scales)
+    arrays += leaf
+    in_specs += ([tile] if apply else []) + [tile, tile, vec, tile, vec]
+    out_dtype = (ps[k] if apply else gs[k]).dtype
+    out_shape += [jax.ShapeDtypeStruct(gs[k].shape, out_dtype)] + [
+        jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaf[-4:]]
+    out_specs += [tile, tile, vec, tile, vec]
+    first = 2 + n_in * k
+    aliases.update({first + (n_in - 4) + j: 5 * k + 1 + j for j in range(4)})
+    if apply:
+      aliases[first] = 5 * k
+  outs = pl.pallas_call(
+      functools.partial(_quantized_group_kernel, rows=rows, starts=tuple(starts),
+                        n_rows=tuple(n_rows),
+                        masked=tuple(elementwise_tiling.triton_masks(n, rows, interpret)
+                                     for n in n_rows),
+                        nesterov=nesterov, apply=apply, index_maps=index_maps),
+      out_shape=tuple(out_shape),
+      grid=(starts[-1],),
+      in_specs=[pl.BlockSpec((pad_to * N_SCALARS,), lambda i: (0,)),
+                pl.BlockSpec((pad_to * N_SEEDS,), lambda i: (0,))] + in_specs,
+      out_specs=tuple(out_specs),
+      input_output_aliases=aliases,
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
+      interpret=interpret,
+      name="fuseopt_adam_update_int8_group",
+      cost_estimate=adam_cost(arrays, out_shape, n=sum(g.size for g in gs)),
+  )(pad(scalars), pad(seeds), *arrays)
+  return [(outs[5 * k], quantized.QuantizedMoment(*outs[5 * k + 1:5 * k + 3]),
+           quantized.QuantizedMoment(*outs[5 * k + 3:5 * k + 5])) for k in range(n_leaves)]
+
+
+update_quantized_group_jit = jax.jit(
+    update_quantized_group, static_argnames=("nesterov", "config", "interpret", "index_maps"))
