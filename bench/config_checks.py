@@ -36,6 +36,8 @@ one first (the largest blocks, the likeliest to fail), ids
   parameters within ``ADAM_TOL`` of the reference and at most 0.1 % of the
   codes and scales differing (``state_differing``), bitwise equality with
   the heuristic config recorded.
+- ``adam_int8_group`` (GPU): the same 8-bit leaves in grouped Triton
+  launches, ``triton.QUANTIZED_GROUP_SEARCH_SPACE``.
 - ``ns_poly``, ``ns_gram`` (``gram.sym``), ``ns_update`` (``update.matmul``)
   at ``--ns-shape`` (2048×8192, an issue target), ``ns_fused`` at the
   largest shape its kernel takes; relative Frobenius error below
@@ -98,6 +100,9 @@ class Family:
   run: Callable[[dict, Any], Callable[[], Any]]  # (state, config) -> call (one step, returns outputs; _call)
   compare: Callable[[dict, Any], dict]  # (state, outputs) -> rel_err, bitwise, ok
   work: dict                        # {"bytes": B} or {"flops": F} per call
+  # Each config's outputs compared with the heuristic config's (recorded;
+  # the elementwise families, whose rounding must not depend on the block).
+  same_bits_as_heuristic: bool = False
 
 
 def settings_for(platform: str, args) -> Settings:
@@ -257,7 +262,8 @@ def families(st: Settings) -> list[Family]:
   n_ew = sum(math.prod(s) for s in ew_shapes(st))
   out.append(Family("stochastic_round", "fuseopt.kernels.stochastic_round.stochastic_round_bf16",
                     stochastic_round.mosaic_tpu.SEARCH_SPACE if mosaic else stochastic_round.triton.SEARCH_SPACE,
-                    sr_setup, sr_runner(impl), sr_compare, {"bytes": 6 * n_ew}))
+                    sr_setup, sr_runner(impl), sr_compare, {"bytes": 6 * n_ew},
+                    same_bits_as_heuristic=True))
 
   hyper = dict(count=3, learning_rate=1e-3, weight_decay=0.1, seed=5)
 
@@ -300,14 +306,16 @@ def families(st: Settings) -> list[Family]:
   adam_work = {"bytes": 20 * n_ew}  # fp32 params r/w, fp32 grads, bf16 mu and nu r/w
   out.append(Family("adam", "fuseopt.kernels.adam.adam_update_tree(group=False)",
                     adam.mosaic_tpu.SEARCH_SPACE if mosaic else adam.triton.SEARCH_SPACE,
-                    adam_setup, adam_runner(False), adam_compare, adam_work))
+                    adam_setup, adam_runner(False), adam_compare, adam_work,
+                    same_bits_as_heuristic=True))
   out.append(Family("adam_bf16", "fuseopt.kernels.adam.adam_update_tree(bf16 params and grads)",
                     adam.mosaic_tpu.SEARCH_SPACE if mosaic else adam.triton.SEARCH_SPACE,
-                    adam_bf16_setup, adam_runner(False), adam_compare, {"bytes": 14 * n_ew}))
+                    adam_bf16_setup, adam_runner(False), adam_compare, {"bytes": 14 * n_ew},
+                    same_bits_as_heuristic=True))
   if not mosaic:  # Mosaic TPU stays per leaf (docs/pallas_notes.md)
     out.append(Family("adam_group", "fuseopt.kernels.adam.adam_update_tree(group=True)",
                       adam.triton.GROUP_SEARCH_SPACE, adam_setup, adam_runner(True), adam_compare,
-                      adam_work))
+                      adam_work, same_bits_as_heuristic=True))
   # 8-bit moments (kernels/adam/quantized.py): the leaves whose last axis
   # divides the quantisation block, moments from one reference step from
   # zero so that codes and scales are those of a running optimizer.
@@ -323,10 +331,10 @@ def families(st: Settings) -> list[Family]:
         p, g, mu, nu, implementation="xla", **hyper))(p, g, mu, nu)
     return {"args": (p, g, list(mu), list(nu)), "ref": _block(_int8_flat(ref))}
 
-  def int8_runner(impl=impl):
+  def int8_runner(impl=impl, group=False):
     def run(state, cfg):
       f = jax.jit(lambda p, g, mu, nu: adam.adam_update_tree(
-          p, g, mu, nu, implementation=impl, interpret=st.interpret, config=cfg, group=False,
+          p, g, mu, nu, implementation=impl, interpret=st.interpret, config=cfg, group=group,
           **hyper), donate_argnums=(0, 2, 3))
       p, g, mu, nu = state["args"]
       copy = lambda xs: jax.tree.map(lambda x: x.copy(), xs)
@@ -353,7 +361,13 @@ def families(st: Settings) -> list[Family]:
   int8_work = {"bytes": (16 + 16 / quantized.BLOCK) * n_int8}
   out.append(Family("adam_int8", "fuseopt.kernels.adam.adam_update_tree(int8 moments)",
                     adam.mosaic_tpu.SEARCH_SPACE if mosaic else adam.triton.SEARCH_SPACE,
-                    int8_setup, int8_runner(), int8_compare, int8_work))
+                    int8_setup, int8_runner(), int8_compare, int8_work,
+                    same_bits_as_heuristic=True))
+  if not mosaic:  # (what fo.step runs on a GPU by default)
+    out.append(Family("adam_int8_group", "fuseopt.kernels.adam.triton.update_quantized_group",
+                      adam.triton.QUANTIZED_GROUP_SEARCH_SPACE, int8_setup,
+                      int8_runner(group=True), int8_compare, int8_work,
+                      same_bits_as_heuristic=True))
 
   if st.mosaic_gpu:
     # The same trees through the Mosaic GPU kernels: Triton stays the GPU
@@ -517,7 +531,7 @@ def run_job(fam: Family, cfg, state: dict, iters: int, heuristic_outs: dict) -> 
   outs = _block(call())
   rec["compile_s"] = round(time.perf_counter() - t0, 3)
   rec.update(fam.compare(state, outs))
-  if fam.name in ("stochastic_round", "adam", "adam_bf16", "adam_group", "adam_int8"):
+  if fam.same_bits_as_heuristic:
     if cfg is None:
       # A copy: the Adam families donate their outputs to the next call.
       heuristic_outs[fam.name] = [x.copy() for x in outs]

@@ -496,7 +496,8 @@ def main(argv=None) -> int:
                   help="XLA's --xla_gpu_graph_min_graph_size for the config checks (default 1: every "
                        "kernel inside a CUDA graph, as in a training step; 0: XLA's default)")
   ap.add_argument("--families", nargs="+", default=None,
-                  help="only these config families (stochastic_round adam adam_group adam_int8 ns_poly ns_gram "
+                  help="only these config families (stochastic_round adam adam_group adam_int8 adam_int8_group "
+                       "ns_poly ns_gram "
                        "ns_update ns_fused; on an sm_90 GPU also stochastic_round_mosaic_gpu "
                        "adam_mosaic_gpu adam_group_mosaic_gpu ns_poly_mosaic_gpu "
                        "ns_gram_mosaic_gpu ns_update_mosaic_gpu ns_fused_mosaic_gpu)")

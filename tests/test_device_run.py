@@ -69,8 +69,8 @@ def test_dry_run_survives_a_crash_and_an_error(tmp_path):
   assert "--xla_gpu_graph_min_graph_size=1" in data["meta"]["config_xla_flags"]
   recs = {r["id"]: r for r in data["configs"]}
   families = {r["family"] for r in recs.values()}
-  assert families == {"stochastic_round", "adam", "adam_bf16", "adam_group", "adam_int8", "ns_poly",
-                      "ns_gram", "ns_update", "ns_fused"}
+  assert families == {"stochastic_round", "adam", "adam_bf16", "adam_group", "adam_int8",
+                      "adam_int8_group", "ns_poly", "ns_gram", "ns_update", "ns_fused"}
   # Every family: the heuristic and one search-space config (--dry-run keeps 2).
   assert len(recs) == 2 * len(families)
   crashed, raised = recs["adam/heuristic"], recs["ns_gram/heuristic"]
