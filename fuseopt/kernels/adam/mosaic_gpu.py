@@ -97,6 +97,11 @@ class MosaicGPUGroupConfig:
 GROUP_SEARCH_SPACE = tuple(MosaicGPUGroupConfig(b, k) for b in (256, 1024, 4096) for k in (4, 8))
 
 
+def leaf_config(group: MosaicGPUGroupConfig) -> MosaicGPUConfig:
+  """A grouped launch's tiling for a leaf that runs one launch of its own."""
+  return MosaicGPUConfig(group.block)
+
+
 def _leaf(scalar, seed, g_ref, mu_ref, nu_ref, o_ref, p_ref, *, main, block, nesterov, apply,
           index_map, program=None, lo_ref=None):
   """One leaf's block of this program; ``scalar(k)`` / ``seed(k)`` read the

@@ -167,7 +167,9 @@ def quantized_leaf_reason(g, config, index_map) -> str | None:
   if sharding_lib.needs_division(index_map):
     return "a shard's global index needs a vector integer division"
   if quantized_tiling(quantized_view(g.shape), config) is None:
-    return f"no multiple of 32 rows divides the leaf's {quantized_view(g.shape)} view"
+    return (f"the leaf's {quantized_view(g.shape)} view has no grid step of whole rows: "
+            f"neither a multiple of {_TRANSPOSED_ROWS} rows nor all of them (scales transposed) "
+            f"nor a multiple of {_INT8_ROWS} (untransposed) divides it")
   return None
 
 

@@ -309,13 +309,10 @@ def _run_quantized(impl, scalars, seeds, p, g, mu, nu, *, nesterov, interpret, c
     backend = _backend(impl)
     if not isinstance(config, backend.Config):
       # (a grouped launch's config, or none: a sharded 8-bit leaf, or one on
-      # Mosaic GPU, runs one launch of its own)
-      if impl == "triton" and config is not None:
-        config = backend.Config(config.block, config.num_warps)
-      elif impl == "mosaic_gpu" and config is not None:
-        config = backend.Config(config.block)
-      else:
-        config = backend.heuristic(g.size)
+      # Mosaic GPU, runs one launch of its own, at the group's block)
+      to_leaf = getattr(backend, "leaf_config", None)
+      config = (to_leaf(config) if config is not None and to_leaf is not None
+                else backend.heuristic(g.size))
     reason = (backend.quantized_leaf_reason(g, config, index_map) if impl == "mosaic_tpu"
               else None)
     if reason is not None:

@@ -112,6 +112,11 @@ QUANTIZED_GROUP_SEARCH_SPACE = tuple(c for c in GROUP_SEARCH_SPACE
                                      if c.block // (c.num_warps * 32) <= 16)
 
 
+def leaf_config(group: TritonGroupConfig) -> TritonConfig:
+  """A grouped launch's tiling for a leaf that runs one launch of its own."""
+  return TritonConfig(group.block, group.num_warps)
+
+
 def group_heuristic(sizes) -> TritonGroupConfig:
   # Block 1024 / 8 warps: the per-leaf kernel's measured best on the H200;
   # a group of tiny leaves gets one small block, as triton_heuristic does.
