@@ -105,8 +105,9 @@ def _int8_moments(params):
   for path, p in leaves:
     shape, dtype = jnp.shape(p), jnp.result_type(p)
     if dtype in KERNEL_DTYPES and quantized.fits(shape):
-      mu.append(quantized.zeros(shape, signed=True))
-      nu.append(quantized.zeros(shape, signed=False))
+      # (placed like the leaf: a sharded leaf's 8-bit moments are sharded too)
+      mu.append(quantized.zeros_like(p, signed=True))
+      nu.append(quantized.zeros_like(p, signed=False))
       continue
     moment = jnp.bfloat16 if dtype in KERNEL_DTYPES else dtype
     if dtype in KERNEL_DTYPES:

@@ -100,3 +100,31 @@ def test_sharded_int8_step_is_bitwise(impl, interp, case, kind):
   m = got_s[0].mu["stack"]
   for x in (m.codes, m.scales):
     assert x.sharding.is_equivalent_to(NamedSharding(mesh, specs["stack"]), x.ndim)
+
+
+@pytest.mark.parametrize("case", ["rows", "cols"])
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+def test_init_places_8bit_moments_like_their_leaf(case, kind):
+  """tx.init on sharded params: each 8-bit moment's codes take the leaf's
+  sharding and its scales the leaf's spec where it divides them (eagerly on
+  either mesh kind; under jit on an Explicit mesh set with jax.set_mesh),
+  so a user's state is sharded without placing it by hand."""
+  mesh = jax.make_mesh((8,), ("x",), axis_types=(_KINDS[kind],))
+  specs = SPECS[case]
+  params = {k: jax.device_put(a, NamedSharding(mesh, specs[k])) for k, a in _tree(0).items()}
+  tx = fo.adamw(1e-2, moment_dtype="int8")
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")     # the "odd" leaf's bf16 fallback
+    states = [tx.init(params)]
+    if kind == "explicit":
+      jax.jit(tx.init)(params)            # (without the mesh set: runs, placement XLA's)
+      with jax.set_mesh(mesh):
+        states.append(jax.jit(tx.init)(params))
+  for state in states:
+    for moments in (state[0].mu, state[0].nu):
+      for name in ("w", "stack", "bias"):
+        m = moments[name]
+        assert isinstance(m, Q.QuantizedMoment)
+        for x in (m.codes, m.scales):
+          want = NamedSharding(mesh, _fit(specs[name], x.shape, mesh))
+          assert x.sharding.is_equivalent_to(want, x.ndim), (name, x.shape, x.sharding)

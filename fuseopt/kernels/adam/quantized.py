@@ -97,6 +97,41 @@ def zeros(shape, *, signed: bool) -> QuantizedMoment:
                          jnp.zeros(scales_shape(shape), SCALE_DTYPE))
 
 
+def zeros_like(p, *, signed: bool) -> QuantizedMoment:
+  """:func:`zeros` placed like the leaf ``p``: the codes take ``p``'s sharding
+  and the scales its ``PartitionSpec`` where that divides them (an axis whose
+  shards would split the scales stays whole), for a committed sharded array
+  and, traced, on Explicit axes under ``jax.set_mesh``. Otherwise under
+  ``jit`` (Auto axes, or no mesh set), as optax's own moments, the placement
+  is XLA's to propagate."""
+  z = zeros(jnp.shape(p), signed=signed)
+  codes = jnp.zeros_like(p, dtype=z.codes.dtype)
+  traced = isinstance(p, jax.core.Tracer)
+  # (traced: the type's sharding, on Explicit axes only; concrete: the array's)
+  sharding = getattr(jax.typeof(p) if traced else p, "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if (not isinstance(sharding, jax.sharding.NamedSharding) or not mesh.shape or mesh.size <= 1
+      or (traced and (jax.sharding.AxisType.Explicit not in mesh.axis_types
+                      or all(e is None for e in sharding.spec)
+                      # (a jit creating sharded arrays needs the mesh set)
+                      or not jax.sharding.get_abstract_mesh().shape))):
+    return QuantizedMoment(codes, z.scales)
+  spec = tuple(sharding.spec) + (None,) * (z.scales.ndim - len(sharding.spec))
+
+  def divides(entry, dim):
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    size = 1
+    for n in names:
+      size *= mesh.shape[n]
+    return dim % size == 0
+
+  fitted = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+      *(e if divides(e, d) else None for e, d in zip(spec, z.scales.shape))))
+  # (under jit, zeros_like leaves its result's type unsharded)
+  place = jax.sharding.reshard if traced else jax.device_put
+  return QuantizedMoment(place(codes, sharding), place(z.scales, fitted))
+
+
 def check(name: str, m, shape, *, signed: bool, owner: str = "adam_update"):
   """A :class:`QuantizedMoment` of a leaf of ``shape``; errors name ``name``."""
   want = MU_CODE_DTYPE if signed else NU_CODE_DTYPE
