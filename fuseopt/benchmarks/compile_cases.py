@@ -514,7 +514,7 @@ def sharded_cases() -> list[Case]:
           if recipe.startswith("adamw"):
             tx = (optax.adamw(1e-3, weight_decay=0.1) if variant == "optax" else
                   fo.adamw(1e-3, weight_decay=0.1, shardings=auto,
-                           moment_dtype="int8" if recipe == "adamw_int8" else None))
+                           **({"moment_dtype": "int8"} if recipe == "adamw_int8" else {})))
           else:
             tx = hybrid_tx(variant, auto)
           return sharded_step_args(t, tx, tree, shardings, fused=variant != "optax")
