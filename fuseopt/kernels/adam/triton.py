@@ -204,6 +204,34 @@ def _group_kernel(s_ref, seed_ref, *refs, block, starts, sizes, masked, nesterov
         r[...] = v.value
 
 
+def _program_starts(counts, per_program: int) -> list[int]:
+  """A grouped launch's first program of each leaf (``counts`` of elements
+  or rows, ``per_program`` of them a program), and the grid's size last."""
+  starts = [0]
+  for n in counts:
+    starts.append(starts[-1] + pl.cdiv(n, per_program))
+  return starts
+
+
+def _clamped(starts, k: int):
+  """Leaf ``k``'s block index in program ``i``: clamped into range outside
+  its own programs, so every address the lowering forms stays inside the leaf."""
+  lo, nblocks = starts[k], starts[k + 1] - starts[k]
+  return lambda i: jnp.clip(i - lo, 0, nblocks - 1)
+
+
+def _leaf_rows(scalars, seeds):
+  """A grouped launch's ``(K, N_SCALARS)`` scalar and ``(K, N_SEEDS)`` seed
+  rows, flat, padded to a power of two rows (Triton block shapes are powers
+  of two), and their two whole-array specs."""
+  n_leaves = scalars.shape[0]
+  rows = pl.next_power_of_2(n_leaves)
+  pad = lambda a: jnp.pad(a, ((0, rows - n_leaves), (0, 0))).reshape(-1)
+  specs = [pl.BlockSpec((rows * N_SCALARS,), lambda i: (0,)),
+           pl.BlockSpec((rows * N_SEEDS,), lambda i: (0,))]
+  return pad(scalars), pad(seeds), specs
+
+
 def update_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config, interpret,
                  index_maps=None, los=None):
   """One launch over flat leaves of one dtype signature.
@@ -219,20 +247,10 @@ def update_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config, interpre
   tracked = los is not None
   n_leaves = len(gs)
   sizes = [g.shape[0] for g in gs]
-  starts = [0]
-  for n in sizes:
-    starts.append(starts[-1] + pl.cdiv(n, block))
-
-  def leaf_spec(lo, nblocks):
-    # Outside its own programs a leaf's block index is clamped into range, so
-    # every address the lowering forms stays inside the leaf.
-    return pl.BlockSpec((block,), lambda i: (jnp.clip(i - lo, 0, nblocks - 1),))
-
-  specs = [leaf_spec(starts[k], starts[k + 1] - starts[k]) for k in range(n_leaves)]
-  # Triton block shapes are powers of two: pad the per-leaf rows.
-  rows = pl.next_power_of_2(n_leaves)
-  pad = lambda a: jnp.pad(a, ((0, rows - n_leaves), (0, 0))).reshape(-1)
-  scalars, seeds = pad(scalars), pad(seeds)
+  starts = _program_starts(sizes, block)
+  specs = [pl.BlockSpec((block,), lambda i, at=_clamped(starts, k): (at(i),))
+           for k in range(n_leaves)]
+  scalars, seeds, row_specs = _leaf_rows(scalars, seeds)
   n_in = (4 if apply else 3) + tracked
   n_out = 3 + tracked
   arrays, in_specs, out_shape, out_specs, aliases = [], [], [], [], {}
@@ -255,8 +273,7 @@ def update_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config, interpre
                         index_maps=tuple(index_maps or (None,) * n_leaves)),
       out_shape=tuple(out_shape),
       grid=(starts[-1],),
-      in_specs=[pl.BlockSpec((rows * N_SCALARS,), lambda i: (0,)),
-                pl.BlockSpec((rows * N_SEEDS,), lambda i: (0,))] + in_specs,
+      in_specs=row_specs + in_specs,
       out_specs=tuple(out_specs),
       input_output_aliases=aliases,
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
@@ -403,18 +420,13 @@ def update_quantized_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config
   apply = ps is not None
   n_leaves = len(gs)
   n_rows = [g.shape[0] for g in gs]
-  starts = [0]
-  for n in n_rows:
-    starts.append(starts[-1] + pl.cdiv(n, rows))
+  starts = _program_starts(n_rows, rows)
   index_maps = tuple(index_maps or (None,) * n_leaves)
-  pad_to = pl.next_power_of_2(n_leaves)
-  pad = lambda a: jnp.pad(a, ((0, pad_to - n_leaves), (0, 0))).reshape(-1)
+  scalars, seeds, row_specs = _leaf_rows(scalars, seeds)
   arrays, in_specs, out_shape, out_specs, aliases = [], [], [], [], {}
   n_in = 6 if apply else 5
   for k in range(n_leaves):
-    lo, nblocks = starts[k], starts[k + 1] - starts[k]
-    # (clamped outside the leaf's own programs, as in update_group)
-    at = lambda i, lo=lo, nblocks=nblocks: jnp.clip(i - lo, 0, nblocks - 1)
+    at = _clamped(starts, k)
     tile = pl.BlockSpec((rows, block), lambda i, at=at: (at(i), 0))
     vec = pl.BlockSpec((rows,), lambda i, at=at: (at(i),))
     leaf = ((ps[k],) if apply else ()) + (gs[k], mus[k].codes, mus[k].scales, nus[k].codes,
@@ -437,15 +449,14 @@ def update_quantized_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config
                         nesterov=nesterov, apply=apply, index_maps=index_maps),
       out_shape=tuple(out_shape),
       grid=(starts[-1],),
-      in_specs=[pl.BlockSpec((pad_to * N_SCALARS,), lambda i: (0,)),
-                pl.BlockSpec((pad_to * N_SEEDS,), lambda i: (0,))] + in_specs,
+      in_specs=row_specs + in_specs,
       out_specs=tuple(out_specs),
       input_output_aliases=aliases,
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
       interpret=interpret,
       name="fuseopt_adam_update_int8_group",
       cost_estimate=adam_cost(arrays, out_shape, n=sum(g.size for g in gs)),
-  )(pad(scalars), pad(seeds), *arrays)
+  )(scalars, seeds, *arrays)
   return [(outs[5 * k], quantized.QuantizedMoment(*outs[5 * k + 1:5 * k + 3]),
            quantized.QuantizedMoment(*outs[5 * k + 3:5 * k + 5])) for k in range(n_leaves)]
 
