@@ -143,6 +143,13 @@ class Placement:
   def is_even(self, shape) -> bool:
     return all(d % self.shards(a) == 0 for a, d in enumerate(shape))
 
+  def dividing_spec(self, shape) -> PartitionSpec:
+    """This spec without the mesh axes that do not divide ``shape`` (an array
+    laid out like the leaf but smaller, e.g. an 8-bit moment's scales)."""
+    spec = tuple(self.spec) + (None,) * (len(shape) - len(self.spec))
+    return PartitionSpec(*(e if d % Placement(self.mesh, spec).shards(a) == 0 else None
+                           for a, (e, d) in enumerate(zip(spec, shape))))
+
   def base(self, shape) -> jax.Array:
     """The global flat index of the local shard's first element (inside shard_map)."""
     strides = _strides(shape)

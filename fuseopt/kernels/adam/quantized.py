@@ -46,6 +46,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fuseopt.kernels import sharding as sharding_lib
+
 BLOCK = 256
 MU_CODE_MAX = 127
 NU_CODE_MAX = 255
@@ -116,17 +118,8 @@ def zeros_like(p, *, signed: bool) -> QuantizedMoment:
                       # (a jit creating sharded arrays needs the mesh set)
                       or not jax.sharding.get_abstract_mesh().shape))):
     return QuantizedMoment(codes, z.scales)
-  spec = tuple(sharding.spec) + (None,) * (z.scales.ndim - len(sharding.spec))
-
-  def divides(entry, dim):
-    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    size = 1
-    for n in names:
-      size *= mesh.shape[n]
-    return dim % size == 0
-
-  fitted = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
-      *(e if divides(e, d) else None for e, d in zip(spec, z.scales.shape))))
+  fitted = jax.sharding.NamedSharding(mesh, sharding_lib.Placement(
+      mesh, sharding.spec).dividing_spec(z.scales.shape))
   # (under jit, zeros_like leaves its result's type unsharded)
   place = jax.sharding.reshard if traced else jax.device_put
   return QuantizedMoment(place(codes, sharding), place(z.scales, fitted))

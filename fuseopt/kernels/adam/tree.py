@@ -390,20 +390,11 @@ def _update_quantized(impl, scalars, seeds, p, g, mu, nu, placement, *, nesterov
     if given is placement:
       return y
     return jax.lax.with_sharding_constraint(y, jax.sharding.NamedSharding(
-        placement.mesh, _dividing(given, y.shape)))
+        placement.mesh, given.dividing_spec(y.shape)))
 
   likeq = lambda y, x: quantized.QuantizedMoment(like(y.codes, x.codes), like(y.scales, x.scales))
   out = like(out, g if p is None else p)
   return out, likeq(new_mu, mu), likeq(new_nu, nu)
-
-
-def _dividing(placement, shape):
-  """``placement``'s spec without the mesh axes that do not divide ``shape``
-  (a gathered leaf's scales may have fewer elements than devices)."""
-  spec = tuple(placement.spec) + (None,) * (len(shape) - len(placement.spec))
-  return jax.sharding.PartitionSpec(*(
-      e if placement.shards(a) and d % placement.shards(a) == 0 else None
-      for a, (e, d) in enumerate(zip(spec, shape))))
 
 
 def _update_plain(impl, scalars, seeds, ps, gs, mus, nus, placements, *, nesterov, interpret,
