@@ -15,14 +15,19 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 # XLA:CPU contracts a multiply and an add into one fused multiply-add wherever
 # the instruction set has FMA, and which products it contracts depends on the
-# program around them (since jax 0.12 on the shape of the loop, so a sharded
-# and an unsharded step of the same values may differ in the last bit). The
-# tests check fuseopt's order of operations, not XLA:CPU's choice of
-# contraction: they run on an x86-64 instruction set without FMA
-# (docs/testing.md, "XLA:CPU without FMA"). FUSEOPT_TEST_FMA=1 keeps FMA.
-if (platform.machine().lower() in ("x86_64", "amd64") and os.environ.get("FUSEOPT_TEST_FMA") != "1"
-    and "xla_cpu_max_isa" not in os.environ["XLA_FLAGS"]):
+# program around them (docs/testing.md, "FMA"). The tests run where users
+# stand, FMA on (XLA's default on every current CPU): fuseopt's XLA arithmetic
+# rounds every product that feeds an add where it stands, so its contracts
+# (sharded = unsharded, mantissa = fp32, ...) hold there. FUSEOPT_TEST_FMA=0
+# runs an x86-64 instruction set without FMA, where every multiply and add
+# round as written: what the tests marked `fma_off` need (a Pallas kernel's
+# body in interpret mode against the reference, bit for bit, or optax's own
+# unfenced program), and what CI's floor leg runs.
+FMA_OFF = os.environ.get("FUSEOPT_TEST_FMA") == "0" or "xla_cpu_max_isa" in os.environ["XLA_FLAGS"]
+if FMA_OFF and platform.machine().lower() in ("x86_64", "amd64") and (
+    "xla_cpu_max_isa" not in os.environ["XLA_FLAGS"]):
   os.environ["XLA_FLAGS"] += " --xla_cpu_max_isa=AVX"
+FMA_OFF = FMA_OFF and platform.machine().lower() in ("x86_64", "amd64")
 
 import jax  # noqa: E402
 
@@ -30,6 +35,10 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 
 def pytest_configure(config):
+  config.addinivalue_line(
+      "markers", "fma_off: compares two programs bit for bit where neither rounds its products "
+      "where they stand (a Pallas kernel's body in interpret mode, optax's own program): runs "
+      "with FUSEOPT_TEST_FMA=0 (XLA:CPU without FMA, docs/testing.md), skipped with FMA on")
   config.addinivalue_line(
       "markers", "fresh_inputs: draws fresh random inputs every run (harness.fresh_key); "
       "set on collection, selected by scripts/seed-sweep")
@@ -41,7 +50,10 @@ def pytest_collection_modifyitems(config, items):
   change between runs."""
   import inspect
   import pytest
+  fma_skip = pytest.mark.skip(reason="needs XLA:CPU without FMA (FUSEOPT_TEST_FMA=0; docs/testing.md)")
   for item in items:
+    if not FMA_OFF and item.get_closest_marker("fma_off") is not None:
+      item.add_marker(fma_skip)
     fn = getattr(item, "function", None)
     try:
       fresh = fn is not None and "fresh_key(" in inspect.getsource(fn)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fuseopt.kernels._validate import concrete_float
+from fuseopt.kernels.adam import quantized
 
 
 class StaticDefault:
@@ -128,6 +129,67 @@ def check_dtype(owner: str, name: str, value, allowed, *, optional: bool = True)
   if dtype not in tuple(jnp.dtype(d) for d in allowed):
     raise ValueError(f"{owner}: {name} must be {names}, got {dtype}")
   return dtype
+
+
+# The name that asks for 8-bit moments (fuseopt.kernels.adam.quantized's format).
+INT8 = quantized.MOMENT_DTYPE_NAME
+# Every moment format the Adam kernel stores, as the messages list them.
+_MOMENT_FORMATS = f"float32, bfloat16, {INT8!r} (8-bit codes, a scale per block) or None"
+
+
+def moment_format(owner: str, name: str, value):
+  """``value`` as an Adam moment format: ``jnp.dtype(float32)``,
+  ``jnp.dtype(bfloat16)`` (given as a dtype, its name or its scalar type),
+  :data:`INT8` (the name, or ``jnp.int8``) or None (optax's dtypes).
+
+  The one reading of ``moment_dtype`` (:func:`~fuseopt.optim.adam`,
+  :func:`~fuseopt.optim.adamw`, :func:`~fuseopt.optim.scale_by_adam`),
+  ``Execution.adam_moment_dtype`` and the config's conflict check, so that
+  every caller accepts the same values and every refusal lists all four
+  (the messages used to name float32, bfloat16 or None and not ``"int8"``).
+  A ``TypeError`` for what is no dtype (``8``, ``"INT8"``), a ``ValueError``
+  for a dtype the kernel has no format for (``uint8``, ``float16``)."""
+  if value is None:
+    return None
+  hint = ""
+  if isinstance(value, str) and value != value.lower() and value.lower() in (
+      "float32", "bfloat16", INT8):
+    hint = f" (did you mean {value.lower()!r}?)"
+  try:
+    dtype = jnp.dtype(value)
+  except TypeError:
+    raise TypeError(f"{owner}: {name} must be a dtype ({_MOMENT_FORMATS}), got "
+                    f"{value!r}{hint}") from None
+  if dtype == jnp.int8:
+    return INT8
+  if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+    raise ValueError(f"{owner}: {name} must be {_MOMENT_FORMATS}, got {dtype}")
+  return dtype
+
+
+def check_mu_dtype(owner: str, value):
+  """optax's ``mu_dtype`` (the first moment's dtype alone): a floating dtype
+  (or a complex one, for complex parameters: optax's own tests pass
+  ``mu_dtype="complex64"``) or None, returned as given. An integer or bool
+  ``mu_dtype`` stored the momentum as a plain cast, which rounds gradients of
+  1e-3 to 0: the optimizer ran on without momentum, not a word said (optax
+  does the same cast). A user after 8-bit moments is pointed at the format
+  that keeps them with block scales."""
+  if value is None:
+    return None
+  what = ("a floating dtype (e.g. float32 or bfloat16; complex for complex parameters: a dtype, "
+          "its name or its scalar type) or None")
+  int8 = (f"; for 8-bit moments pass moment_dtype={INT8!r} (adam, adamw, scale_by_adam) or "
+          f"execution=Execution(adam_moment_dtype={INT8!r}) (the AdamW side of muon, normuon, "
+          f"muonclip; Muon's momentum has no 8-bit format)")
+  try:
+    dtype = jnp.dtype(value)
+  except TypeError:
+    raise TypeError(f"{owner}: mu_dtype must be {what}, got {value!r}{int8}") from None
+  if not jnp.issubdtype(dtype, jnp.inexact):
+    raise ValueError(f"{owner}: mu_dtype must be {what}, got {dtype} (a plain {dtype} cast of "
+                     f"the momentum rounds small gradients to 0){int8}")
+  return value
 
 
 def check_state(owner: str, tx, state, params) -> None:

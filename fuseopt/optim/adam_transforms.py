@@ -34,6 +34,7 @@ from fuseopt.kernels import sharding as kernel_sharding
 from fuseopt.kernels.adam import quantized
 from fuseopt.optim import _checks
 from fuseopt.optim import fusion
+from fuseopt.optim import learning_rate as learning_rate_lib
 from fuseopt.optim import mantissa
 from fuseopt.optim import weight_decay as weight_decay_lib
 
@@ -75,7 +76,7 @@ KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 # ``moment_dtype="int8"``: both moments in 8 bits (fuseopt.kernels.adam.quantized).
-INT8 = quantized.MOMENT_DTYPE_NAME
+INT8 = _checks.INT8
 
 
 def _is_int8(dtype) -> bool:
@@ -87,12 +88,41 @@ def _is_int8(dtype) -> bool:
     return False
 
 
-def _canon_dtype(dtype, name, owner="scale_by_adam"):
-  """``moment_dtype``: float32, bfloat16, None (a dtype, its name or its type)
-  or ``"int8"`` (returned as :data:`INT8`: the 8-bit format)."""
-  if _is_int8(dtype):
-    return INT8
-  return _checks.check_dtype(owner, name, dtype, KERNEL_DTYPES)
+def _format_name(nu_dtype) -> str:
+  """A moment format as the messages name it."""
+  if nu_dtype == INT8:
+    return f"8-bit moments (QuantizedMoment codes and scales, moment_dtype={INT8!r})"
+  if nu_dtype is None:
+    return "moments in optax's dtypes (moment_dtype=None)"
+  return f"{jnp.dtype(nu_dtype).name} moments (moment_dtype={jnp.dtype(nu_dtype).name!r})"
+
+
+def _check_moment_format(owner, nu_dtype, mu):
+  """Raises a ``ValueError`` naming the leaf, the format this optimizer keeps
+  and the one the state holds, where ``mu`` (the state's first moments) is
+  not in ``nu_dtype``'s format: 8-bit moments given to an optimizer of
+  dtype moments, or a float32/bfloat16 moment of a leaf that this 8-bit
+  optimizer keeps in 8 bits (one whose last axis divides into blocks). Either
+  used to run: the kernel takes both formats leaf by leaf, so the state kept
+  the format it came with and ``moment_dtype`` was silently ignored.
+  :func:`fuseopt.optim.step` refuses such a state by its structure; this is
+  the same refusal at ``update``. A check of types and shapes only (free
+  under ``jit``)."""
+  for path, m in jax.tree_util.tree_flatten_with_path(mu, is_leaf=quantized.is_quantized)[0]:
+    if quantized.is_quantized(m):
+      if nu_dtype == INT8:
+        continue
+      found = _format_name(INT8)
+    elif (nu_dtype == INT8 and jnp.result_type(m) in KERNEL_DTYPES
+          and quantized.fits(jnp.shape(m))):
+      found = f"{jnp.result_type(m).name} moments"
+    else:
+      continue
+    raise ValueError(
+        f"{owner}: the state holds {found} at {jax.tree_util.keystr(path) or '<the params>'}, "
+        f"but this optimizer keeps {_format_name(nu_dtype)}: was the state built by another "
+        f"optimizer's init? Build it with this one's tx.init, or this optimizer with the "
+        f"state's moment format")
 
 
 def _int8_moments(params):
@@ -117,8 +147,13 @@ def _int8_moments(params):
   return treedef.unflatten(mu), treedef.unflatten(nu), fallback
 
 
-def _optax_dtype(dtype):
-  """``mu_dtype`` as optax reads it: any dtype, canonical for the x64 setting."""
+def _optax_dtype(dtype, owner="scale_by_muon"):
+  """``mu_dtype`` as optax reads it: a floating dtype, canonical for the x64
+  setting (an integer one is refused, :func:`fuseopt.optim._checks.check_mu_dtype`).
+  ``owner`` names the caller in the error: Muon's direction, which reads its
+  ``mu_dtype`` here, for :func:`~fuseopt.optim.muon`, ``normuon`` and
+  ``muonclip`` alike, passes none."""
+  dtype = _checks.check_mu_dtype(owner, dtype)
   return None if dtype is None else jax.dtypes.canonicalize_dtype(dtype)
 
 
@@ -188,7 +223,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   Args:
     b1, b2, eps, eps_root, nesterov: as in :func:`optax.scale_by_adam`.
     mu_dtype: optax's argument: the dtype of ``mu`` alone (default:
-      ``moment_dtype``).
+      ``moment_dtype``), a floating dtype or None. An integer one is refused
+      (optax casts the momentum to it, which rounds it to 0): 8-bit moments
+      are ``moment_dtype="int8"``.
     moment_dtype: dtype of both moments of float32/bfloat16 leaves,
       ``"bfloat16"`` (default), ``"float32"``, ``None`` (the parameters'
       dtype, as optax), a dtype, its name or its scalar type; or ``"int8"``:
@@ -219,11 +256,21 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   Returns:
     An :class:`optax.GradientTransformation` whose state is
     ``optax.ScaleByAdamState(count, mu, nu)``; updates have the gradients'
-    dtype.
+    dtype. ``update`` refuses a state whose moments are in another format
+    (8-bit against bf16/fp32, either way): a ``ValueError`` naming the leaf
+    and both formats.
   """
+  return _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, moment_dtype, seed,
+                        implementation, interpret, shardings, owner="scale_by_adam")
+
+
+def _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, moment_dtype, seed,
+                   implementation, interpret, shardings, *, owner):
+  """:func:`scale_by_adam`, its errors at ``update`` naming ``owner`` (the
+  function the user called: ``adam``, ``adamw``)."""
   _check_hyper(b1, b2, eps, eps_root)
-  nu_dtype = _canon_dtype(moment_dtype, "moment_dtype")
-  mu_dtype = _optax_dtype(_check_int8(nu_dtype, mu_dtype, "scale_by_adam"))
+  nu_dtype = _checks.moment_format("scale_by_adam", "moment_dtype", moment_dtype)
+  mu_dtype = _optax_dtype(_check_int8(nu_dtype, mu_dtype, "scale_by_adam"), "scale_by_adam")
   seed = 0 if seed is None else seed
   warned = []
 
@@ -244,6 +291,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
   def update_fn(updates, state, params=None):
     del params
+    _check_moment_format(owner, nu_dtype, state.mu)
     treedef = jax.tree.structure(state.mu, is_leaf=quantized.is_quantized)
     g = [jnp.asarray(x) for x in treedef.flatten_up_to(updates)]
     mu, nu = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
@@ -280,11 +328,12 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
 
 def _check_int8(nu_dtype, mu_dtype, owner):
-  """With ``moment_dtype="int8"`` the ``mu_dtype`` to use: None. It may be
-  given as None or int8 too (Muon's AdamW side passes its moment dtype as
-  both); any other is a ValueError naming it."""
+  """The ``mu_dtype`` to use: with ``moment_dtype="int8"`` None (it may be
+  given as None or int8 too: Muon's AdamW side passes its moment dtype as
+  both; any other is a ValueError naming it), else ``mu_dtype``, a floating
+  dtype or None (:func:`fuseopt.optim._checks.check_mu_dtype`)."""
   if nu_dtype != INT8:
-    return mu_dtype
+    return _checks.check_mu_dtype(owner, mu_dtype)
   if mu_dtype is not None and not _is_int8(mu_dtype):
     raise ValueError(f"{owner}: mu_dtype must be None with moment_dtype='int8' (both moments "
                      f"are stored in 8 bits), got {mu_dtype!r}")
@@ -328,6 +377,7 @@ def _in_place(hp: AdamHyperparams, decay_at: Optional[int], lr_at: int):
       skip = isinstance(wd, (int, float)) and wd == 0.0
       wds = [wd if (m and not skip) else 0.0 for m in fusion.per_leaf_mask(hp.mask, visible)]
     g_leaves = treedef.flatten_up_to(grads)
+    _check_moment_format(name, hp.nu_dtype, adam_state.mu)
     mu_leaves = treedef.flatten_up_to(adam_state.mu)
     nu_leaves = treedef.flatten_up_to(adam_state.nu)
     for leaves in (p_leaves, g_leaves, mu_leaves, nu_leaves):
@@ -335,9 +385,10 @@ def _in_place(hp: AdamHyperparams, decay_at: Optional[int], lr_at: int):
         if not quantized.is_quantized(x) and jnp.result_type(x) not in KERNEL_DTYPES:
           raise fusion.NotFusable(f"a {jnp.result_type(x)} leaf: the kernels take float32 "
                                   f"and bfloat16 only")
-    # Only variants in use are asked for, so the plain call is today's.
+    # Only variants in use are asked for, so the plain call is today's (a
+    # cautious rate of zero decays nothing: the plain kernel, its bits).
     variants = {}
-    if hp.cautious:
+    if hp.cautious and any(not (isinstance(w, (int, float)) and w == 0.0) for w in wds):
       variants["cautious_weight_decay"] = True
     if any(lo is not None for lo in lo_leaves):
       variants["params_lo"] = lo_leaves
@@ -396,18 +447,17 @@ def adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9
   """
   _checks.check_rate("adam", "learning_rate", learning_rate)
   _check_hyper(b1, b2, eps, eps_root, "adam")
-  mu_dtype = _check_int8(_canon_dtype(moment_dtype, "moment_dtype", "adam"), mu_dtype, "adam")
+  nu_dtype = _checks.moment_format("adam", "moment_dtype", moment_dtype)
+  mu_dtype = _check_int8(nu_dtype, mu_dtype, "adam")
   mantissa.check_mode("adam", bf16_params)
   chain = optax.chain(
-      scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov,
-                    moment_dtype=moment_dtype, seed=seed, implementation=implementation,
-                    interpret=interpret, shardings=shardings),
-      optax.scale_by_learning_rate(learning_rate))
-  nu_dtype = _canon_dtype(moment_dtype, "moment_dtype")
+      _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, moment_dtype, seed,
+                     implementation, interpret, shardings, owner="adam"),
+      learning_rate_lib.scale_by_learning_rate(learning_rate))
   return mantissa.with_bf16_params(_fused(chain, AdamHyperparams(
       learning_rate, b1, b2, eps, eps_root, None, None, nesterov,
-      _optax_dtype(mu_dtype) or nu_dtype, nu_dtype, 0 if seed is None else seed, implementation,
-      interpret, shardings)), bf16_params, "adam")
+      _optax_dtype(mu_dtype, "adam") or nu_dtype, nu_dtype, 0 if seed is None else seed,
+      implementation, interpret, shardings)), bf16_params, "adam")
 
 
 def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
@@ -443,21 +493,17 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
   weight_decay, cautious = weight_decay_lib.split_rate(weight_decay)
   _checks.check_rate("adamw", "weight_decay", weight_decay)
   _check_hyper(b1, b2, eps, eps_root, "adamw")
-  mu_dtype = _check_int8(_canon_dtype(moment_dtype, "moment_dtype", "adamw"), mu_dtype,
-                        "adamw")
+  nu_dtype = _checks.moment_format("adamw", "moment_dtype", moment_dtype)
+  mu_dtype = _check_int8(nu_dtype, mu_dtype, "adamw")
   mantissa.check_mode("adamw", bf16_params)
-  decay = (weight_decay_lib.add_cautious_decayed_weights if cautious else
-           optax.add_decayed_weights)
   chain = optax.chain(
-      scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov,
-                    moment_dtype=moment_dtype, seed=seed, implementation=implementation,
-                    interpret=interpret, shardings=shardings),
-      decay(weight_decay, mask),
-      optax.scale_by_learning_rate(learning_rate))
-  nu_dtype = _canon_dtype(moment_dtype, "moment_dtype")
+      _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, moment_dtype, seed,
+                     implementation, interpret, shardings, owner="adamw"),
+      weight_decay_lib.add_decayed_weights(weight_decay, mask, cautious=cautious),
+      learning_rate_lib.scale_by_learning_rate(learning_rate))
   return mantissa.with_bf16_params(_fused(chain, AdamHyperparams(
       learning_rate, b1, b2, eps, eps_root, weight_decay, mask, nesterov,
-      _optax_dtype(mu_dtype) or nu_dtype, nu_dtype, 0 if seed is None else seed, implementation,
-      interpret, shardings, cautious),
+      _optax_dtype(mu_dtype, "adamw") or nu_dtype, nu_dtype, 0 if seed is None else seed,
+      implementation, interpret, shardings, cautious),
       decay_at=1, lr_at=2), bf16_params, "adamw")
 

@@ -157,7 +157,8 @@ def _muon_kwargs(config, weight_decay, adam_rate):
   extra = dict(config.optimizer_kwargs)
   if config.state_dtype in ("bfloat16", "int8"):
     # both AdamW-side moments (optax's muon has mu only); int8 leaves Muon's
-    # momentum fp32. An execution record of the kwargs keeps its own fields.
+    # momentum fp32. An execution record of the kwargs keeps its own fields
+    # (its adam_moment_dtype, when set, is state_dtype's: OptimConfig refuses two).
     execution = muon_settings.as_record("build_optimizer", "optimizer_kwargs['execution']",
                                         extra.pop("execution", None), muon_settings.Execution)
     if execution.adam_moment_dtype is None:

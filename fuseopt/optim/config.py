@@ -15,6 +15,7 @@ import math
 import re
 from typing import Any, Mapping, Sequence
 
+from fuseopt.optim import _checks
 from fuseopt.optim import groups as groups_lib
 from fuseopt.optim import schedules as schedules_lib
 
@@ -76,8 +77,12 @@ def _suggest(name: str, options: Sequence[str]) -> str:
 
 
 def _kwarg_hint(optimizer: str, reserved) -> str:
-  """Where a reserved ``optimizer_kwargs`` key of a Muon optimizer belongs:
-  its ``b1``/``b2`` fields are the AdamW side's."""
+  """Where a reserved ``optimizer_kwargs`` key belongs: the moments' format
+  is ``state_dtype``; a Muon optimizer's ``b1``/``b2`` fields are the AdamW
+  side's."""
+  if {"moment_dtype", "mu_dtype"} & set(reserved):
+    return (f" (the moments' format is OptimConfig.state_dtype, one of {STATE_DTYPES}; Muon's "
+            f"AdamW side takes it from there too)")
   if optimizer == "normuon" and "b2" in reserved:
     return (" (b1, b2 and eps are the AdamW side's; NorMuon's per-neuron decay is "
             "OptimConfig.normuon_b2)")
@@ -289,7 +294,32 @@ class OptimConfig:
       raise ValueError(f"OptimConfig.optimizer_kwargs: {sorted(reserved)} are OptimConfig fields; "
                        f"set them there" + _kwarg_hint(self.optimizer, reserved))
     set_("optimizer_kwargs", dict(self.optimizer_kwargs))
+    self._check_moment_formats()
     self._check_muon_fields(set_)
+
+  def _check_moment_formats(self):
+    """``state_dtype`` and an ``optimizer_kwargs['execution']`` whose
+    ``adam_moment_dtype`` is set name the AdamW side's moments twice: the same
+    format is accepted, two different ones raise naming both. The builder
+    used to keep the execution's and drop ``state_dtype`` without a word
+    (``state_dtype: int8`` with ``adam_moment_dtype: bfloat16`` gave bf16
+    moments)."""
+    execution = self.optimizer_kwargs.get("execution")
+    given = (execution.get("adam_moment_dtype") if isinstance(execution, Mapping)
+             else getattr(execution, "adam_moment_dtype", None))
+    name = "optimizer_kwargs['execution'].adam_moment_dtype"
+    try:
+      given = _checks.moment_format("OptimConfig", name, given)
+    except TypeError as e:   # (a config's bad value is a ValueError naming the field)
+      raise ValueError(str(e)) from None
+    if given is None:
+      return
+    wanted = _checks.moment_format("OptimConfig", "state_dtype", self.state_dtype)
+    if given != wanted:
+      shown = given if isinstance(given, str) else given.name
+      raise ValueError(f"OptimConfig.state_dtype={self.state_dtype!r} and OptimConfig.{name}="
+                       f"{shown!r} disagree on the moments' format: give it once, as state_dtype "
+                       f"(one of {STATE_DTYPES}), or give the same format in both")
 
   def _check_muon_fields(self, set_):
     muon = self.optimizer in MUON_OPTIMIZERS

@@ -116,19 +116,9 @@ class Execution:
                        f"{self.implementation!r}")
     if not isinstance(self.interpret, bool):
       raise ValueError(f"Execution: interpret must be a bool, got {self.interpret!r}")
-    moments = self.adam_moment_dtype
-    if isinstance(moments, str) and moments == "int8" or _is_dtype(moments, jnp.int8):
-      object.__setattr__(self, "adam_moment_dtype", "int8")
-    elif moments is not None:
-      object.__setattr__(self, "adam_moment_dtype", _checks.check_dtype(
-          "Execution", "adam_moment_dtype (or 'int8')", moments, (jnp.float32, jnp.bfloat16)))
-
-
-def _is_dtype(value, dtype) -> bool:
-  try:
-    return value is not None and jnp.dtype(value) == dtype
-  except TypeError:
-    return False
+    # (read as adamw reads its moment_dtype: one function, one message)
+    object.__setattr__(self, "adam_moment_dtype", _checks.moment_format(
+        "Execution", "adam_moment_dtype", self.adam_moment_dtype))
 
 
 def as_record(owner: str, name: str, value, cls):

@@ -16,6 +16,7 @@ from jax.experimental import layout as jax_layout
 
 from fuseopt import kernels
 from fuseopt.kernels import counter_hash
+from fuseopt.kernels import fp_contract
 from fuseopt.kernels.newton_schulz import layout as ns_layout
 from fuseopt.optim import adam_transforms
 from fuseopt.optim import groups as groups_lib
@@ -220,13 +221,17 @@ class _MuonStep:
     wide = (jnp.float32 if {jnp.result_type(g), jnp.result_type(m)} <= set(adam_transforms.KERNEL_DTYPES)
             else jnp.promote_types(jnp.result_type(g), jnp.result_type(m)))
     g32, m32 = g.astype(wide), m.astype(wide)
-    m_new = (1 - beta) * g32 + beta * m32
+    # Every product that meets an add is rounded first (fp_contract): the
+    # same bits in a sharded and an unsharded program on a CPU with FMA.
+    r = fp_contract.rounded
+    m_new = r((1 - beta) * g32) + r(beta * m32)
     stored = _store(m_new, m.dtype, self.count_inc, i, counter_hash.STREAM_MU)
     if a is not None:
       m_new = jnp.where(a, m_new, m32)
       stored = jnp.where(a, stored, m)
     if self.config.nesterov:
-      h = beta * (m_new / self.bc2.astype(wide)) + (1 - beta) * (g32 / self.bc1.astype(wide))
+      h = (r(beta * (m_new / self.bc2.astype(wide)))
+           + r((1 - beta) * (g32 / self.bc1.astype(wide))))
     else:
       h = m_new / self.bc1.astype(wide)
     ns_dtype = (self.ns_input_dtype if s is not None and self.ns_input_dtype
@@ -239,11 +244,12 @@ class _MuonStep:
     if config.adaptive:
       # optax's dual-norm scale <mu_hat, NS(mu_hat)> over the whole leaf, before shape scaling.
       dual = sum(jnp.sum(p.matrix * y) for p, y in zip(pieces, ys))
-      ys = [dual * y for y in ys]
+      ys = [fp_contract.rounded(dual * y) for y in ys]
     if config.shape_scaling:
       scaled = []
       for y, (fan_in, fan_out) in zip(ys, fans):
-        scaled.append(self.width_scale(fan_in, fan_out) * y)
+        # (rounded: the decay's add follows; fp_contract)
+        scaled.append(fp_contract.rounded(self.width_scale(fan_in, fan_out) * y))
       ys = scaled
     u = merge([p.unflatten(y) for p, y in zip(pieces, ys)])
     if a is not None:
@@ -286,19 +292,19 @@ class _MuonStep:
     y = y.astype(dtype)
     if config.adaptive:
       # optax's dual-norm scale <mu_hat, NS(mu_hat)> over the whole leaf, before shape scaling.
-      y = jnp.sum(h * y) * y
+      y = fp_contract.rounded(jnp.sum(h * y) * y)
     if config.shape_scaling:
       red, out = views.piece_axes()
       fans = [(math.prod(p[ax] for ax in red), math.prod(p[ax] for ax in out))
               for p in views.piece_shapes(h.shape)]
       if len(set(fans)) == 1:   # one factor (every view alike): the scalar of finish_grouped
-        y = self.width_scale(*fans[0]) * y
+        y = fp_contract.rounded(self.width_scale(*fans[0]) * y)
       else:   # each view's factor over its rows or columns, cast as a scalar factor would be
         along = jnp.concatenate([jnp.broadcast_to(jnp.asarray(self.width_scale(*f), y.dtype), (n,))
                                  for f, n in zip(fans, views.sizes)])
         shape = [1] * y.ndim
         shape[views.axis] = y.shape[views.axis]
-        y = jnp.reshape(jnp.tile(along, views.groups), shape) * y
+        y = fp_contract.rounded(jnp.reshape(jnp.tile(along, views.groups), shape) * y)
     if a is not None:
       y = jnp.where(a, y, jnp.zeros((), y.dtype))
     return y

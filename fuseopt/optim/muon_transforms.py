@@ -59,10 +59,12 @@ import numpy as np
 import optax
 
 from fuseopt.kernels import counter_hash
+from fuseopt.kernels import fp_contract
 from fuseopt.kernels.newton_schulz import coefficients as ns_coefficients
 from fuseopt.optim import _checks
 from fuseopt.optim import adam_transforms
 from fuseopt.optim import fusion
+from fuseopt.optim import learning_rate as learning_rate_lib
 from fuseopt.optim import mantissa
 from fuseopt.optim import muon_axes
 from fuseopt.optim import muon_settings
@@ -240,22 +242,22 @@ def _direction_transform(args, piece=None) -> optax.GradientTransformation:
 def _add_decayed_weights(weight_decay, weight_decay_mask, dims_fn,
                          cautious: bool) -> optax.GradientTransformation:
   """Muon's decay, ``u + wd * p``, with :func:`optax.add_decayed_weights`'s
-  state (a checkpoint has optax's structure): where no leaf is declared
-  :class:`~fuseopt.optim.Experts` (known at the update: the specs may come
-  from a callable), optax's piece itself (or, ``cautious``,
-  :func:`fuseopt.optim.weight_decay.add_cautious_decayed_weights`); else no
-  decay on the frozen matrices of the experts' leaves."""
+  state (a checkpoint has optax's structure), no decay on the frozen
+  matrices of leaves declared :class:`~fuseopt.optim.Experts` (known at the
+  update: the specs may come from a callable). Written here rather than
+  optax's piece: the product ``wd * p`` is rounded before its add
+  (:func:`fuseopt.optim.weight_decay.decay_term`), so a sharded and an
+  unsharded step give the same bits on a CPU with FMA."""
   plain = optax.add_decayed_weights(weight_decay)
-  unfrozen = (weight_decay_lib.add_cautious_decayed_weights(weight_decay) if cautious else plain)
 
   def update_fn(updates, state, params):
     if params is None:
       raise ValueError("muon: weight decay needs params; pass params= to update()")
     leaves, treedef = jax.tree.flatten(updates)
     experts = _expert_specs(dims_fn, updates, treedef)
-    if all(e is None for e in experts):
-      return unfrozen.update(updates, state, params)
     wd, state = weight_decay_lib.rate_at(weight_decay, state)
+    if isinstance(wd, (int, float)) and wd == 0.0:
+      return updates, state   # (as optax's piece: no decay, the updates as they are)
     out = []
     for u, p, e in zip(leaves, treedef.flatten_up_to(params), experts):
       d = weight_decay_lib.decay_term(u, p, wd, cautious)
@@ -287,7 +289,7 @@ def _muon_branch(direction_tx, decay, learning_rate, weight_decay, weight_decay_
   STREAM_PARAM)``; a mantissa-tracked leaf is written as its two halves);
   under a donating jit XLA writes it in place. ``cautious``: the decay term
   is a select (:func:`fuseopt.optim.weight_decay.decay_term`)."""
-  lr_tx = optax.scale_by_learning_rate(learning_rate)
+  lr_tx = learning_rate_lib.scale_by_learning_rate(learning_rate)
   # optax.identity() where optax's chain has scale_by_shape (done inside
   # scale_by_muon here): its EmptyState, so the whole state has
   # optax.contrib.muon's structure and checkpoints interoperate.
@@ -316,10 +318,12 @@ def _muon_branch(direction_tx, decay, learning_rate, weight_decay, weight_decay_
                           0.0)
       elif d:
         u = u + weight_decay_lib.decay_term(u, p32, weight_decay, cautious)
+      # (the step rounded before the add: no FMA, the same bits in every program)
+      step = fp_contract.rounded(neg_lr * u)
       if mantissa.is_tracked(p):
-        new = mantissa.store(p32 + neg_lr * u, p)
+        new = mantissa.store(p32 + step, p)
       else:
-        new = _store(p32 + neg_lr * u, p.dtype, count_inc, i, counter_hash.STREAM_PARAM)
+        new = _store(p32 + step, p.dtype, count_inc, i, counter_hash.STREAM_PARAM)
       if ctx.apply is None:
         return new
       return jax.tree.map(lambda n, o: jnp.where(ctx.apply, n, o), new, p)

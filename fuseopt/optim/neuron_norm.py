@@ -39,6 +39,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from fuseopt.kernels import fp_contract
 from fuseopt.kernels.newton_schulz import layout
 
 __all__ = ["column_sums", "from_matrix", "normalize", "normalize_views", "state_shape",
@@ -55,15 +56,15 @@ def column_sums(y) -> jax.Array:
   on the CPU. The tree's order is the matrix's own, whatever the batch, so
   the sharded step (a few matrices a device) sums as the unsharded one."""
   s = y.astype(jnp.float32)
-  return _pairwise_sum(s * s, axis=1)
+  return _pairwise_sum(fp_contract.rounded(s * s), axis=1)
 
 
 def _pairwise_sum(s, axis: int):
   """Sum over ``axis`` as a fixed pairwise tree of elementwise adds. The
-  terms are materialised first (an optimization barrier), so no compiler
-  fuses a product into an add (a fused multiply-add rounds once, and XLA
-  may fuse in one program and not in another)."""
-  s = jnp.moveaxis(jax.lax.optimization_barrier(s), axis, 0)
+  caller rounds product terms first (:func:`fuseopt.kernels.fp_contract.rounded`),
+  so no compiler fuses a product into an add (a fused multiply-add rounds
+  once, and XLA may fuse in one program and not in another)."""
+  s = jnp.moveaxis(s, axis, 0)
   while s.shape[0] > 1:
     if s.shape[0] % 2:
       s = jnp.concatenate([s, jnp.zeros_like(s[:1])], axis=0)
@@ -114,11 +115,10 @@ def normalize(colsum, v_old, *, rows: int, cols: int, b2, eps):
   # Each product materialised before its add, and the norm summed as a fixed
   # tree: the same bits in the sharded step's replicated computation as in
   # the unsharded step's, whatever each compiler fuses (see _pairwise_sum).
-  old, new = jax.lax.optimization_barrier((b2 * v_old.astype(jnp.float32),
-                                           (1 - b2) * (colsum / rows)))
-  v_new = old + new
+  r_ = fp_contract.rounded
+  v_new = r_(b2 * v_old.astype(jnp.float32)) + r_((1 - b2) * (colsum / rows))
   d = 1.0 / (jnp.sqrt(v_new) + eps)
-  norm2 = _pairwise_sum(colsum * (d * d), axis=1)[:, None]
+  norm2 = _pairwise_sum(r_(colsum * (d * d)), axis=1)[:, None]
   # A zero matrix has a zero update whatever the factor: keep it finite.
   tiny = jnp.finfo(jnp.float32).tiny
   r = math.sqrt(min(rows, cols)) * jax.lax.rsqrt(jnp.maximum(norm2, tiny))

@@ -28,7 +28,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-__all__ = ["CautiousDecay", "add_cautious_decayed_weights", "cautious", "decay_term", "rate_at",
+from fuseopt.kernels import fp_contract
+
+__all__ = ["CautiousDecay", "add_cautious_decayed_weights", "add_decayed_weights", "cautious", "decay_term", "rate_at",
            "split_rate"]
 
 
@@ -63,12 +65,14 @@ def decay_term(u, p, weight_decay, cautious: bool):
   """``weight_decay * p``, or with ``cautious`` zero where ``u * p < 0``.
 
   The select is on the parameter, before the multiply, as in the Adam
-  kernels: the decay stays ``wd * p`` (which a compiler may fuse with the add
-  that follows), the cautious one adds a compare and a select, no pass.
+  kernels: the cautious decay adds a compare and a select, no pass. The
+  product is rounded where it stands (:func:`fuseopt.kernels.fp_contract.rounded`):
+  no compiler contracts it with the add that follows, so ``u + decay_term``
+  has the same bits in every program (sharded or not, cautious or not).
   """
   if not cautious:
-    return weight_decay * p
-  return weight_decay * jnp.where(u * p < 0, jnp.zeros((), p.dtype), p)
+    return fp_contract.rounded(weight_decay * p)
+  return fp_contract.rounded(weight_decay * jnp.where(u * p < 0, jnp.zeros((), p.dtype), p))
 
 
 def rate_at(weight_decay, state):
@@ -77,6 +81,38 @@ def rate_at(weight_decay, state):
   if callable(weight_decay):
     return weight_decay(state.count), state._replace(count=optax.safe_increment(state.count))
   return weight_decay, state
+
+
+def add_decayed_weights(
+    weight_decay: optax.ScalarOrSchedule = 0.0,
+    mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
+    *, cautious: bool = False,
+) -> optax.GradientTransformation:
+  """:func:`optax.add_decayed_weights` with its product rounded before the
+  add (:func:`decay_term`): ``u + wd * p``, or with ``cautious``
+  ``u + wd * 1[u*p >= 0] * p``.
+
+  Same arguments and the same state as :func:`optax.add_decayed_weights`
+  (a count where ``weight_decay`` is a schedule), so a chain that uses it has
+  optax's structure and checkpoints interoperate. ``u`` is the incoming
+  update (the optimizer's direction before the decay). A rate of zero
+  returns the updates as they are (optax computes ``u + 0 * p``: the same
+  bits for every finite ``p``).
+  """
+  plain = optax.add_decayed_weights(weight_decay)
+
+  def update_fn(updates, state, params):
+    if params is None:
+      raise ValueError("add_decayed_weights: weight decay needs params; pass "
+                       "params= to update()")
+    wd, state = rate_at(weight_decay, state)
+    if isinstance(wd, (int, float)) and wd == 0.0:
+      return updates, state
+    return jax.tree.map(lambda u, p: None if u is None else u + decay_term(u, p, wd, cautious),
+                        updates, params, is_leaf=lambda x: x is None), state
+
+  tx = optax.GradientTransformation(plain.init, update_fn)
+  return tx if mask is None else optax.masked(tx, mask)
 
 
 def add_cautious_decayed_weights(
@@ -90,17 +126,4 @@ def add_cautious_decayed_weights(
   the structure of the plain chain and checkpoints interoperate. ``u`` is the
   incoming update (the optimizer's direction before the decay).
   """
-  plain = optax.add_decayed_weights(weight_decay)
-
-  def update_fn(updates, state, params):
-    if params is None:
-      raise ValueError("add_cautious_decayed_weights: weight decay needs params; pass "
-                       "params= to update()")
-    wd, state = rate_at(weight_decay, state)
-    if isinstance(wd, (int, float)) and wd == 0.0:
-      return updates, state
-    return jax.tree.map(lambda u, p: None if u is None else u + decay_term(u, p, wd, True),
-                        updates, params, is_leaf=lambda x: x is None), state
-
-  tx = optax.GradientTransformation(plain.init, update_fn)
-  return tx if mask is None else optax.masked(tx, mask)
+  return add_decayed_weights(weight_decay, mask, cautious=True)

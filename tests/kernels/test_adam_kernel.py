@@ -171,6 +171,7 @@ def test_grad_scale_and_apply_flag(backend):
   assert not np.asarray(u).any()
 
 
+@pytest.mark.fma_off
 def test_fp32_moments_match_optax_bitwise_on_cpu():
   import optax
   p, g, mu, nu = _inputs(jax.random.key(7), (300,), F32, F32, F32)

@@ -208,6 +208,7 @@ def test_tracked_params_with_bf16_grads_follow_the_fp32_run_bitwise(request, imp
 
 @pytest.mark.parametrize("impl,shape", [("triton", (37, 129)), ("mosaic_tpu", (40, 384)),
                                         ("mosaic_gpu", (5, 301))])
+@pytest.mark.fma_off
 def test_tracked_kernels_with_bf16_grads_are_the_reference(request, impl, shape):
   """A tracked leaf with bf16 gradients: each kernel (interpret mode) gives
   the reference's outputs (fp32 masters within an ulp: two programs; the

@@ -102,6 +102,7 @@ def test_tiling_falls_back_to_flat_lanes_or_none():
 @pytest.mark.parametrize("shape,config,want,want_ragged", CASES, ids=IDS)
 @pytest.mark.parametrize("dtypes", [(F32, F32, BF16), (BF16, BF16, F32), (None, F32, BF16)],
                          ids=["pf32-gf32-mbf16", "pbf16-gbf16-mf32", "direction-gf32-mbf16"])
+@pytest.mark.fma_off
 def test_adam_native_tiling_is_bitwise_the_reference_and_the_flat_view(shape, config, want,
                                                                        want_ragged, dtypes):
   p, g, mu, nu = _inputs(jax.random.key(sum(shape)), shape, *dtypes)

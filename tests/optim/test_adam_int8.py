@@ -154,3 +154,63 @@ def test_muon_adamw_side_takes_int8_moments(factory):
   for name in ("emb", "b"):
     np.testing.assert_allclose(np.asarray(p_fused[name]),
                                np.asarray(optax.apply_updates(params, u)[name]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("state_format,tx_format,found,keeps", [
+    ("bfloat16", "int8", "bfloat16 moments", "8-bit moments"),
+    ("float32", "int8", "float32 moments", "8-bit moments"),
+    ("int8", "bfloat16", "8-bit moments", "bfloat16 moments"),
+    ("int8", "float32", "8-bit moments", "float32 moments"),
+    ("int8", None, "8-bit moments", "moments in optax's dtypes"),
+])
+def test_update_refuses_a_state_of_the_other_moment_format(state_format, tx_format, found,
+                                                           keeps, jit):
+  """Issue 40, 3: a bf16-moment state given to an 8-bit optimizer's update ran
+  and returned bf16 moments (moment_dtype="int8" silently ignored), and 8-bit
+  moments ran through a bf16 optimizer. Both now raise at the first update,
+  naming the leaf, the format found and the format expected, as fo.step
+  refuses such a state by its structure."""
+  params = _params()
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")     # (the int8 fallback warning of leaf "b")
+    state = fo.adamw(1e-3, moment_dtype=state_format).init(params)
+  tx = fo.adamw(1e-3, moment_dtype=tx_format)
+  g = _grads(0, params)
+  update = jax.jit(tx.update) if jit else tx.update
+  # (leaf "b" (10,) keeps bf16 moments under int8 too: "e" is the first to differ)
+  with pytest.raises(ValueError, match=rf"adamw: the state holds {found}.* at \['e'\], but this "
+                                       rf"optimizer keeps {keeps}"):
+    update(g, state, params)
+  with warnings.catch_warnings(), pytest.raises(ValueError, match="step: state"):
+    warnings.simplefilter("ignore")   # (step's tx.init traced: the same warning)
+    fo.step(tx, g, state, params)
+
+
+def test_update_takes_its_own_state_and_the_fallback_leaves():
+  """The check refuses no state of the optimizer's own format: an 8-bit state whose
+  leaf "b" (10 elements, no block) keeps bf16 moments, a bf16 state under scale_by_adam."""
+  params = _params()
+  for tx in (fo.adamw(1e-3, moment_dtype="int8"), fo.adam(1e-3, moment_dtype=jnp.int8),
+             fo.scale_by_adam(moment_dtype="bfloat16"), fo.adamw(1e-3, moment_dtype=None)):
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      state = tx.init(params)
+    tx.update(_grads(0, params), state, params)
+
+
+@pytest.mark.parametrize("factory", ["muon", "normuon"])
+def test_muon_adamw_side_refuses_a_state_of_the_other_moment_format(factory):
+  """The Muon family's AdamW side (Execution.adam_moment_dtype) refuses as adamw does."""
+  k = jax.random.split(jax.random.key(0), 2)
+  params = {"w": jax.random.normal(k[0], (8, 16)), "emb": jax.random.normal(k[1], (4, 256))}
+  dims = {"w": fo.MuonDimensionNumbers(0, 1), "emb": None}
+  make = lambda fmt: getattr(fo, factory)(1e-2, execution=fo.Execution(adam_moment_dtype=fmt),
+                                          muon_weight_dimension_numbers=dims)
+  g = _grads(0, params)
+  for state_format, tx_format, found in (("int8", jnp.bfloat16, "8-bit"),
+                                         (jnp.bfloat16, "int8", "bfloat16"),
+                                         ("int8", None, "8-bit")):
+    state = make(state_format).init(params)
+    with pytest.raises(ValueError, match=rf"adamw: the state holds {found} .*\['emb'\]"):
+      make(tx_format).update(g, state, params)

@@ -113,6 +113,43 @@ def test_int8_state():
       OptimConfig(optimizer=name, learning_rate=1e-3, state_dtype="int8")
 
 
+def test_two_moment_formats_that_disagree_raise():
+  """Issue 40, 5: ``state_dtype: int8`` with ``optimizer_kwargs: {execution:
+  {adam_moment_dtype: bfloat16}}`` built bf16 AdamW-side moments without a word
+  (the execution's field won). Two formats that disagree raise, naming both
+  settings; the same format given twice is taken."""
+  yaml = """
+optimizer: muon
+learning_rate: 1e-3
+state_dtype: int8
+optimizer_kwargs: {execution: {adam_moment_dtype: bfloat16}}
+"""
+  with pytest.raises(ValueError, match=r"state_dtype='int8' and OptimConfig.optimizer_kwargs"
+                                       r"\['execution'\].adam_moment_dtype='bfloat16' disagree"):
+    OptimConfig.from_yaml(yaml)
+  import fuseopt.optim as fo
+  for name in ("muon", "normuon", "muonclip"):
+    for state_dtype, given in (("int8", "bfloat16"), ("bfloat16", "int8"), ("float32", "int8"),
+                               ("float32", jnp.bfloat16), ("bfloat16", "float32")):
+      for execution in ({"adam_moment_dtype": given}, fo.Execution(adam_moment_dtype=given)):
+        with pytest.raises(ValueError, match=rf"state_dtype='{state_dtype}' and .*disagree"):
+          build_optimizer(dict(optimizer=name, learning_rate=1e-3, state_dtype=state_dtype,
+                               optimizer_kwargs={"execution": execution}), 10)
+  # (moment_dtype in the kwargs names the format a second time too: pointed at state_dtype)
+  with pytest.raises(ValueError, match=r"moment_dtype.*OptimConfig.state_dtype"):
+    OptimConfig(optimizer="adamw", learning_rate=1e-3, state_dtype="int8",
+                optimizer_kwargs={"moment_dtype": "bfloat16"})
+  # The same format twice (and an execution without one) is taken.
+  params = {"w": jnp.ones((4, 256)), "b": jnp.ones((256,))}
+  for state_dtype, given, codes in (("int8", "int8", True), ("int8", None, True),
+                                    ("bfloat16", jnp.bfloat16, False), ("float32", "float32", False)):
+    tx = build_optimizer(OptimConfig(optimizer="muon", learning_rate=1e-3, state_dtype=state_dtype,
+                                     optimizer_kwargs={"execution": {"adam_moment_dtype": given,
+                                                                     "implementation": "xla"}}), 10)
+    kinds = {str(x.dtype) for x in jax.tree.leaves(tx.init(params))}
+    assert ("int8" in kinds) == codes, (state_dtype, kinds)
+
+
 def test_groups_get_their_rate_and_decay():
   # AdamW's first step moves each weight by lr * (sign(g) + wd * p) (m/sqrt(v) = sign(g)).
   lr, wd = 1e-2, 0.1
@@ -292,3 +329,41 @@ param_groups:
 def test_bad_configs_raise(d, match):
   with pytest.raises(ValueError, match=match):
     OptimConfig.from_dict(d)
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_a_skipped_fused_step_leaves_8bit_moments_untouched(name):
+  """Issue 40, 4: ``skip_nonfinite`` with ``state_dtype: int8``, the fused
+  step: a NaN gradient keeps the parameters and every moment array -- the
+  codes and the scales -- bit for bit, so the run goes on as if the step had
+  not come."""
+  from fuseopt.kernels.adam import quantized
+  from fuseopt.optim.step import step
+  cfg = OptimConfig(optimizer=name, schedule=S.Linear(peak=1e-2, warmup_steps=4), weight_decay=0.1,
+                    skip_nonfinite=True, state_dtype="int8")
+  tx = build_optimizer(cfg, 10)
+  shapes = {"embed_tokens": {"embedding": (8, 256)},
+            "layers_0": {"q_proj": {"kernel": (32, 256), "bias": (256,)}, "norm": {"scale": (256,)}}}
+  def draw(seed):
+    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return treedef.unflatten([jax.random.normal(k, s) for k, s in zip(keys, leaves)])
+  params = draw(7)
+  fused = jax.jit(lambda g, s, p: step(tx, g, s, p))
+
+  def replay(gs):
+    p, s, out = params, tx.init(params), []
+    for g in gs:
+      p, s = fused(g, s, p)
+      out.append(jax.device_get((p, s)))
+    return out
+
+  g0, g1 = draw(0), draw(1)
+  (p0, s0), (p_nan, s_nan), (p2, s2) = replay([g0, _nan_like(g1), g1])
+  clean = replay([g0, g1])
+  moments = jax.tree.leaves(s0.inner_state, is_leaf=quantized.is_quantized)
+  assert any(quantized.is_quantized(x) for x in moments), "8-bit moments in the state"
+  assert_trees_equal(p_nan, p0)
+  assert_trees_equal(s_nan.inner_state, s0.inner_state)
+  assert_trees_equal(p2, clean[1][0])
+  assert_trees_equal(s2.inner_state, clean[1][1].inner_state)

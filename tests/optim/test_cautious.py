@@ -136,3 +136,36 @@ def test_config_refuses_it_where_there_is_no_decay():
     fo.OptimConfig(optimizer="adam", learning_rate=0.1, cautious_weight_decay=True)
   with pytest.raises(ValueError, match="cautious_weight_decay must be a bool"):
     fo.OptimConfig(optimizer="adamw", learning_rate=0.1, cautious_weight_decay=1)
+
+
+@pytest.mark.parametrize("make", [
+    lambda wd: fo.adamw(1e-2, weight_decay=wd),
+    lambda wd: fo.muon(1e-2, weight_decay=wd, adam_weight_decay=wd, muon_weight_dimension_numbers=DIMS),
+    lambda wd: fo.normuon(1e-2, weight_decay=wd, adam_weight_decay=wd,
+                          muon_weight_dimension_numbers=DIMS),
+], ids=["adamw", "muon", "normuon"])
+def test_a_cautious_zero_rate_is_bitwise_no_decay(make):
+  """``cautious(0.0)`` decays nothing: the fused step and ``tx.update`` give
+  the plain ``weight_decay=0.0`` run's bits (its kernel variant's select, and
+  the products around it, round as the plain step's do)."""
+  params = _tree(0)
+
+  def three_steps(tx):
+    @jax.jit
+    def update(g, s, p):
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s
+
+    out = []
+    for run in (jax.jit(lambda g, s, p: fo.step(tx, g, s, p)), update):
+      p, s = params, tx.init(params)
+      for t in range(3):
+        p, s = run(_tree(1 + t), s, p)
+        out.append((p, s))
+    return jax.device_get(out)
+
+  plain, cautious = three_steps(make(0.0)), three_steps(make(fo.cautious(0.0)))
+  for t, (a, b) in enumerate(zip(plain, cautious)):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"run {t}")

@@ -92,6 +92,7 @@ def test_fp32_scale_by_adam_is_optax_bitwise_eagerly(nesterov):
   _assert_bitwise(got, want)
 
 
+@pytest.mark.fma_off
 def test_fp32_adam_is_optax_bitwise_jitted():
   params = _tree(jnp.float32)
   _assert_bitwise(_run(fo.adamw(0.01, moment_dtype=None), params, jit=True),

@@ -372,6 +372,78 @@ def test_execution_names_int8_once():
   assert fo.Execution(adam_moment_dtype="bfloat16").adam_moment_dtype == jnp.bfloat16
 
 
+# Every reader of a moment format, with the owner and argument its errors name.
+_MOMENT_FORMAT_READERS = {
+    "adam": (lambda v: fo.adam(1e-3, moment_dtype=v), "adam: moment_dtype"),
+    "adamw": (lambda v: fo.adamw(1e-3, moment_dtype=v), "adamw: moment_dtype"),
+    "scale_by_adam": (lambda v: fo.scale_by_adam(moment_dtype=v), "scale_by_adam: moment_dtype"),
+    "Execution": (lambda v: fo.Execution(adam_moment_dtype=v), "Execution: adam_moment_dtype"),
+}
+
+
+@pytest.mark.parametrize("value,error", [("int4", ValueError), ("uint8", ValueError),
+                                         (jnp.uint8, ValueError), ("INT8", TypeError),
+                                         (8, TypeError)])
+@pytest.mark.parametrize("reader", sorted(_MOMENT_FORMAT_READERS))
+def test_a_refused_moment_format_lists_every_accepted_one(reader, value, error):
+  """Issue 40, 6: the messages said "float32, bfloat16 or None" and never named
+  "int8", the one format a user reaching for uint8 or "INT8" is after; every
+  reader now lists all four (one canonicalising function, _checks.moment_format)."""
+  make, names = _MOMENT_FORMAT_READERS[reader]
+  with pytest.raises(error, match=names) as info:
+    make(value)
+  message = str(info.value)
+  for accepted in ("float32", "bfloat16", "'int8'", "None"):
+    assert accepted in message, message
+  if value == "INT8":
+    assert "did you mean 'int8'?" in message, message
+
+
+@pytest.mark.parametrize("reader", sorted(_MOMENT_FORMAT_READERS))
+def test_every_reader_takes_the_same_moment_formats(reader):
+  make, _ = _MOMENT_FORMAT_READERS[reader]
+  for value in ("float32", jnp.float32, "bfloat16", jnp.bfloat16, "int8", jnp.int8, None):
+    make(value)
+
+
+_MU_DTYPE_FACTORIES = {
+    "adam": lambda m: fo.adam(1e-3, mu_dtype=m),
+    "adamw": lambda m: fo.adamw(1e-3, mu_dtype=m),
+    "scale_by_adam": lambda m: fo.scale_by_adam(mu_dtype=m),
+    "muon": lambda m: fo.muon(1e-3, mu_dtype=m),
+    "normuon": lambda m: fo.normuon(1e-3, mu_dtype=m),
+    "muonclip": lambda m: fo.muonclip(1e-3, mu_dtype=m),
+    "scale_by_muon": lambda m: fo.scale_by_muon(mu_dtype=m),
+    "scale_by_normuon": lambda m: fo.scale_by_normuon(mu_dtype=m),
+}
+
+
+@pytest.mark.parametrize("mu_dtype", ["int8", jnp.int8, jnp.uint8, "int32", jnp.bool_])
+@pytest.mark.parametrize("factory", sorted(_MU_DTYPE_FACTORIES))
+def test_an_integer_mu_dtype_is_refused_and_points_at_8_bit_moments(factory, mu_dtype):
+  """Issue 40, 7: an integer mu_dtype stored the momentum as a plain cast (every
+  element 0 after a step of gradients ~1e-3), and the optimizer ran on without
+  momentum. Refused at construction, naming mu_dtype, what it takes and the
+  8-bit format."""
+  with pytest.raises(ValueError, match=r"mu_dtype must be a floating dtype .* or None, got") as info:
+    _MU_DTYPE_FACTORIES[factory](mu_dtype)
+  assert "moment_dtype='int8'" in str(info.value)
+  assert "Execution(adam_moment_dtype='int8')" in str(info.value)
+
+
+@pytest.mark.parametrize("factory", sorted(_MU_DTYPE_FACTORIES))
+def test_a_floating_mu_dtype_is_taken(factory):
+  # (complex too, for complex parameters: optax's tests pass mu_dtype="complex64")
+  for mu_dtype in (None, jnp.float32, "bfloat16", jnp.float16, "complex64"):
+    _MU_DTYPE_FACTORIES[factory](mu_dtype)
+
+
+def test_int8_mu_dtype_with_int8_moments_stays_accepted():
+  # (Muon's AdamW side passes its moment format as both; documented as "None (or int8)")
+  fo.adamw(1e-3, mu_dtype="int8", moment_dtype="int8")
+  fo.muon(1e-3, mu_dtype=jnp.bfloat16, execution=fo.Execution(adam_moment_dtype="int8"))
+
+
 @pytest.mark.parametrize("factory", [fo.scale_by_muon, fo.scale_by_normuon])
 def test_a_direction_refuses_the_adamw_sides_moments(factory):
   # Muon's direction has no AdamW side: the field would be silently dropped.

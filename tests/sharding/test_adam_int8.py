@@ -68,8 +68,16 @@ _RUNS = ([(impl, False if impl == "xla" else True, case, kind) for impl in ("xla
             ("mosaic_gpu", True, "cols", "explicit"), ("mosaic_gpu", True, "rows", "auto")])
 
 
-@pytest.mark.parametrize("impl,interp,case,kind", [r[:3] + (_KINDS[r[3]],) for r in _RUNS],
-                         ids=["-".join((r[3], r[2], r[0])) for r in _RUNS])
+# The Triton kernel in interpret mode is its body compiled by XLA:CPU as a
+# program of the shard's shape, contracted into FMAs per program: its
+# placements compared bit for bit where XLA:CPU has no FMA (the reference
+# rounds every product where it stands and holds with FMA on).
+_MARKS = {"triton": [pytest.mark.fma_off]}
+
+
+@pytest.mark.parametrize("impl,interp,case,kind", [
+    pytest.param(*r[:3], _KINDS[r[3]], id="-".join((r[3], r[2], r[0])), marks=_MARKS.get(r[0], []))
+    for r in _RUNS])
 def test_sharded_int8_step_is_bitwise(impl, interp, case, kind):
   params = _tree(0)
   grads_seq = [_tree(10 + t) for t in range(2)]   # the second reads the first's codes

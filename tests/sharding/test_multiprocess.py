@@ -28,7 +28,8 @@ def test_two_processes_match_one(tmp_path):
   out = tmp_path / "result.npz"
   port = _free_port()
   # Each worker sets its own 4 devices; the instruction set stays the one of
-  # this process (tests/conftest.py: XLA:CPU without FMA), so both sides round alike.
+  # this process (tests/conftest.py: FMA on, or off with FUSEOPT_TEST_FMA=0), so both
+  # sides round alike.
   isa = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_cpu_max_isa")]
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), XLA_FLAGS=" ".join(isa))
   worker = Path(__file__).with_name("multiprocess_worker.py")

@@ -50,7 +50,7 @@ ADAM_TRANSCENDENTALS_PER_ELEMENT = 1
 
 
 def adam_math(s, p32, g32, mu32, nu32, *, nesterov: bool, apply: bool,
-              reciprocal: bool = False):
+              reciprocal: bool = False, fence=None):
   """fp32 math of one element block; ``s`` indexes the scalar vector.
 
   The operation order follows optax (clip's ``g * scale``, scale_by_adam,
@@ -71,24 +71,33 @@ def adam_math(s, p32, g32, mu32, nu32, *, nesterov: bool, apply: bool,
   multiplications there is nothing left to rewrite. The 8-bit moments use
   it (no optax bits to keep, and their codes must be the same on every
   placement); the fp32/bf16 path keeps optax's order.
+
+  ``fence``: :func:`fuseopt.kernels.fp_contract.rounded` where the math runs
+  as an XLA program (the reference): every product that feeds an add is
+  rounded before the add, so no compiler contracts it into an FMA and two
+  programs (a leaf and its shards) give the same bits on a CPU or GPU with
+  FMA. The Pallas kernels pass none: one instruction sequence per element on
+  any grid.
   """
+  r = (lambda x: x) if fence is None else fence
   keep_old = s(APPLY) == 0
   g32 = g32 * s(GRAD_SCALE)
-  mu_new = s(OMB1) * g32 + s(B1) * mu32
-  nu_new = s(OMB2) * (g32 * g32) + s(B2) * nu32
+  mu_new = r(s(OMB1) * g32) + r(s(B1) * mu32)
+  nu_new = r(s(OMB2) * (g32 * g32)) + r(s(B2) * nu32)
   if reciprocal:
     div = lambda x, k: x * (jnp.float32(1.0) / s(k))
   else:
     div = lambda x, k: x / s(k)
   if nesterov:
-    mu_hat = s(B1) * div(mu_new, BC1_NEXT) + s(OMB1) * div(g32, BC1)
+    mu_hat = r(s(B1) * div(mu_new, BC1_NEXT)) + r(s(OMB1) * div(g32, BC1))
   else:
     mu_hat = div(mu_new, BC1)
-  nu_hat = div(nu_new, BC2)
+  # (a division by a scalar may be rewritten as a product: rounded too)
+  nu_hat = r(div(nu_new, BC2))
   u = mu_hat / (jnp.sqrt(nu_hat + s(EPS_ROOT)) + s(EPS))
   if apply:
-    u = u + s(WD) * decayed_param(s, u, p32)
-    out = jnp.where(keep_old, p32, p32 + s(NEG_LR) * u)
+    u = u + r(s(WD) * decayed_param(s, u, p32))
+    out = jnp.where(keep_old, p32, p32 + r(s(NEG_LR) * u))
   else:
     out = jnp.where(keep_old, jnp.zeros_like(u), u)
   return out, jnp.where(keep_old, mu32, mu_new), jnp.where(keep_old, nu32, nu_new)

@@ -308,6 +308,7 @@ def _quantized_kernel(s_ref, seed_ref, g_ref, *refs, n, block, nesterov, apply, 
   else:
     muc_ref, mus_ref, nuc_ref, nus_ref, o_ref = refs
     p_ref = None
+  apply_flag = s_ref[adam_lib.APPLY]
   s = _scalar_reader([s_ref[k] for k in range(adam_lib.N_SCALARS)], q_block)
   seeds = [seed_ref[k] for k in range(adam_lib.N_SEEDS)]
   wide = lambda x: jnp.broadcast_to(x, (q_block,))
@@ -326,14 +327,25 @@ def _quantized_kernel(s_ref, seed_ref, g_ref, *refs, n, block, nesterov, apply, 
     o_ref[elems] = adam_lib.store(out, o_ref.dtype, index, seeds[0])
     # The scale is reduced here (a scalar) and handed to the block arithmetic
     # as a block: Mosaic GPU lowers scalar constants only inside vector ops.
+    # A skipped step keeps the stored codes and scales (quantized.kept_on_skip):
+    # the codes selected on the flag's block (in int32: Mosaic GPU has no
+    # pointwise select on 8-bit types), the scales on the scalar flag.
+    keep_block = s(adam_lib.APPLY) == 0
+    keep_scalar = apply_flag == 0
+    old_mus, old_nus = mus_ref[row], nus_ref[row]
+
+    def keep_codes(ref, codes):
+      i32 = lambda c: c.astype(jnp.int32)
+      ref[elems] = quantized.kept_on_skip(keep_block, i32(codes), i32(ref[elems])).astype(ref.dtype)
+
     scale = quantized.mu_scale(mu_new, axis=None)
-    muc_ref[elems], _ = quantized.quantize_mu(
-        mu_new, counter_hash.hash_bits(index, seeds[1]), wide(scale))
-    mus_ref[row] = scale
+    codes, _ = quantized.quantize_mu(mu_new, counter_hash.hash_bits(index, seeds[1]), wide(scale))
+    keep_codes(muc_ref, codes)
+    mus_ref[row] = quantized.kept_on_skip(keep_scalar, scale, old_mus)
     scale = quantized.nu_scale(nu_new, axis=None)
-    nuc_ref[elems], _ = quantized.quantize_nu(
-        nu_new, counter_hash.hash_bits(index, seeds[2]), wide(scale))
-    nus_ref[row] = scale
+    codes, _ = quantized.quantize_nu(nu_new, counter_hash.hash_bits(index, seeds[2]), wide(scale))
+    keep_codes(nuc_ref, codes)
+    nus_ref[row] = quantized.kept_on_skip(keep_scalar, scale, old_nus)
 
   def program(start, size):
     def body(j, carry):

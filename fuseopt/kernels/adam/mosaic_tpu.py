@@ -31,7 +31,7 @@ from fuseopt.kernels import elementwise_tiling
 from fuseopt.kernels import pallas_common
 from fuseopt.kernels import sharding as sharding_lib
 from fuseopt.kernels.adam import quantized
-from fuseopt.kernels.adam.math import (SEED_BASE, adam_cost, adam_math, in_place_aliases,
+from fuseopt.kernels.adam.math import (APPLY, SEED_BASE, adam_cost, adam_math, in_place_aliases,
                                        kernel_body, store, store_outputs)
 from fuseopt.kernels.elementwise_tiling import MosaicTPUConfig
 
@@ -217,12 +217,13 @@ def _quantized_kernel(s_ref, seed_ref, *refs, rows, length, transposed, nesterov
     index = sharding_lib.global_index(row + (col + jnp.uint32(j * block)), index_map,
                                       seed(SEED_BASE))
     o_ref[:, lanes] = store(out, o_ref.dtype, index, seed(0))
-    muc_out[:, lanes], mu_scale = quantized.quantize_mu(
-        mu_new, counter_hash.hash_bits(index, seed(1)))
-    nuc_out[:, lanes], nu_scale = quantized.quantize_nu(
-        nu_new, counter_hash.hash_bits(index, seed(2)))
-    write(mus_out, j, mu_scale)
-    write(nus_out, j, nu_scale)
+    keep = lambda new, old: quantized.kept_on_skip(s_ref[APPLY] == 0, new, old)
+    mu_codes, mu_scale = quantized.quantize_mu(mu_new, counter_hash.hash_bits(index, seed(1)))
+    nu_codes, nu_scale = quantized.quantize_nu(nu_new, counter_hash.hash_bits(index, seed(2)))
+    muc_out[:, lanes] = keep(mu_codes, muc_ref[:, lanes])
+    nuc_out[:, lanes] = keep(nu_codes, nuc_ref[:, lanes])
+    write(mus_out, j, keep(mu_scale, read(mus_ref, j)))
+    write(nus_out, j, keep(nu_scale, read(nus_ref, j)))
 
 
 def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpret,

@@ -175,6 +175,10 @@ def dequantize_nu(codes, scale):
   return a * a
 
 
+def _no_fence(x):
+  return x
+
+
 def _inverse(scale):
   """``1 / scale`` per block (1 where the scale is 0 or NaN: those codes are
   overwritten), multiplied into the elements rather than dividing them: XLA
@@ -230,23 +234,34 @@ def quantize_mu(x, bits, scale=None):
   return code.astype(jnp.int32).astype(MU_CODE_DTYPE), scale
 
 
-def quantize_nu(x, bits, scale=None):
+def quantize_nu(x, bits, scale=None, fence=_no_fence):
   """fp32 ``x >= 0`` (..., B) → ``(uint8 codes, scale (..., 1))``: codes
   linear in ``sqrt(x)``, rounded stochastically between the neighbouring
   values ``(k s)^2`` and ``((k+1) s)^2`` so that the stored ``nu`` is
-  unbiased; at least 1 wherever ``x > 0``. ``scale`` as in :func:`quantize_mu`."""
+  unbiased; at least 1 wherever ``x > 0``. ``scale`` as in :func:`quantize_mu`;
+  ``fence`` as in :func:`fuseopt.kernels.adam.math.adam_math`."""
   scale = nu_scale(x) if scale is None else scale
   s = jnp.where(scale > 0, scale, jnp.ones_like(scale))
   t = jnp.clip(jnp.sqrt(x) * _inverse(scale), 0.0, NU_CODE_MAX - 1)
   k = _floor(t)
   below, above = k * s, (k + 1.0) * s
-  below, above = below * below, above * above
+  # (squares rounded before the subtractions below: no FMA, fp_contract.py)
+  below, above = fence(below * below), fence(above * above)
   width = above - below
   frac = jnp.where(width > 0, (x - below) / jnp.where(width > 0, width, 1.0), 0.0)
   code = k + jnp.where(uniform(bits) < frac, 1.0, 0.0)
   code = jnp.maximum(code, jnp.where(x > 0, 1.0, 0.0))
   code = jnp.where(_finite(t) & _finite(scale), code, 0.0)
   return code.astype(jnp.int32).astype(NU_CODE_DTYPE), scale
+
+
+def kept_on_skip(keep_old, new, old):
+  """A skipped step's stored moment: the old ``codes`` or ``scales`` as they
+  were (``keep_old`` true, a scalar or a block), else the new. The step's
+  arithmetic keeps the dequantised values on a skip, but quantising them
+  again reduces a new scale from them, which can move by an ulp: the stored
+  state is selected instead, so a skipped step leaves it untouched."""
+  return jnp.where(keep_old, old, new)
 
 
 def dequantize(m: QuantizedMoment, *, signed: bool) -> jax.Array:

@@ -14,10 +14,11 @@ import jax.numpy as jnp
 
 from fuseopt.kernels import counter_hash
 from fuseopt.kernels import dispatch
+from fuseopt.kernels import fp_contract
 from fuseopt.kernels import mantissa
 from fuseopt.kernels import sharding as sharding_lib
 from fuseopt.kernels.adam import quantized
-from fuseopt.kernels.adam.math import SEED_BASE, adam_math, load_param, store
+from fuseopt.kernels.adam.math import APPLY, SEED_BASE, adam_math, load_param, store
 
 # The reference runs every call.
 supports = dispatch.supports_every_call
@@ -32,7 +33,8 @@ def update(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, order_for_in_pl
   apply = p is not None
   f32 = lambda x: x.astype(jnp.float32)
   out, mu_new, nu_new = adam_math(s, load_param(p, lo) if apply else None, f32(g), f32(mu),
-                                   f32(nu), nesterov=nesterov, apply=apply)
+                                   f32(nu), nesterov=nesterov, apply=apply,
+                                   fence=fp_contract.rounded)
   shape = g.shape
   # A fresh flat iota per rounding: XLA fuses each into its consumer rather
   # than materialising one shared index array (docs/measurements.md).
@@ -54,7 +56,7 @@ def update(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, order_for_in_pl
     # (docs/measurements.md: 46 KB of temporaries), which the barrier would split.
     out, new_lo, mu, nu = jax.lax.optimization_barrier((out, new_lo, mu, nu))
     _, mu_new, nu_new = adam_math(s, None, f32(g), f32(mu), f32(nu),
-                                   nesterov=False, apply=False)
+                                   nesterov=False, apply=False, fence=fp_contract.rounded)
   res = (out,
          store(mu_new, mu.dtype, idx(), seeds[1]),
          store(nu_new, nu.dtype, idx(), seeds[2]))
@@ -75,11 +77,16 @@ def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, index
   mu32 = quantized.dequantize_mu(mu.codes.reshape(bshape), mu.scales[..., None])
   nu32 = quantized.dequantize_nu(nu.codes.reshape(bshape), nu.scales[..., None])
   out, mu_new, nu_new = adam_math(s, blocks(p) if apply else None, blocks(g), mu32, nu32,
-                                  nesterov=nesterov, apply=apply, reciprocal=True)
+                                  nesterov=nesterov, apply=apply, reciprocal=True,
+                                  fence=fp_contract.rounded)
   idx = lambda: sharding_lib.global_index(jax.lax.iota(jnp.uint32, g.size).reshape(bshape),
                                           index_map, seeds[SEED_BASE])
   out = store(out, out_dtype, idx(), seeds[0]).reshape(shape)
   mu_codes, mu_scale = quantized.quantize_mu(mu_new, counter_hash.hash_bits(idx(), seeds[1]))
-  nu_codes, nu_scale = quantized.quantize_nu(nu_new, counter_hash.hash_bits(idx(), seeds[2]))
-  return (out, quantized.QuantizedMoment(mu_codes.reshape(shape), mu_scale[..., 0]),
-          quantized.QuantizedMoment(nu_codes.reshape(shape), nu_scale[..., 0]))
+  nu_codes, nu_scale = quantized.quantize_nu(nu_new, counter_hash.hash_bits(idx(), seeds[2]),
+                                             fence=fp_contract.rounded)
+  keep = lambda new, old: quantized.kept_on_skip(scalars[APPLY] == 0, new, old)
+  return (out, quantized.QuantizedMoment(keep(mu_codes.reshape(shape), mu.codes),
+                                         keep(mu_scale[..., 0], mu.scales)),
+          quantized.QuantizedMoment(keep(nu_codes.reshape(shape), nu.codes),
+                                    keep(nu_scale[..., 0], nu.scales)))

@@ -25,9 +25,9 @@ from fuseopt.kernels import dispatch
 from fuseopt.kernels import elementwise_tiling
 from fuseopt.kernels import sharding as sharding_lib
 from fuseopt.kernels.adam import quantized
-from fuseopt.kernels.adam.math import (N_SCALARS, N_SCALARS_USED, N_SEEDS, SEED_BASE, adam_cost,
-                                       adam_math, in_place_aliases, kernel_body, load_param,
-                                       store, store_outputs)
+from fuseopt.kernels.adam.math import (APPLY, N_SCALARS, N_SCALARS_USED, N_SEEDS, SEED_BASE,
+                                       adam_cost, adam_math, in_place_aliases, kernel_body,
+                                       load_param, store, store_outputs)
 from fuseopt.kernels.elementwise_tiling import TritonConfig
 
 Config = TritonConfig
@@ -314,7 +314,9 @@ def _quantized_block(scalar, seed, blocks, index, *, nesterov, apply):
                                   nesterov=nesterov, apply=apply, reciprocal=True)
   mu_codes, mu_scale = quantized.quantize_mu(mu_new, counter_hash.hash_bits(index, seed(1)))
   nu_codes, nu_scale = quantized.quantize_nu(nu_new, counter_hash.hash_bits(index, seed(2)))
-  return (out, mu_codes, mu_scale[:, 0], nu_codes, nu_scale[:, 0])
+  keep = lambda new, old: quantized.kept_on_skip(scalar(APPLY) == 0, new, old)
+  return (out, keep(mu_codes, muc), keep(mu_scale[:, 0], mus), keep(nu_codes, nuc),
+          keep(nu_scale[:, 0], nus))
 
 
 def _quantized_kernel(s_ref, seed_ref, *refs, rows, n_rows, masked, nesterov, apply, index_map):
