@@ -9,8 +9,12 @@ after every case so a run cut short still leaves its rows, plus
 ``fuseopt report`` to render the README's performance table.
 
 What it does:
-1. the ceilings, measured now: copy bandwidth (fp32 ``x*a+b``) and bf16
-   matmul rate;
+1. the ceilings, measured now: copy bandwidth (the best of XLA's fp32
+   ``x*a+b``, copy and axpy and, on a GPU, a persistent Pallas-Triton
+   streaming kernel with 128-bit accesses: ``core.measure_ceilings``) and
+   bf16 matmul rate; on an NVIDIA GPU, the clocks and power that
+   ``nvidia-smi -q -d CLOCK,POWER`` reports at the start, right after the
+   ceilings and at the end (``meta["clocks_power"...]``);
 2. every bench case of every op module that exists, at the size that suits
    the device: correctness of each fuseopt variant against its reference on
    these large inputs (the case's ``check``), and the time of every variant,
@@ -43,7 +47,7 @@ from pathlib import Path
 
 import jax
 
-from fuseopt.benchmarks import core, report
+from fuseopt.benchmarks import ceiling, core, report
 from fuseopt.benchmarks.cases import CASE_MODULES, all_cases
 
 
@@ -84,7 +88,9 @@ def main(argv=None) -> int:
     print(f"gpu_suite: cases of {op!r} left out: {msg}", flush=True)
 
   ceilings = core.measure_ceilings(platform, quick=size == "quick")
-  print(f"gpu_suite: ceilings copy {ceilings['copy_gbps']:.0f} GB/s, "
+  _record_clocks(meta, "clocks_power_after_ceilings")
+  print(f"gpu_suite: ceilings copy {ceilings['copy_gbps']:.0f} GB/s "
+        f"({ceilings.get('copy_ceiling_source')}), "
         f"bf16 matmul {ceilings['matmul_tflops']:.3g} TFLOP/s ({time.perf_counter() - t0:.0f} s)", flush=True)
 
   def save(rows):
@@ -112,6 +118,7 @@ def main(argv=None) -> int:
   elif args.torch != "off":
     meta["torch"] = "not run"
 
+  _record_clocks(meta, "clocks_power_end")
   results = report.make_results(meta, ceilings, rows, errors)
   report.validate(results)
   save(rows)
@@ -132,6 +139,17 @@ def main(argv=None) -> int:
   print(f"gpu_suite: {len(rows)} rows, {len(failed)} errors, checks failed: {bad or 'none'}; "
         f"{time.perf_counter() - t0:.0f} s -> {path}")
   return 1 if (failed or bad) else 0
+
+
+def _record_clocks(meta: dict, key: str) -> None:
+  """``meta[key]``: nvidia-smi's clocks and power now (the GPU has just been
+  busy), where nvidia-smi exists; nothing elsewhere, never an error."""
+  try:
+    clocks = ceiling.clocks_and_power()
+  except Exception:  # noqa: BLE001 - a record, never a reason to stop
+    clocks = None
+  if clocks is not None:
+    meta[key] = clocks
 
 
 def _torch_baselines(args):
