@@ -112,9 +112,9 @@ def normalize(colsum, v_old, *, rows: int, cols: int, b2, eps):
   """``(scale, v_new)``, both ``(batch, cols)`` fp32: the per-column factor
   that turns the NS output ``O`` into NorMuon's update (``O * scale``, before
   Muon's width scaling) and the new second moment."""
-  # Each product materialised before its add, and the norm summed as a fixed
-  # tree: the same bits in the sharded step's replicated computation as in
-  # the unsharded step's, whatever each compiler fuses (see _pairwise_sum).
+  # Each product rounded before its add (fp_contract), and the norm summed as
+  # a fixed tree: the same bits in the sharded step's replicated computation
+  # as in the unsharded step's, whatever each compiler fuses (_pairwise_sum).
   r_ = fp_contract.rounded
   v_new = r_(b2 * v_old.astype(jnp.float32)) + r_((1 - b2) * (colsum / rows))
   d = 1.0 / (jnp.sqrt(v_new) + eps)
