@@ -22,9 +22,14 @@ What it does:
    the roofline floor; compiled temp/argument/output bytes;
 3. where torch with CUDA is installed (``--torch auto``, the default), the
    PyTorch baselines of ``bench/torch_baselines.py`` (fused/foreach AdamW,
-   torch.optim.Muon + AdamW), run first in a subprocess so that JAX's
-   preallocation does not starve them, merged into the Adam and Muon cases
-   with their ratio to the optax baseline of this run.
+   fused AdamW with bf16 moments, torch.optim.Muon + AdamW), run first in a
+   subprocess so that JAX's preallocation does not starve them, merged into
+   the Adam and Muon cases with their ratio to the optax baseline of this run;
+4. on a GPU, FlashOptim's fused 8-bit AdamW (``flashoptim_jax``, the JAX
+   peer of 8-bit moments) as rows of the Adam cases, where it imports: an
+   installed copy, else the wheel vendored under ``bench/vendor/`` (put on
+   ``sys.path`` here; the device machines install nothing). It is never a
+   dependency of fuseopt; ``meta["peers"]`` says which copy ran.
 
 Nothing here names a chip: sizes come from the platform (gpu / tpu) and
 block configs from each op's heuristics, so the same file runs on an H200,
@@ -37,6 +42,8 @@ case, start-up and the plots inside 8 minutes).
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.metadata
 import importlib.util
 import json
 import subprocess
@@ -75,6 +82,7 @@ def main(argv=None) -> int:
   size = args.size or core.default_size(platform)
   meta = core.run_meta(size)
   meta["suite"] = "bench/gpu_suite.py"
+  meta["peers"] = _peer_versions()
   out_dir = args.out_root / meta["device_slug"]
   path = out_dir / "suite.json"
   print(f"gpu_suite: {meta['device_kind']} ({platform}, {jax.device_count()} devices), size {size}, "
@@ -152,6 +160,35 @@ def _record_clocks(meta: dict, key: str) -> None:
     meta[key] = clocks
 
 
+VENDOR = Path(__file__).with_name("vendor")
+
+
+def _vendored_wheels() -> None:
+  """Puts the pure-Python wheels of ``bench/vendor`` (FlashOptim's) on
+  ``sys.path`` behind an installed copy: a wheel imports as a zip archive."""
+  for wheel in sorted(VENDOR.glob("*.whl")):
+    if str(wheel) not in sys.path:
+      sys.path.append(str(wheel))
+
+
+def _peer_versions() -> dict:
+  """The optional JAX peers: version and where each was imported from, or
+  why not."""
+  out = {}
+  for module, dist in (("flashoptim_jax", "flashoptim-jax"),):
+    try:
+      mod = importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - an optional peer is reported, never fatal
+      out[dist] = f"not importable: {type(e).__name__}: {e}"[:200]
+      continue
+    try:
+      version = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+      version = "?"
+    out[dist] = {"version": version, "from": str(Path(mod.__file__).parent)}
+  return out
+
+
 def _torch_baselines(args):
   """torch_baselines.py's result, or None (no torch, --torch off, or a failure)."""
   if args.torch == "off" or (args.torch == "auto" and importlib.util.find_spec("torch") is None):
@@ -172,6 +209,8 @@ def _torch_baselines(args):
 
 sys.path.insert(0, str(Path(__file__).parent))
 import torch_baselines  # noqa: E402  (bench/ is not a package)
+
+_vendored_wheels()
 
 if __name__ == "__main__":
   sys.exit(main())

@@ -27,6 +27,11 @@ def _check_results(path):
   rows = data["rows"]
   assert rows and all("error" not in r for r in rows)
   assert sum(r["is_baseline"] for r in rows) == len({(r["op"], r["case"]) for r in rows})
+  # A tagged row of the default's own program is recorded, not timed twice
+  # (on the CPU the default call runs the reference, 'fuseopt[xla]').
+  same = [r for r in rows if r.get("same_program_as")]
+  assert all(r["skipped"] == f"same program as {r['same_program_as']}" for r in same)
+  rows = [r for r in rows if not r.get("same_program_as")]
   for r in rows:
     assert r["ratio_to_baseline"] > 0 and r["baseline_ms"] > 0 and 0 < r["fraction_of_floor"]
     assert r["gbps"] > 0 and r["temp_bytes"] >= 0 and r["output_bytes"] > 0
@@ -84,6 +89,10 @@ def test_gpu_suite_runs_on_cpu(tmp_path):
   assert mod.main([str(tmp_path), "--ops", "stochastic_round", "--iters", "2", "--no-plot"]) == 0
   data = _check_results(tmp_path / "cpu" / "suite.json")
   assert data["meta"]["suite"] == "bench/gpu_suite.py" and data["meta"]["device_slug"] == "cpu"
+  # The vendored FlashOptim wheel imports (its rows run on a GPU only).
+  assert data["meta"]["peers"]["flashoptim-jax"]["version"] == "0.1.0"
+  assert [r["variant"] for r in data["rows"] if r["is_default"]] == ["fuseopt"]
+  assert [r.get("same_program_as") for r in data["rows"]] == [None, "fuseopt", None]
 
 
 def test_gpu_suite_budget_marks_cases_skipped(tmp_path):
@@ -237,6 +246,17 @@ def test_torch_rows_merge_next_to_their_case_with_ratios():
   assert "ratio_to_baseline" not in merged[4]  # an errored baseline keeps its error, no ratio
   report.validate(report.make_results({"device_kind": "x", "platform": "gpu", "size": "full",
                                        "jax": "0.11.2"}, {}, merged, {}))
+
+
+def test_torch_rows_say_what_they_store_and_move():
+  tb = _torch_baselines_module()
+  for name, meta in tb.ROWS.items():
+    assert meta["stores"] and meta["calls"], name
+  assert {k: (v["stored_bytes_per_param"], v.get("moved_bytes_per_param")) for k, v in tb.ROWS.items()} == {
+      "torch_adamw_fused": (12, 28), "torch_adamw_foreach": (12, 28),
+      "torch_adamw_fused[bf16_moments]": (8, 20),   # fuseopt_step's format: p fp32, moments bf16
+      "torch_muon+adamw_fused": (None, None)}       # 4 + the state measured, filled in on the run
+  assert tb.ROWS["torch_adamw_fused[bf16_moments]"]["state_dtype"] == "bfloat16"
 
 
 def test_torch_tree_split_matches_the_muon_case():

@@ -60,9 +60,11 @@ def test_report_renders_readme_between_markers(tmp_path, capsys):
   text = readme.read_text()
   assert text.startswith(README.split("old table")[0]) and text.endswith("<!-- perf-table:end -->\nafter\n")
   assert "old table" not in text and "NVIDIA H200: jax" in text and "cpu: jax" not in text
-  # The front page: one row per case, the baseline and the fastest fuseopt variant.
-  assert ("| NVIDIA H200 | newton_schulz | 2048x2048 | optax | 0.658 | fuseopt[triton] | 0.200 | "
-          "3.29× faster |") in text
+  # The front page: per case the default call's row (none here), fuseopt's
+  # rows, the fastest peer; ratios against that peer.
+  assert "| newton_schulz | 2048x2048 | no row of this run is the default call |" in text
+  assert "| newton_schulz | 2048x2048 | `fuseopt[triton]` | 0.200 | 68% | 3.29× faster |" in text
+  assert "| newton_schulz | 2048x2048 | best peer `optax` | 0.658 | - | best peer |" in text
   assert "llama-1.2b" not in text  # failed rows are not rendered
   assert "updated" in capsys.readouterr().out
   assert cli.main(args) == 0 and readme.read_text() == text  # idempotent
@@ -80,14 +82,14 @@ def test_report_renders_every_row_into_the_benchmarks_page(tmp_path, capsys):
   assert cli.main(["report", "--results", str(tmp_path / "results"), "--readme", str(readme)]) == 0
   text = page.read_text()
   assert "old" not in text and "**NVIDIA H200**" in text and text.endswith("end\n")
-  assert "| newton_schulz | 2048x2048 | fuseopt[triton] | 0.400 | 1.65× faster | 68% |" in text
-  assert "| newton_schulz | 2048x2048 | optax | 0.658 | baseline |" in text
+  assert "| newton_schulz | 2048x2048 | `fuseopt[triton]` | 0.400 | 68% | 1.65× faster |" in text
+  assert "| newton_schulz | 2048x2048 | best peer `optax` | 0.658 | - | best peer |" in text
 
 
 def test_report_print_and_missing_markers(tmp_path, capsys):
   _results(tmp_path)
   assert cli.main(["report", "--results", str(tmp_path / "results"), "--print"]) == 0
-  assert "| op | case | variant |" in capsys.readouterr().out
+  assert "| op | case | row | ms | % of floor | vs best peer |" in capsys.readouterr().out
   readme = tmp_path / "README.md"
   readme.write_text("# no markers\n")
   assert cli.main(["report", "--results", str(tmp_path / "results"), "--readme", str(readme)]) == 2

@@ -36,10 +36,24 @@ class Case:
   params: int | None = None     # parameters, for scaling plots and bytes/param
   state_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # label -> optimizer state bytes
   check: Callable[[dict[str, Any]], dict[str, Any]] | None = None  # outputs by label -> correctness figures
+  # The label of the variant that is the op's default call (no argument
+  # beyond the workload's own), one per format where a case has several
+  # (Adam's bf16 and 8-bit moments), or None where no variant is; its row gets
+  # ``is_default``. Every other fuseopt label carries a tag naming what it
+  # passes besides (docs/benchmarks.md, "Row names").
+  default: str | tuple[str, ...] | None = None
+  # label -> figures copied into that variant's row: what it stores and moves
+  # per parameter (``stores``, ``stored_bytes_per_param``,
+  # ``moved_bytes_per_param``), what it calls (``calls``).
+  meta: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
   @property
   def id(self) -> str:
     return f"{self.op}/{self.name}"
+
+  @property
+  def defaults(self) -> tuple[str, ...]:
+    return (self.default,) if isinstance(self.default, str) else tuple(self.default or ())
 
 
 def tree_rel_err(a, b) -> float:
@@ -269,16 +283,31 @@ def run_case(case: Case, ceilings: dict[str, float], *, iters: int = 10,
   """
   records = []
   outputs = {}
+  programs: dict[str, str] = {}  # lowered program text -> the first label that lowered to it
   floor = floor_ms(case, ceilings)
   for label, build in case.variants.items():
     rec: dict[str, Any] = {"op": case.op, "case": case.name, "variant": label,
-                           "is_baseline": label == case.baseline, "params": case.params,
-                           "flops": case.flops, "bytes": case.bytes}
+                           "is_baseline": label == case.baseline,
+                           "is_default": label in case.defaults, "params": case.params,
+                           "flops": case.flops, "bytes": case.bytes, **case.meta.get(label, {})}
     try:
       fn, args, refresh = build_variant(build)
       if with_memory:
         try:
-          compiled = compile_fn(fn, args)
+          lowered = fn.lower(*args) if hasattr(fn, "lower") else jax.jit(fn).lower(*args)
+          text = lowered.as_text()
+          if text in programs:
+            # e.g. a tagged variant that passes the default's own value:
+            # the same program as an earlier row, not timed twice.
+            rec["same_program_as"] = programs[text]
+            rec["skipped"] = f"same program as {programs[text]}"
+            if programs[text] in outputs:  # the same program's outputs, for the check
+              outputs[label] = outputs[programs[text]]
+            records.append(rec)
+            del fn, args
+            continue
+          programs[text] = label
+          compiled = lowered.compile()
           rec.update(stats_of(compiled))
           if refresh is None and donates(compiled):
             # A donating variant without ``refresh``: keep a pristine copy so
@@ -311,6 +340,8 @@ def run_case(case: Case, ceilings: dict[str, float], *, iters: int = 10,
   base = next((r for r in records if r["is_baseline"] and "ms" in r), None)
   if base:
     for r in records:
+      if "same_program_as" in r:
+        continue
       r["baseline_ms"] = base["ms"]
       if "ms" in r:
         r["ratio_to_baseline"] = r["ms"] / base["ms"]
@@ -416,7 +447,8 @@ def select_cases(cases, *, rows=None):
 
 def skipped_records(case: Case, why: str) -> list[dict[str, Any]]:
   return [{"op": case.op, "case": case.name, "variant": v, "is_baseline": v == case.baseline,
-           "params": case.params, "skipped": why} for v in case.variants]
+           "is_default": v in case.defaults, "params": case.params, **case.meta.get(v, {}),
+           "skipped": why} for v in case.variants]
 
 
 def run_suite(cases, ceilings, *, iters: int = 10, min_time: float = 0.0, budget_s: float | None = None,

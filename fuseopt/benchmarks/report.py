@@ -102,7 +102,8 @@ def table_rows(rows: Iterable[dict]) -> list[list[str]]:
       out.append([r["op"], r["case"], r["variant"], why[:60]] + [""] * 7)
       continue
     out.append([
-        r["op"], r["case"], r["variant"] + (" *" if r.get("is_baseline") else ""),
+        r["op"], r["case"],
+        r["variant"] + (" *" if r.get("is_baseline") else "") + (" (default)" if r.get("is_default") else ""),
         _num(r.get("ms")), _num(r.get("baseline_ms")), _num(r.get("ratio_to_baseline"), ".2f"),
         _num(r.get("fraction_of_floor") and 100 * r["fraction_of_floor"], ".0f") +
         ("%" if r.get("fraction_of_floor") else ""),
@@ -274,67 +275,244 @@ def find_results(root: Path | str, *, include_cpu: bool = False) -> list[dict]:
   return [best[k][1] for k in sorted(best)]
 
 
+# Suites written before rows said which one is the default call (no
+# ``is_default`` in any row: the 2026-12-04 H200 suite,
+# bench/results/nvidia-h200/suite.json) are read with their labels mapped to
+# today's names; the measured numbers are not touched, and each mapped row
+# keeps its label in the file as ``label_in_file``. In those files
+# 'fuseopt_step' passed ``group=False`` (one launch per leaf) and
+# 'fuseopt_step[grouped]' ``group=True``, which was ``fo.step``'s default
+# when the rows were timed: the grouped rows are the default call's program
+# of that day, hence today's untagged names, and the per-leaf rows today's
+# ``[per_leaf]``. 'fuseopt_muon[gram]' passed ``ns_coeffs="jordan"`` (the
+# schedule name, whose Gram restarts differ from the default table's) beside
+# ``gram="auto"``: today's ``[gram,jordan]``. 'fuseopt[triton]' passed
+# ``implementation="triton"``, the GPU's default backend that day: today's
+# untagged 'fuseopt'. 'fuseopt_muon' (Jordan's coefficients, which without
+# Gram NS is the default table's program) ran what the default call ran.
+LEGACY_NAMES = {  # (op, label in the file) -> today's label
+    ("stochastic_round", "fuseopt[triton]"): "fuseopt",
+    ("adam", "fuseopt_step"): "fuseopt_step[per_leaf]",
+    ("adam", "fuseopt_step[grouped]"): "fuseopt_step",
+    ("adam", "fuseopt_step[int8]"): "fuseopt_step[int8,per_leaf]",
+    ("adam", "fuseopt_step[int8,grouped]"): "fuseopt_step[int8]",
+    ("step", "fuseopt_step"): "fuseopt_step[per_leaf]",
+    ("muon", "fuseopt_muon[gram]"): "fuseopt_muon[gram,jordan]",
+}
+LEGACY_DEFAULTS = {  # (op, today's label): the rows that ran the default call's program then
+    ("stochastic_round", "fuseopt"), ("adam", "fuseopt_step"),
+    ("adam", "fuseopt_step[int8]"), ("muon", "fuseopt_muon"),
+}
+LEGACY_NOTE = ("written before rows named their default call: labels mapped to today's names "
+               "(report.LEGACY_NAMES; the label in the file in brackets), the default call being "
+               "`fo.step`'s then, grouped launches")
+
+
+def is_legacy(res: dict) -> bool:
+  return bool(res["rows"]) and not any("is_default" in r for r in res["rows"])
+
+
+def current_names(res: dict) -> dict:
+  """``res`` with a legacy suite's labels mapped (:data:`LEGACY_NAMES`) and
+  its default rows marked (``_legacy``: how many labels were mapped); a
+  current suite unchanged."""
+  if not is_legacy(res):
+    return res
+  rows = []
+  for r in res["rows"]:
+    r = dict(r)
+    new = LEGACY_NAMES.get((r["op"], r["variant"]))
+    if new is not None:
+      r["label_in_file"], r["variant"] = r["variant"], new
+    r["is_default"] = (r["op"], r["variant"]) in LEGACY_DEFAULTS
+    if r["op"] in ("adam", "muon", "step") and r.get("state_bytes_per_param") is not None:
+      # What the rows stored: params (fp32, bf16 for fuseopt's rows of the
+      # bf16-params case) + the state measured.
+      bf16 = r["case"].endswith("_bf16_params") and r["variant"].startswith("fuseopt")
+      r.setdefault("stored_bytes_per_param", (2 if bf16 else 4) + r["state_bytes_per_param"])
+    if r["op"] == "stochastic_round":
+      r.setdefault("moved_bytes_per_param", 6)  # fp32 read, bf16 written, per element
+    if r["variant"] in ("torch_adamw_fused", "torch_adamw_foreach"):
+      r.setdefault("moved_bytes_per_param", 28)  # fp32 p, g, moments read; p, moments written
+    rows.append(r)
+  return {**res, "rows": rows, "_legacy": sum("label_in_file" in r for r in rows)}
+
+
+def _is_peer(r: dict) -> bool:
+  return not r["variant"].startswith("fuseopt")
+
+
+def _tags(label: str) -> tuple[str, tuple[str, ...]]:
+  """``"fuseopt_step[int8,group]"`` -> ``("fuseopt_step", ("int8", "group"))``."""
+  m = re.fullmatch(r"([^\[]*)(?:\[(.*)\])?", label)
+  return m.group(1), tuple(t for t in (m.group(2) or "").split(",") if t)
+
+
+def case_views(res: dict) -> list[dict]:
+  """Per case, in the suite's order: ``defaults`` (the default calls' rows,
+  each with its ``variants``: the fuseopt rows whose tags extend the
+  default's, e.g. ``fuseopt_step[int8,group]`` under ``fuseopt_step[int8]``;
+  rows of no default's format go under the first), ``orphans`` (fuseopt
+  rows of a case with no default row), ``peers`` (every other row, fastest
+  first) and ``best_peer``. Rows timed, or recorded as the same program as
+  another row (``same_program_as``); errors and skipped rows are left out."""
+  res = current_names(res)
+  cases: dict[tuple[str, str], list[dict]] = {}
+  for r in res["rows"]:
+    if ("ms" in r and "error" not in r) or r.get("same_program_as"):
+      cases.setdefault((r["op"], r["case"]), []).append(r)
+  out = []
+  for (op, case), rows in cases.items():
+    peers = sorted((r for r in rows if _is_peer(r) and "ms" in r), key=lambda r: r["ms"])
+    defaults = [{"row": r, "variants": []} for r in rows if r.get("is_default") and "ms" in r]
+    orphans = []
+    for r in rows:
+      if _is_peer(r) or any(d["row"] is r for d in defaults):
+        continue
+      name, tags = _tags(r["variant"])
+      home = [d for d in defaults if _tags(d["row"]["variant"])[0] == name
+              and set(_tags(d["row"]["variant"])[1]) <= set(tags)]
+      if home:
+        max(home, key=lambda d: len(_tags(d["row"]["variant"])[1]))["variants"].append(r)
+      elif defaults:
+        defaults[0]["variants"].append(r)
+      else:
+        orphans.append(r)
+    for d in defaults:  # the default's own tags first (its launch layouts), then other calls
+      d["variants"].sort(key=lambda r: _tags(r["variant"])[0] != _tags(d["row"]["variant"])[0])
+    out.append({"op": op, "case": case, "defaults": defaults, "orphans": orphans, "peers": peers,
+                "best_peer": peers[0] if peers else None})
+  return out
+
+
+NO_DEFAULT = "no row of this run is the default call"
+
+
+def _vs(r: dict, best: dict | None) -> str:
+  """``r``'s time against the best peer's, in words."""
+  if r.get("same_program_as"):
+    return "-"
+  if best is None:
+    return "-"
+  if r is best:
+    return "best peer"
+  ratio = r["ms"] / best["ms"]
+  return f"{1 / ratio:.2f}× faster" if ratio <= 1 else f"{ratio:.2f}× slower"
+
+
+def _floor(r: dict) -> str:
+  return f"{100 * r['fraction_of_floor']:.0f}%" if r.get("fraction_of_floor") else "-"
+
+
+def _stores(r: dict) -> str:
+  return _num(r.get("stored_bytes_per_param"), ".2f").removesuffix("0").removesuffix(".0")
+
+
+def _moves(r: dict) -> str:
+  v = r.get("moved_bytes_per_param")
+  if v is None:
+    v = (r.get("check") or {}).get(f"bytes_per_param[{r.get('label_in_file', r['variant'])}]")
+  return _num(v, ".2f").removesuffix("0").removesuffix(".0")
+
+
+def _label(r: dict, role: str = "") -> str:
+  text = f"`{r['variant']}`"
+  if r.get("label_in_file"):
+    text += f" (`{r['label_in_file']}`)"
+  if role == "default":
+    text = f"**{text}** default"
+  elif role == "best peer":
+    text = f"best peer {text}"
+  if r.get("same_program_as"):
+    text += f" = `{r['same_program_as']}`"
+  return text
+
+
+def _ordered(view: dict, every_peer: bool) -> list[tuple[dict, str]]:
+  """(row, role) in the rendering order: each default row, then its
+  variants; fuseopt rows of a case without a default row; the peers (the
+  best alone unless ``every_peer``)."""
+  out = []
+  for d in view["defaults"]:
+    out.append((d["row"], "default"))
+    out += [(r, "variant") for r in d["variants"]]
+  out += [(r, "variant") for r in view["orphans"]]
+  peers = view["peers"] if every_peer else view["peers"][:1]
+  out += [(r, "best peer" if r is view["best_peer"] else "peer") for r in peers]
+  return out
+
+
+def _runs_note(res: dict) -> str:
+  runs = res["meta"].get("merged_from") or []
+  if not runs:
+    return ""
+  parts = [f"{r.get('time_utc', '?')[11:16]} UTC: {r.get('ops', '?')}" for r in runs]
+  return f"; rows of {len(runs)} runs that day, merged ({'; '.join(parts)})"
+
+
 def markdown(results_list: list[dict]) -> str:
+  """Every row of the newest run on each device, default-first: per case
+  each default call's row, its tagged variants, then the peers, every
+  ratio against the fastest peer measured in the same run."""
   if not results_list:
     return ("_No hardware results yet: fuseopt has not yet been measured on a GPU or TPU. Run "
             "`python bench/gpu_suite.py bench/results` on one, commit the JSON, then `scripts/fuseopt report`._\n")
   parts = []
   for res in results_list:
+    res = current_names(res)
     m, c = res["meta"], res["ceilings"]
     parts.append(f"**{m['device_kind']}** — jax {m['jax']}, size {m['size']}, {m.get('time_utc', '')[:10]}; "
                  f"measured ceilings: copy {c.get('copy_gbps', 0):.0f} GB/s, "
                  f"bf16 matmul {c.get('matmul_tflops', 0):.3g} TFLOP/s"
-                 + (f" (`{res['_path']}`)" if res.get("_path") else ""))
+                 + (f" (`{res['_path']}`)" if res.get("_path") else "") + _runs_note(res)
+                 + (f"; {LEGACY_NOTE}" if res.get("_legacy") else ""))
     parts.append("")
-    parts.append("| op | case | variant | ms | vs baseline | % of floor | throughput | temp memory "
-                 "| state B/param | check |")
-    parts.append("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
-    for r in res["rows"]:
-      if "ms" not in r or "error" in r:
-        continue
-      ratio = r.get("ratio_to_baseline")
-      vs = "baseline" if r.get("is_baseline") else (f"{1 / ratio:.2f}× faster" if ratio and ratio <= 1
-                                                     else f"{ratio:.2f}× slower" if ratio else "-")
-      floor = f"{100 * r['fraction_of_floor']:.0f}%" if r.get("fraction_of_floor") else "-"
-      parts.append(f"| {r['op']} | {r['case']} | {r['variant']} | {r['ms']:.3f} | {vs} | {floor} | "
-                   f"{throughput(r)} | {fmt_bytes(r.get('temp_bytes'))} | "
-                   f"{_num(r.get('state_bytes_per_param'), '.1f')} | {_check(r)} |")
+    parts.append("| op | case | row | ms | % of floor | vs best peer | throughput | temp memory "
+                 "| stores B/param | moves B/param | check |")
+    parts.append("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for view in case_views(res):
+      if not view["defaults"]:
+        parts.append(f"| {view['op']} | {view['case']} | {NO_DEFAULT} | | | | | | | | |")
+      for r, role in _ordered(view, every_peer=True):
+        same = bool(r.get("same_program_as"))
+        parts.append(
+            f"| {view['op']} | {view['case']} | {_label(r, role)} | "
+            f"{'-' if same else format(r['ms'], '.3f')} | {'-' if same else _floor(r)} | "
+            f"{_vs(r, view['best_peer'])} | {'-' if same else throughput(r)} | "
+            f"{'-' if same else fmt_bytes(r.get('temp_bytes'))} | {_stores(r)} | {_moves(r)} | "
+            f"{'' if same else _check(r)} |")
     parts.append("")
   return "\n".join(parts).rstrip() + "\n"
 
 
 def summary_markdown(results_list: list[dict]) -> str:
-  """The front page's table: per device and case, the baseline, the fastest
-  fuseopt variant and the fastest other peer (e.g. PyTorch), one row each."""
+  """The front page's table, one per device: per case each default call's
+  row first (ms, % of the floor, ratio to the fastest peer of the same
+  run), its tagged variants, then that fastest peer."""
   if not results_list:
     return markdown([])
-  runs = "; ".join(f"{r['meta']['device_kind']}: jax {r['meta']['jax']}, {r['meta'].get('time_utc', '')[:10]}"
-                   + (f" (`{r['_path']}`)" if r.get("_path") else "") for r in results_list)
-  parts = [f"{runs}. Every row: [benchmarks.md](docs/benchmarks.md#measured-on-hardware).", "",
-           "| device | op | case | baseline | ms | fastest fuseopt | ms | vs baseline | state B/param "
-           "| fastest peer | ms |",
-           "| --- | --- | --- | --- | ---: | --- | ---: | ---: | ---: | --- | ---: |"]
+  parts = []
   for res in results_list:
-    cases: dict[tuple[str, str], list[dict]] = {}
-    for r in res["rows"]:
-      if "ms" in r and "error" not in r:
-        cases.setdefault((r["op"], r["case"]), []).append(r)
-    for (op, case), rows in cases.items():
-      base = next((r for r in rows if r.get("is_baseline")), None)
-      ours = min((r for r in rows if r["variant"].startswith("fuseopt")), key=lambda r: r["ms"],
-                 default=None)
-      peers = [r for r in rows if not r.get("is_baseline") and not r["variant"].startswith("fuseopt")
-               and not r["variant"].startswith(("optax", "xla"))]
-      peer = min(peers, key=lambda r: r["ms"], default=None)
-      if base is None or ours is None:
-        continue
-      ratio = ours["ms"] / base["ms"]
-      vs = f"{1 / ratio:.2f}× faster" if ratio <= 1 else f"{ratio:.2f}× slower"
-      parts.append(f"| {res['meta']['device_kind']} | {op} | {case} | {base['variant']} | {base['ms']:.3f} "
-                   f"| {ours['variant']} | {ours['ms']:.3f} | {vs} "
-                   f"| {_num(ours.get('state_bytes_per_param'), '.1f')} "
-                   f"| {peer['variant'] if peer else '-'} | {f'{peer['ms']:.3f}' if peer else '-'} |")
-  return "\n".join(parts) + "\n"
+    res = current_names(res)
+    m = res["meta"]
+    parts.append(f"{m['device_kind']}: jax {m['jax']}, {m.get('time_utc', '')[:10]}"
+                 + (f" (`{res['_path']}`)" if res.get("_path") else "")
+                 + (f", rows of {len(m['merged_from'])} runs that day" if m.get("merged_from") else "")
+                 + (", labels mapped to today's names (the label in the file in brackets)"
+                    if res.get("_legacy") else "")
+                 + ". Every row and peer: [benchmarks.md](docs/benchmarks.md#measured-on-hardware).")
+    parts += ["", "| op | case | row | ms | % of floor | vs best peer | stores B/param | moves B/param |",
+              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for view in case_views(res):
+      if not view["defaults"]:
+        parts.append(f"| {view['op']} | {view['case']} | {NO_DEFAULT} | | | | | |")
+      for r, role in _ordered(view, every_peer=False):
+        same = bool(r.get("same_program_as"))
+        parts.append(f"| {view['op']} | {view['case']} | {_label(r, role)} | "
+                     f"{'-' if same else format(r['ms'], '.3f')} | {'-' if same else _floor(r)} | "
+                     f"{_vs(r, view['best_peer'])} | {_stores(r)} | {_moves(r)} |")
+    parts.append("")
+  return "\n".join(parts).rstrip() + "\n"
 
 
 def replace_between(path: Path | str, start_marker: str, end_marker: str, body: str) -> bool:

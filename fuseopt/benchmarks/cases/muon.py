@@ -7,19 +7,31 @@ and state donated. On a GPU/TPU ("full") the 1.20 B tree (d=2048, ff=8192,
 16 layers, vocab 32000); on the CPU the scaled-down tree of
 :func:`fuseopt.benchmarks.workloads.llama_tree_cpu`.
 
-Variants (Jordan's coefficients, 5 steps, lr 0.02, weight decay 0.1):
+Variants (lr 0.02, weight decay 0.1; optax with Jordan's coefficients, 5
+steps, which are also fuseopt's default):
 
 - ``optax_muon`` (baseline): ``optax.contrib.muon``, fp32 grads and
   momentum, so NS in fp32 (194.7 ms, 8.67 GB temp on an H200,
   docs/measurements.md);
 - ``optax_muon_bf16``: optax's best configuration, bf16 grads and
   ``mu_dtype=bf16`` so NS in bf16 (100.1 ms, 4.41 GB);
-- ``fuseopt_muon``: :func:`fuseopt.optim.muon`, fp32 grads and momentum,
-  NS in bf16 with fp32 accumulation, one batched NS call per matrix shape;
-- ``fuseopt_muon[gram]``: the same with Gram NS for the 1:4 MLP matrices;
-- ``fuseopt_muon[calls<=2^25]``: NS calls of at most 2^25 elements (2 of
-  the 2048x8192 matrices) instead of 2^27: less temp memory, more calls;
-- ``fuseopt_muon[bf16_adam]``: the same with bf16 AdamW moments.
+- ``fuseopt_muon``: the default call, :func:`fuseopt.optim.muon` with the
+  workload's arguments only (learning rate, weight decay, which leaves are
+  matrices) through ``tx.update`` + ``optax.apply_updates``, fp32 grads and
+  momentum: whatever NS path, coefficients and call sizes are the default;
+- ``fuseopt_muon[gram]`` (accelerators): ``newton_schulz=NewtonSchulz(gram="auto")``
+  (Gram NS for the 1:4 MLP matrices); ``fuseopt_muon[no_gram]``
+  (accelerators): ``NewtonSchulz(gram=False)``; one of them may be the
+  default's own program (then recorded ``same_program_as``, not timed twice);
+- ``fuseopt_muon[gram,jordan]``: Gram NS on fuseopt's ``"jordan"``
+  schedule (``ns_coeffs="jordan"``: Gram restarts where that schedule wants
+  them, a different program from the default coefficient table's), the row
+  named ``fuseopt_muon[gram]`` in suites written before the rows named their
+  default call;
+- ``fuseopt_muon[calls<=2^25]``: ``NewtonSchulz(max_elements=2**25)`` (two
+  of the 2048x8192 matrices a call);
+- ``fuseopt_muon[bf16_adam]``: ``execution=Execution(adam_moment_dtype=bf16)``,
+  bf16 AdamW moments.
 
 The figure that matters besides time is ``temp_bytes`` (XLA's temporary
 memory from ``memory_analysis``; target <= 1 GB on the 1.20 B tree). The
@@ -54,23 +66,46 @@ def muon_dims(params):
   return jax.tree_util.tree_map_with_path(pick, params)
 
 
-def optimizers() -> dict:
-  """label -> (optax transformation, grads dtype)."""
+def optimizers(platform: str = "cpu") -> dict:
+  """label -> (optax transformation, grads dtype). ``fuseopt_muon`` is the
+  default call; a tagged label passes what its tag names, explicitly."""
   common = dict(learning_rate=LR, weight_decay=WD, muon_weight_dimension_numbers=muon_dims)
-  return {
+  out = {
       "optax_muon": (optax.contrib.muon(learning_rate=LR, weight_decay=WD, ns_coeffs=COEFFS,
                                         muon_weight_dimension_numbers=muon_dims), jnp.float32),
       "optax_muon_bf16": (optax.contrib.muon(learning_rate=LR, weight_decay=WD, ns_coeffs=COEFFS,
                                              mu_dtype=jnp.bfloat16,
                                              muon_weight_dimension_numbers=muon_dims), jnp.bfloat16),
-      "fuseopt_muon": (fmuon.muon(ns_coeffs="jordan", **common), jnp.float32),
-      "fuseopt_muon[gram]": (fmuon.muon(ns_coeffs="jordan", **common, newton_schulz=fmuon.NewtonSchulz(gram='auto')), jnp.float32),
-      "fuseopt_muon[calls<=2^25]": (fmuon.muon(ns_coeffs="jordan", **common, newton_schulz=fmuon.NewtonSchulz(max_elements=1 << 25)),
-                                    jnp.float32),
-      "fuseopt_muon[bf16_adam]": (fmuon.muon(ns_coeffs="jordan", execution=fmuon.Execution(adam_moment_dtype=jnp.bfloat16),
-                                             **common),
-                                  jnp.float32),
+      "fuseopt_muon": (fmuon.muon(**common), jnp.float32),
   }
+  if platform in ("gpu", "tpu"):
+    out["fuseopt_muon[gram]"] = (fmuon.muon(**common, newton_schulz=fmuon.NewtonSchulz(gram="auto")),
+                                 jnp.float32)
+    out["fuseopt_muon[no_gram]"] = (fmuon.muon(**common, newton_schulz=fmuon.NewtonSchulz(gram=False)),
+                                    jnp.float32)
+  # Gram NS on fuseopt's "jordan" schedule (its restarts where the schedule
+  # wants them), the Gram row of the suites before the rows were named by
+  # their arguments.
+  out["fuseopt_muon[gram,jordan]"] = (
+      fmuon.muon(**common, ns_coeffs="jordan", newton_schulz=fmuon.NewtonSchulz(gram="auto")),
+      jnp.float32)
+  out["fuseopt_muon[calls<=2^25]"] = (
+      fmuon.muon(**common, newton_schulz=fmuon.NewtonSchulz(max_elements=1 << 25)), jnp.float32)
+  out["fuseopt_muon[bf16_adam]"] = (
+      fmuon.muon(**common, execution=fmuon.Execution(adam_moment_dtype=jnp.bfloat16)), jnp.float32)
+  return out
+
+
+CALLS = {
+    "optax_muon": "optax.contrib.muon(lr, weight_decay=wd, ns_coeffs=JORDAN, ...)",
+    "optax_muon_bf16": "optax.contrib.muon(lr, weight_decay=wd, ns_coeffs=JORDAN, mu_dtype=bf16, ...), bf16 grads",
+    "fuseopt_muon": "fo.muon(lr, weight_decay=wd, muon_weight_dimension_numbers=dims)",
+    "fuseopt_muon[gram]": "fo.muon(..., newton_schulz=fo.NewtonSchulz(gram='auto'))",
+    "fuseopt_muon[no_gram]": "fo.muon(..., newton_schulz=fo.NewtonSchulz(gram=False))",
+    "fuseopt_muon[gram,jordan]": "fo.muon(..., ns_coeffs='jordan', newton_schulz=fo.NewtonSchulz(gram='auto'))",
+    "fuseopt_muon[calls<=2^25]": "fo.muon(..., newton_schulz=fo.NewtonSchulz(max_elements=2**25))",
+    "fuseopt_muon[bf16_adam]": "fo.muon(..., execution=fo.Execution(adam_moment_dtype=bf16))",
+}
 
 
 def step_fn(tx):
@@ -91,7 +126,7 @@ def cases(size: str, platform: str):
       cache["grads"] = workloads.materialize(struct, seed=1, scale=1.0)
     return cache["params"], cache["grads"]
 
-  opts = optimizers()
+  opts = optimizers(platform)
 
   def variant(label):
     def build():
@@ -112,9 +147,12 @@ def cases(size: str, platform: str):
     return core.checks_against(delta, "optax_muon", tol=0.1)
 
   name = "llama1.2b" if platform in ("gpu", "tpu") else f"llama_cpu_{n}"
-  state_bytes = {}
+  state_bytes, meta = {}, {}
   for label, (tx, _) in opts.items():
     st = jax.eval_shape(tx.init, struct)
     state_bytes[label] = int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(st)))
+    # Params fp32 in every row; the state as the transformation builds it.
+    meta[label] = {"stores": "p fp32, state as init builds it",
+                   "stored_bytes_per_param": 4 + state_bytes[label] / n, "calls": CALLS[label]}
   return [Case(op="muon", name=name, variants={k: variant(k) for k in opts}, baseline="optax_muon",
-               params=n, state_bytes=state_bytes, check=check)]
+               default="fuseopt_muon", params=n, state_bytes=state_bytes, meta=meta, check=check)]

@@ -18,8 +18,8 @@ Variants:
   ``optax.partition`` of ``optax.adamw`` / ``optax.contrib.muon``), fp32 state;
 - ``fuseopt_fallback``: fuseopt's transforms (bf16 Adam moments) through
   ``tx.update`` + ``optax.apply_updates``;
-- ``fuseopt_step``: the same transforms through :func:`fuseopt.optim.step`:
-  fused in-place passes.
+- ``fuseopt_step``: the same transforms through :func:`fuseopt.optim.step`
+  with no further argument (the default call): fused in-place passes.
 
 The check compares each variant's parameter change with the optax chain's
 (relative Frobenius error).
@@ -135,7 +135,7 @@ def cases(size: str, platform: str):
     out.append(Case(
         op="step", name=f"{recipe}_{prefix}",
         variants={k: variant(tx, fused) for k, (tx, fused) in opts.items()},
-        baseline="optax_chain", params=n,
+        baseline="optax_chain", default="fuseopt_step", params=n,
         # The AdamW recipe's floor: 20 B/param for the update + 4 for the
         # clip's read of g (docs/fused_step.md); the hybrid's has NS on top.
         bytes=24 * n if recipe == "adamw_recipe" else None,
