@@ -353,25 +353,19 @@ def _step_fn(tx, fused):
 
 
 # Which targets CI compiles the costly cases on (the rest is the full sweep,
-# `fuseopt compile-check --target all --all`): on the 2-core CI machine
-# libtpu takes 1-3 min for one sharded or Muon step of the 1.20 B tree, and
-# one target's steps share one worker. The fused steps of the three recipes
-# and every kernel compile on all five targets; the ``tx.update`` +
-# ``apply_updates`` path (XLA glue around the same kernels) on the H200; the
-# builder's step (the hybrid recipe's plus a schedule and clipping) on the
-# H200 and v5e (libtpu compiles it there in half v6e's time); the variant
-# recipes (NorMuon, cautious decay, mantissa, 8-bit moments: the same kernels
-# as the fused steps, other glue) on the H200; the sharded steps on 8 x H200
-# and v6e "2x4", and the Auto mesh (the FSDP setup the scaling figures quote)
-# on v5e too.
+# `fuseopt compile-check --target all --all`; docs/compile_tier.md says why
+# each): libtpu takes 1-3 min for one sharded or Muon step of the 1.20 B tree
+# on the 2-core CI machine, and one target's steps share one worker.
 CI_TARGETS = {
     "fallback": ("h200",),
     "builder_fallback": ("h200",),
     "builder": ("h200", "v5e"),
     "sharded_explicit": ("h200", "v6e"),
     "sharded_auto": ("h200", "v5e", "v6e"),
+    "sharded_int8_explicit": ("h200", "v6e"),
+    "sharded_int8_auto": ("h200",),
     "variants": ("h200",),
-    "int8": ("h200", "v5e"),
+    "int8": ("h200",),
 }
 
 
@@ -521,7 +515,7 @@ def sharded_cases() -> list[Case]:
         kind = "explicit" if axis_type == AxisType.Explicit else "auto"
         out.append(Case(f"sharded/{recipe}/{variant}/llama1.2b-fsdp8-{kind}", build,
                         kind="sharded", devices=8, expect_kernels=variant != "optax",
-                        baseline=variant == "optax", ci_targets=CI_TARGETS[f"sharded_{kind}"],
+                        baseline=variant == "optax", ci_targets=CI_TARGETS[f"sharded_{'int8_' * (recipe == 'adamw_int8')}{kind}"],
                         mesh=mesh_of))
   return out
 

@@ -165,6 +165,20 @@ def per_param(acc: list[dict[str, Any]]) -> dict[str, dict[str, list[int]]]:
               kv[0] == "None", [int(x) for x in kv[0].split(",") if x.isdigit()]))}
 
 
+# fp32 arithmetic: "op.mods.f32" (mul.rn.f32, fma.rn.f32, div.full.f32, sqrt.approx.f32, ...)
+_F32_OP = re.compile(r"^\s*(?:@!?%\w+\s+)?((?:fma|mul|add|sub|div|sqrt|rsqrt|rcp|neg|abs|max|min|"
+                     r"setp|selp|ex2|lg2|cvt)(?:\.[\w]+)*\.f32)\b", re.M)
+
+
+def float_ops(body: str) -> dict[str, int]:
+  """``{"mnemonic": count}`` of one ``.entry``'s fp32 instructions
+  (``mul.rn.f32``, ``div.full.f32``, ...). Divided by the elements a thread
+  holds, the arithmetic of one element: the same at every block size and grid
+  when each element is computed by one instruction sequence. A ``.rn``
+  multiply or add is rounded as written: no assembler contracts it into an FMA."""
+  return dict(sorted(collections.Counter(m.group(1) for m in _F32_OP.finditer(body)).items()))
+
+
 # ------------------------------------------------------------------- ptxas --
 def ptxas_path() -> str | None:
   """The ptxas of the ``compile`` extra (nvidia-cuda-nvcc-cu12), the one XLA

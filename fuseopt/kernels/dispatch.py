@@ -25,7 +25,10 @@ The rule (:func:`select`):
    platform not listed runs ``"xla"`` (there is no implicit TPU or GPU).
 
 ``mosaic_gpu`` is in no platform's order: it runs when named (Triton stays the
-GPU default until a device run has timed both).
+GPU default until a device run has timed both). An op whose measured fastest
+backend on a platform is not the first of :data:`PLATFORM_ORDER` gives
+:func:`select` its own order for that platform (``ORDER`` in the op's
+``backends.py``, next to the measurement it rests on).
 
 Adding a backend is one new file (the op's ``<backend>.py``, defining
 ``supports``) and one entry in the op's ``BACKENDS``.
@@ -260,11 +263,14 @@ def resolve_implementation(op: str, implementation: str | None,
 
 def select(op: str, backends: Mapping[str, Any], implementation: str | None,
            arrays: Iterable[Any] = (), *, interpret: bool = False,
-           overrides: Overrides | None = None, **facts: Any) -> str:
+           overrides: Overrides | None = None, order: Mapping[str, tuple[str, ...]] | None = None,
+           **facts: Any) -> str:
   """The backend of ``backends`` (the op's table) that runs this call of
   ``op`` (the rule of the module docstring). ``facts`` are what the
   backends' ``supports`` read; ``overrides`` what the op read from the
-  environment for this call (read here when not given)."""
+  environment for this call (read here when not given); ``order`` the op's
+  own order for the platforms where a measurement set it apart from
+  :data:`PLATFORM_ORDER` (the op's ``backends.py`` says which and why)."""
   arrays = tuple(arrays)
   overrides = overrides or environment_overrides()
   call = Call(op, target_device(arrays), bool(interpret), facts)
@@ -280,8 +286,9 @@ def select(op: str, backends: Mapping[str, Any], implementation: str | None,
     if reason is not None:
       raise ValueError(f"{op}: implementation={name!r}{source} cannot run this call: {reason}")
     return name
-  order = [n for n in PLATFORM_ORDER.get(call.target.platform, ("xla",)) if n in backends]
-  for name in order:
+  platform = call.target.platform
+  tried = (order or {}).get(platform) or PLATFORM_ORDER.get(platform, ("xla",))
+  for name in [n for n in tried if n in backends]:
     reason = backends[name].supports(call)
     if reason is None:
       return name

@@ -318,6 +318,19 @@ def like(y, x):
   return jax.sharding.reshard(y, spec)
 
 
+def put_back(y, x, given: Placement):
+  """``y``, computed on another placement than ``x``'s (a leaf run with an
+  axis gathered), back where ``x`` lies: its typed sharding on Explicit axes,
+  else (Auto) ``given``'s spec fitted to ``y``'s shape."""
+  spec = _type_spec(x)
+  if spec is not None:
+    if spec == _type_spec(y):
+      return y
+    return jax.sharding.reshard(y, NamedSharding(given.mesh, spec))
+  return jax.lax.with_sharding_constraint(
+      y, NamedSharding(given.mesh, given.dividing_spec(y.shape)))
+
+
 def longest_prefix(table, key: tuple):
   """The longest prefix of ``key`` (a leaf's key path, as a tuple) that
   ``table`` has an entry for, or None: how a tree given as a prefix of

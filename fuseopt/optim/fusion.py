@@ -156,7 +156,7 @@ class Context:
   """
   grad_scale: Any = None
   apply: Any = None
-  group: bool = True
+  group: bool = False
   shardings: Any = None
   extra_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   _memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)

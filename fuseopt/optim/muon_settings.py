@@ -40,8 +40,10 @@ class NewtonSchulz:
       (default) or ``"float32"`` (optax's numerics); a dtype, its name or its
       scalar type. Stored as a ``jnp.dtype``.
     gram: Gram Newton-Schulz (iterate on the small Gram matrix, restarted):
-      ``False`` (default), ``True``, or ``"auto"`` (for matrices of aspect
-      ratio >= 2).
+      ``False``, ``True``, ``"auto"`` (for matrices of aspect ratio >= 2), or
+      ``None`` (default): the platform's fastest measured
+      (:func:`fuseopt.kernels.newton_schulz`): ``"auto"`` on a GPU, ``False``
+      (optax's iteration) on a TPU and the CPU.
     max_elements: the most matrix elements one NS call takes (``None``: the
       platform's default, :func:`~fuseopt.optim.muon_newton_schulz.default_ns_max_elements`:
       2^23 = 16 MiB of bf16 input on a GPU or a TPU, 2^25 on the CPU).
@@ -59,7 +61,7 @@ class NewtonSchulz:
       effect on the CPU.
   """
   dtype: Any = "bfloat16"
-  gram: bool | str = False
+  gram: bool | str | None = None
   max_elements: Optional[int] = None
   matmul: str = "xla"
 
@@ -71,8 +73,9 @@ class NewtonSchulz:
     except TypeError as e:
       raise ValueError(f"NewtonSchulz: dtype must be a dtype or its name, got {self.dtype!r}") from e
     object.__setattr__(self, "dtype", dtype)
-    if not (isinstance(self.gram, bool) or self.gram == "auto"):
-      raise ValueError(f"NewtonSchulz: gram must be False, True or 'auto', got {self.gram!r}")
+    if not (self.gram is None or isinstance(self.gram, bool) or self.gram == "auto"):
+      raise ValueError(f"NewtonSchulz: gram must be None, False, True or 'auto', "
+                       f"got {self.gram!r}")
     m = self.max_elements
     if m is not None and (isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1):
       raise ValueError(f"NewtonSchulz: max_elements must be an int >= 1 or None, got {m!r}")

@@ -12,7 +12,7 @@ from fuseopt.optim import fusion
 from fuseopt.optim import _checks
 
 
-def step(tx: Any, grads: Any, state: Any, params: Any, *, group: bool = True,
+def step(tx: Any, grads: Any, state: Any, params: Any, *, group: bool = False,
          shardings: Any = None, **extra_args: Any) -> tuple[Any, Any]:
   """Applies one update of ``tx`` to ``params``; returns ``(params, state)``.
 
@@ -24,13 +24,13 @@ def step(tx: Any, grads: Any, state: Any, params: Any, *, group: bool = True,
   ``derive_seed(seed, t, i, STREAM_PARAM)``). The result equals
   ``tx.update`` + ``optax.apply_updates`` up to fp32 rounding of the fused
   arithmetic, with bitwise the same moment rounding seeds; the returned state
-  has exactly ``tx.init``'s structure. On a GPU (``triton``)
-  ``group=True`` (the default) shares a launch among the leaves of one dtype
-  signature (up to 16 a launch, 11 launches instead of 147 on the 1.2 B
-  Llama tree); ``group=False`` runs one launch per leaf, which measured
-  faster on an H200 inside XLA's CUDA graphs (12.01 against 14.26 ms,
-  docs/measurements.md, which says why it is not yet the default). On TPU
-  it is one kernel per leaf either way.
+  has exactly ``tx.init``'s structure. On a GPU (``triton``) the default
+  ``group=False`` runs one launch per leaf, the faster measured on an H200
+  inside XLA's CUDA graphs (docs/measurements.md); ``group=True`` shares a
+  launch among the leaves of one dtype signature (up to 16 a launch, 11
+  launches instead of 147 on the 1.2 B Llama tree), which saves launches
+  where no CUDA graph does. Both give the same bits. On TPU it is one kernel
+  per leaf either way.
 
   The same holds for what :func:`fuseopt.optim.build_optimizer` returns and
   for every composition of pieces that declare an in-place rule

@@ -151,3 +151,54 @@ def test_ptxas_report_reads_registers():
   report = ptx_figures.ptxas_report(_PTX)
   assert set(report) == {"fuseopt_k"}
   assert report["fuseopt_k"]["registers"] > 0 and report["fuseopt_k"]["spill_stores"] == 0
+
+
+# ----------------------------------------- per-element arithmetic, any size --
+def _adam_ptx(target, config, n, param_dtype):
+  import jax
+  import jax.numpy as jnp
+
+  from fuseopt.kernels import adam
+
+  def fn(p, g, mu, nu):
+    return adam.adam_update(p, g, mu, nu, count=3, learning_rate=1e-3, weight_decay=0.1,
+                            implementation="triton", config=config)
+  S = jax.ShapeDtypeStruct
+  args = (S((n,), param_dtype), S((n,), param_dtype), S((n,), jnp.bfloat16),
+          S((n,), jnp.bfloat16))
+  (text,) = ptx_figures.ptx_of(target, fn, args, donate=(0, 2, 3)).values()
+  (body,) = ptx_figures.entries(text).values()
+  return body
+
+
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_per_leaf_adam_arithmetic_is_the_same_at_every_size(param_dtype):
+  """The per-leaf Adam kernel (the default launch on GPU) computes each
+  element with one sequence of fp32 instructions, whatever its block, its
+  warps and the leaf's size (a leaf, or one of its shards): the fp32
+  instruction counts of the compiled PTX are the per-element counts times
+  the elements a thread holds, and every multiply and add is rounded as
+  written (``.rn``: ptxas contracts none into an FMA). This is what makes a
+  sharded step bitwise the unsharded one on the GPU, which the CPU's
+  interpret mode cannot show for fp32 parameters (tests/sharding/test_elementwise.py)."""
+  from fuseopt.kernels.adam import TritonConfig
+  if targets.missing("h200"):
+    pytest.skip(targets.missing("h200"))
+  import jax.numpy as jnp
+  dtype = jnp.dtype(param_dtype)
+  # (block, warps, leaf size): elements a thread = block / (32 warps)
+  runs = [(256, 8, 1 << 16), (1024, 8, 1 << 16), (1024, 8, (1 << 13) + 3), (2048, 8, 1 << 16),
+          (1024, 4, 1 << 16)]
+  per_element = {}
+  for block, warps, n in runs:
+    ops = ptx_figures.float_ops(_adam_ptx("h200", TritonConfig(block, warps), n, dtype))
+    per_thread = block // (32 * warps)
+    assert all(c % per_thread == 0 for c in ops.values()), (block, warps, n, ops)
+    per_element[(block, warps, n)] = {k: c // per_thread for k, c in ops.items()}
+  first = next(iter(per_element.values()))
+  assert first.get("div.full.f32") and first.get("sqrt.approx.f32"), first
+  for key, ops in per_element.items():
+    assert ops == first, f"block/warps/size {key}: {ops} != {first}"
+  contractible = [k for k in first if k.split(".")[0] in ("mul", "add", "sub")
+                  and ".rn." not in k]
+  assert not contractible, f"multiplies or adds without .rn (an assembler may fuse them): {contractible}"

@@ -213,8 +213,8 @@ def test_h200_lowering_reads_p_g_mu_nu_and_writes_them_in_place(optimizer):
   adam_leaves = sum((c[0] - 2) // 4 for c in adam)
   # adamw: every leaf; muon: the 1-D leaves (scale, bias), the matrices are Muon's.
   assert adam_leaves == (8 if optimizer == "adamw" else 2), calls
-  if optimizer == "muon":
-    assert len(calls) > len(adam)  # the Newton-Schulz kernels
+  # (muon: the matrices' Newton-Schulz runs as the GPU's default picks it, Gram
+  # iterations on Triton or XLA's matmuls: tests/kernels/test_newton_schulz.py)
 
 
 def test_muon_implementation_reaches_its_adamw_side():

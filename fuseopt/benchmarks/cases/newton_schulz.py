@@ -6,8 +6,11 @@ with optax's; Polar Express costs the same FLOPs):
 - ``optax_ns_bf16`` (baseline): ``optax.contrib``'s
   ``orthogonalize_via_newton_schulz`` on the bf16 input (it iterates in the
   input dtype), vmapped over a stack;
+- ``fuseopt``: the default call, ``newton_schulz(x)`` (the platform's
+  backend and iteration: on a GPU Gram NS on Triton for aspect ratio >= 2,
+  else the standard iteration as XLA's matmuls);
 - ``fuseopt[xla]``: the reference (plain jnp; bf16 iterates, fp32
-  accumulation);
+  accumulation), standard iteration (every tagged row passes ``gram``);
 - ``fuseopt[xla,gram]``: Gram NS (aspect ratio >= 2 only; CPU only, to keep
   the one-shot GPU suite inside its time budget);
 - on a GPU / TPU: ``fuseopt[<impl>]`` (the default dispatch: fused kernel for
@@ -105,10 +108,16 @@ def variant_fns(shape, platform: str) -> dict:
   *batch, m, n = shape
   wide = max(m, n) >= ns.GRAM_AUTO_ASPECT * min(m, n)
 
-  def fuse(impl, **kw):
-    return lambda x: ns.newton_schulz(x, coeffs=COEFFS, steps=STEPS, implementation=impl, **kw)
+  def fuse(impl, gram=False, **kw):
+    # (tagged rows name their backend and their iteration: gram=False is the
+    # standard one whatever the platform's default)
+    return lambda x: ns.newton_schulz(x, coeffs=COEFFS, steps=STEPS, implementation=impl,
+                                      gram=gram, **kw)
 
-  fns = {"optax_ns_bf16": optax_ns, "fuseopt[xla]": fuse("xla")}
+  fns = {"optax_ns_bf16": optax_ns,
+         # the default call: backend and iteration as the platform's dispatch picks them
+         "fuseopt": lambda x: ns.newton_schulz(x, coeffs=COEFFS, steps=STEPS),
+         "fuseopt[xla]": fuse("xla")}
   if wide and not _impls(platform):  # on an accelerator the kernel Gram row stands for it
     fns["fuseopt[xla,gram]"] = fuse("xla", gram=True)
   for impl in _impls(platform):
@@ -146,5 +155,5 @@ def cases(size: str, platform: str):
     variants = {label: variant(fn) for label, fn in variant_fns(shape, platform).items()}
     out.append(Case(op="newton_schulz", name="x".join(map(str, shape)), variants=variants,
                     baseline="optax_ns_bf16", flops=flops(shape), params=math.prod(shape),
-                    check=check))
+                    check=check, default="fuseopt"))
   return out

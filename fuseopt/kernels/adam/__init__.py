@@ -195,7 +195,7 @@ def adam_update_reference(params, grads, mu, nu, *, count, learning_rate=0.0, b1
 def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0.999,
                      eps=1e-8, eps_root=0.0, weight_decay=0.0, nesterov=False, seed=0,
                      shardings=None, implementation=None, interpret=False, config=None,
-                     group=True, grad_scale=1.0, apply=True, cautious_weight_decay=False,
+                     group=False, grad_scale=1.0, apply=True, cautious_weight_decay=False,
                      params_lo=None):
   """:func:`adam_update` over lists of leaves sharing one step's scalars.
 
@@ -207,15 +207,15 @@ def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9,
   (mantissa tracking, see :func:`adam_update`), or ``None`` for a leaf
   stored as it is. Leaf ``i`` rounds with ``adam_seeds(seed, count, i)``.
 
-  Launches: with the ``triton`` implementation and ``group=True`` (the
-  default; or ``config`` a :class:`TritonGroupConfig`) the leaves of one dtype signature
+  Launches: ``group=False`` (the default) runs one kernel per leaf, the
+  faster measured on an H200 inside XLA's CUDA graphs (docs/measurements.md).
+  With the ``triton`` implementation and ``group=True`` (or ``config`` a
+  :class:`TritonGroupConfig`) the leaves of one dtype signature
   (params, grads, mu, nu) share one kernel launch, at most
   ``config.max_leaves_per_launch`` leaves a launch (``config``: a
   :class:`TritonGroupConfig`), each leaf read and written in place where it
-  lies. On an H200 inside XLA's CUDA graphs the grouped launches measured
-  slower than per-leaf ones (1.2 B tree: 14.26 against 12.01 ms,
-  docs/measurements.md); ``group=False`` runs per leaf (see there why it is
-  not yet the default). The bits are those of the per-leaf kernels. ``mosaic_gpu`` groups the same way, but only when
+  lies: fewer launches where no CUDA graph hides their cost. The bits are
+  those of the per-leaf kernels. ``mosaic_gpu`` groups the same way, but only when
   ``config`` is an :class:`~fuseopt.kernels.adam.mosaic_gpu.MosaicGPUGroupConfig`
   (lowering a grouped Mosaic GPU launch takes tens of seconds).
   ``group=False`` and the other implementations run one

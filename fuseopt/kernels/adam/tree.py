@@ -1,12 +1,15 @@
-"""Running the Adam update over lists of leaves: backends per leaf or per
-group of leaves, and the leaves' placement on a mesh.
+"""Running the Adam update over lists of leaves: one driver for every moment
+format (:mod:`.formats`), backends per leaf or per group of leaves, and the
+leaves' placement on a mesh.
 
 :func:`update_leaves` places each leaf once (kernels on unsharded leaves,
 shard-local kernels in one ``shard_map`` per mesh on evenly sharded ones, the
-reference on the rest); :func:`run_local` runs leaves that are local to this
-device (or shard), grouping them where the backend groups; :func:`run_leaf`
-runs one leaf on one backend, or on the reference where that backend does not
-cover the leaf (logged at debug level).
+reference on the rest), whatever its moments' format; :func:`run_local` runs
+leaves that are local to this device (or shard), grouping them where the
+backend groups that format; :func:`run_leaf` runs one leaf on one backend, or
+on the reference where that backend does not cover the leaf (logged at debug
+level). A format enters only where it must: which kernel entry point a leaf
+or group takes, and how its moments are laid out and placed.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from fuseopt.kernels import dispatch
 from fuseopt.kernels import elementwise_tiling
 from fuseopt.kernels import mantissa
 from fuseopt.kernels import sharding as sharding_lib
-from fuseopt.kernels.adam import quantized
+from fuseopt.kernels.adam import formats
 from fuseopt.kernels.adam import reference
 from fuseopt.kernels.adam.backends import BACKENDS
 from fuseopt.kernels.adam.math import SEED_BASE, no_derivative
@@ -48,8 +51,12 @@ def _four(res):
 
 def run_leaf(impl, scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, interpret, config,
              index_map=None, lo=None):
-  """One leaf on backend ``impl``; returns ``(out, mu, nu, lo)`` in the leaf's
-  shape (``lo`` None unless the leaf has a companion)."""
+  """One leaf on backend ``impl``, the entry point of its moments' format;
+  returns ``(out, mu, nu, lo)`` in the leaf's shape (``lo`` None unless the
+  leaf has a companion)."""
+  if formats.of(mu).quantized:
+    return _run_quantized(impl, scalars, seeds, p, g, mu, nu, nesterov=nesterov,
+                          interpret=interpret, config=config, index_map=index_map) + (None,)
   return _four(_run_leaf(impl, scalars, seeds, p, g, mu, nu, nesterov=nesterov,
                          out_dtype=out_dtype, interpret=interpret, config=config,
                          index_map=index_map, lo=lo))
@@ -91,6 +98,10 @@ def _run_leaf(impl, scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, interp
   flat = lambda a: None if a is None else a.reshape(-1)
   p, g, mu, nu, lo = flat(p), flat(g), flat(mu), flat(nu), flat(lo)
   del kw["lo"]
+  if config is None and impl == "triton":
+    # (the block follows the operands' widths: 128-bit accesses to each)
+    widths = [jnp.dtype(a.dtype).itemsize for a in (p, g, mu, nu, lo) if a is not None]
+    config = _backend(impl).heuristic(n, widths + [jnp.dtype(out_dtype).itemsize])
   config = config or _backend(impl).heuristic(n)
   if impl == "mosaic_gpu":
     # (the guard on the inputs, not around the kernel: jax cannot discharge
@@ -113,12 +124,14 @@ def _with_companion(update):
   return run
 
 
-def _groups_leaves(impl, group, config) -> bool:
-  """Whether backend ``impl`` runs leaves of one dtype signature in one
-  launch: asked by ``group=True`` or by a grouped launch's config."""
+def _groups_leaves(impl, group, config, fmt=formats.DENSE) -> bool:
+  """Whether backend ``impl`` runs leaves of one dtype signature and moment
+  format ``fmt`` in one launch: asked by ``group=True`` or by a grouped
+  launch's config (Mosaic GPU groups dense moments only)."""
   if impl == "triton":
     return bool(group) or isinstance(config, _backend(impl).TritonGroupConfig)
-  return impl == "mosaic_gpu" and isinstance(config, _backend(impl).MosaicGPUGroupConfig)
+  return (impl == "mosaic_gpu" and not fmt.quantized
+          and isinstance(config, _backend(impl).MosaicGPUGroupConfig))
 
 
 def launch_chunks(sizes, max_leaves: int, *, by_size: bool = True) -> list[list[int]]:
@@ -153,8 +166,13 @@ def launch_chunks(sizes, max_leaves: int, *, by_size: bool = True) -> list[list[
 
 def _run_group(impl, members, scalars, seeds, ps, gs, mus, nus, *, nesterov, interpret, config,
                index_maps, los):
-  """The leaves ``members`` (one dtype signature: all with a companion in
-  ``los``, or none) in grouped launches; returns ``{leaf: (out, mu, nu, lo)}``."""
+  """The leaves ``members`` (one dtype signature and moment format: all with
+  a companion in ``los``, or none) in grouped launches; returns
+  ``{leaf: (out, mu, nu, lo)}``."""
+  if formats.of(mus[members[0]]).quantized:
+    return _run_quantized_group(impl, members, scalars, seeds, ps, gs, mus, nus,
+                                nesterov=nesterov, interpret=interpret, config=config,
+                                index_maps=index_maps)
   apply = ps is not None
   tracked = los is not None and los[members[0]] is not None
   backend = _backend(impl)
@@ -198,20 +216,23 @@ def run_local(impl, scalars, seeds, ps, gs, mus, nus, *, nesterov, interpret, co
   n = len(gs)
   apply = ps is not None
   los = los if los is not None else [None] * n
-  grouped = _groups_leaves(impl, group, config)
   # (a Mosaic GPU block spans at least one warpgroup's 128 elements)
   smallest = elementwise_tiling.MOSAIC_GPU_LANES if impl == "mosaic_gpu" else 1
   outs = ([None] * n, [None] * n, [None] * n, [None] * n)
-  signatures = {}  # dtype signature -> leaf positions, in tree order
+  signatures = {}  # dtype signature and format -> leaf positions, in tree order
   for i in range(n):
     p, g, m, v = (ps[i] if apply else None), gs[i], mus[i], nus[i]
+    fmt = formats.of(m)
+    grouped = _groups_leaves(impl, group, config, fmt)
     if grouped and g.size >= smallest:
       # (a tracked leaf has operands of its own: a launch of its own kind)
-      sig = (p.dtype if apply else None, g.dtype, m.dtype, v.dtype, los[i] is not None)
+      sig = (p.dtype if apply else None, g.dtype, fmt.signature(m), fmt.signature(v),
+             los[i] is not None)
       signatures.setdefault(sig, []).append(i)
       continue
     # (grouped: only empty (and, Mosaic GPU, tiny) leaves get here; the
-    # group config is not theirs)
+    # group config is not theirs. A leaf of quantised moments takes a
+    # group's config as its own launch's block.)
     r = run_leaf(impl, scalars[i], seeds[i], p, g, m, v, nesterov=nesterov,
                  out_dtype=(p if apply else g).dtype, interpret=interpret,
                  config=None if grouped else config, index_map=index_maps[i], lo=los[i])
@@ -226,77 +247,30 @@ def run_local(impl, scalars, seeds, ps, gs, mus, nus, *, nesterov, interpret, co
   return outs
 
 
-def update_leaves(impl, scalars, seeds, ps, gs, mus, nus, placements, *, nesterov, interpret,
-                  config, group, los=None):
-  """:func:`_update_plain` on the leaves with fp32/bf16 moments and
-  :func:`_update_quantized` on those with 8-bit moments (:mod:`.quantized`);
-  same arguments and results (the new 8-bit moments as
-  :class:`QuantizedMoment`)."""
-  n = len(gs)
-  quant = [i for i in range(n) if quantized.is_quantized(mus[i])]
-  if not quant:
-    return _update_plain(impl, scalars, seeds, ps, gs, mus, nus, placements, nesterov=nesterov,
-                         interpret=interpret, config=config, group=group, los=los)
-  plain = [i for i in range(n) if i not in set(quant)]
-  pick = lambda xs, idx: None if xs is None else [xs[i] for i in idx]
-  outs = ([None] * n, [None] * n, [None] * n, [None] * n)
-  if plain:
-    res = _update_plain(impl, pick(scalars, plain), pick(seeds, plain), pick(ps, plain),
-                        pick(gs, plain), pick(mus, plain), pick(nus, plain),
-                        pick(placements, plain), nesterov=nesterov, interpret=interpret,
-                        config=config, group=group, los=pick(los, plain))
-    for lst, r in zip(outs, res):
-      for i, x in zip(plain, r):
-        lst[i] = x
-  if impl == "triton" and _groups_leaves(impl, group, config):
-    # Unsharded 8-bit leaves share grouped launches as the others do (one
-    # launch a leaf would hold a launch's output table and seed row each in
-    # the step's temporaries); sharded ones run shard-local, one launch each.
-    local = [i for i in quant if placements[i] is sharding_lib.UNSHARDED]
-    done = _run_quantized_group(impl, local, scalars, seeds, ps, gs, mus, nus,
-                                nesterov=nesterov, interpret=interpret, config=config)
-    for i, r in done.items():
-      for lst, x in zip(outs, r + (None,)):
-        lst[i] = x
-    quant = [i for i in quant if i not in done]
-  for i in quant:
-    r = _update_quantized(impl, scalars[i], seeds[i], None if ps is None else ps[i], gs[i],
-                          mus[i], nus[i], placements[i], nesterov=nesterov, interpret=interpret,
-                          config=config)
-    for lst, x in zip(outs, r + (None,)):
-      lst[i] = x
-  return outs
-
-
 def _run_quantized_group(impl, members, scalars, seeds, ps, gs, mus, nus, *, nesterov,
-                         interpret, config):
-  """The unsharded leaves ``members`` with 8-bit moments in grouped launches,
-  one kind of launch per dtype signature; returns ``{leaf: (out, mu, nu)}``,
-  the bits of their per-leaf launches."""
+                         interpret, config, index_maps):
+  """The leaves ``members`` (8-bit moments, one dtype signature) in grouped
+  launches; returns ``{leaf: (out, mu, nu, None)}``, the bits of their
+  per-leaf launches."""
   backend = _backend(impl)
   apply = ps is not None
-  signatures = {}
-  for i in members:
-    signatures.setdefault(((ps[i] if apply else gs[i]).dtype, gs[i].dtype), []).append(i)
+  fmt = formats.INT8
+  sizes = [gs[i].size for i in members]
+  cfg = (config if isinstance(config, backend.TritonGroupConfig)
+         else backend.group_heuristic(sizes))
   out = {}
-  for sig_members in signatures.values():
-    sizes = [gs[i].size for i in sig_members]
-    cfg = (config if isinstance(config, backend.TritonGroupConfig)
-           else backend.group_heuristic(sizes))
-    for chunk in launch_chunks(sizes, cfg.max_leaves_per_launch, by_size=apply):
-      chunk = [sig_members[j] for j in chunk]
-      rows = lambda a: a.reshape(-1, quantized.BLOCK)
-      vec = lambda m: quantized.QuantizedMoment(rows(m.codes), m.scales.reshape(-1))
-      args = (jnp.stack([scalars[i] for i in chunk]), jnp.stack([seeds[i] for i in chunk]),
-              [rows(ps[i]) for i in chunk] if apply else None, [rows(gs[i]) for i in chunk],
-              [vec(mus[i]) for i in chunk], [vec(nus[i]) for i in chunk])
-      run = functools.partial(backend.update_quantized_group_jit, nesterov=nesterov, config=cfg,
-                              interpret=dispatch.interpret_arg(impl, interpret))
-      res = no_derivative(impl, run, *args)
-      back = lambda m, like: quantized.QuantizedMoment(m.codes.reshape(like.codes.shape),
-                                                       m.scales.reshape(like.scales.shape))
-      for i, (o, m, v) in zip(chunk, res):
-        out[i] = (o.reshape(gs[i].shape), back(m, mus[i]), back(v, nus[i]))
+  for chunk in launch_chunks(sizes, cfg.max_leaves_per_launch, by_size=apply):
+    chunk = [members[j] for j in chunk]
+    rows = lambda a: a.reshape(-1, fmt.block)
+    args = (jnp.stack([scalars[i] for i in chunk]), jnp.stack([seeds[i] for i in chunk]),
+            [rows(ps[i]) for i in chunk] if apply else None, [rows(gs[i]) for i in chunk],
+            [fmt.kernel_layout(mus[i]) for i in chunk], [fmt.kernel_layout(nus[i]) for i in chunk])
+    run = functools.partial(backend.update_quantized_group_jit, nesterov=nesterov, config=cfg,
+                            interpret=dispatch.interpret_arg(impl, interpret),
+                            index_maps=tuple(index_maps[i] for i in chunk))
+    res = no_derivative(impl, run, *args)
+    for i, (o, m, v) in zip(chunk, res):
+      out[i] = (o.reshape(gs[i].shape), fmt.restore(m, mus[i]), fmt.restore(v, nus[i]), None)
   return out
 
 
@@ -328,82 +302,30 @@ def _run_quantized(impl, scalars, seeds, p, g, mu, nu, *, nesterov, interpret, c
   if impl == "mosaic_tpu":
     # (in the leaf's own shape: the kernel picks a view that keeps the TPU layout)
     return no_derivative(impl, run, scalars, seeds, p, g, mu, nu)
-  rows = lambda a: a.reshape(-1, quantized.BLOCK)
-  vec = lambda m: quantized.QuantizedMoment(rows(m.codes), m.scales.reshape(-1))
-  operands = (scalars, seeds, None if p is None else rows(p), rows(g), vec(mu), vec(nu))
+  fmt = formats.INT8
+  rows = lambda a: a.reshape(-1, fmt.block)
+  operands = (scalars, seeds, None if p is None else rows(p), rows(g), fmt.kernel_layout(mu),
+              fmt.kernel_layout(nu))
   if impl == "mosaic_gpu":
     # (as in _run_leaf: the guard on the inputs, jax cannot discharge the
     # kernel's in-place refs inside a custom_jvp)
     out, new_mu, new_nu = run(*no_derivative(impl, lambda *a: a, *operands))
   else:
     out, new_mu, new_nu = no_derivative(impl, run, *operands)
-  back = lambda m, like: quantized.QuantizedMoment(m.codes.reshape(shape),
-                                                   m.scales.reshape(like.scales.shape))
-  return out.reshape(shape), back(new_mu, mu), back(new_nu, nu)
+  return out.reshape(shape), fmt.restore(new_mu, mu), fmt.restore(new_nu, nu)
 
 
-def _update_quantized(impl, scalars, seeds, p, g, mu, nu, placement, *, nesterov, interpret,
-                      config):
-  """One leaf with 8-bit moments, placed: unsharded, the kernel; sharded evenly,
-  the kernel shard-local (codes and scales sharded as the leaf, global indices:
-  bitwise the unsharded result), the last axis gathered first where its shards
-  would split blocks; unknown or uneven placements, the reference, which XLA
-  partitions."""
-  run = functools.partial(_run_quantized, nesterov=nesterov, interpret=interpret,
-                          config=config)
-  shape = g.shape
-  if placement is sharding_lib.UNSHARDED:
-    return run(impl, scalars, seeds, p, g, mu, nu)
-  if not (isinstance(placement, sharding_lib.Placement) and placement.is_even(shape)):
-    return run("xla", scalars, seeds, p, g, mu, nu)
-  given = placement
-  if not quantized.fits(placement.local_shape(shape)):
-    # A block may not straddle two shards: the absmax is the block's.
-    dispatch.log_fallback(OP_NAME, impl, "a leaf with 8-bit moments whose shards split "
-                          "blocks", runs="the kernel with the last axis gathered")
-    spec = tuple(placement.spec) + (None,) * (len(shape) - len(placement.spec))
-    placement = sharding_lib.Placement(placement.mesh, jax.sharding.PartitionSpec(
-        *spec[:-1], None))
-  spec = placement.spec
-  P = jax.sharding.PartitionSpec
-  qspec = quantized.QuantizedMoment(spec, spec)
-  index_map = sharding_lib.index_map_of(shape, placement.local_shape(shape))
-
-  def body(s, seed_row, *leaf):
-    seed_row = seed_row.at[SEED_BASE].set(placement.base(shape))
-    lp, lg, lm, lv = (None,) + leaf if p is None else leaf
-    return run(impl, s, seed_row, lp, lg, lm, lv, index_map=index_map)
-
-  fit = lambda x: sharding_lib.to_spec(x, placement)
-  fitq = lambda m: quantized.QuantizedMoment(fit(m.codes), fit(m.scales))
-  leaf = ((fit(p),) if p is not None else ()) + (fit(g), fitq(mu), fitq(nu))
-  out, new_mu, new_nu = sharding_lib.shard_local(
-      body, placement.mesh, (P(), P()) + (spec,) * (p is not None) + (spec, qspec, qspec),
-      (spec, qspec, qspec))(scalars, seeds, *leaf)
-  def like(y, x):
-    # x's own placement (Explicit) or the leaf's (Auto), where the last axis was gathered
-    spec = sharding_lib._type_spec(x)  # pylint: disable=protected-access
-    if spec is not None:
-      if spec == sharding_lib._type_spec(y):  # pylint: disable=protected-access
-        return y
-      return jax.sharding.reshard(y, jax.sharding.NamedSharding(placement.mesh, spec))
-    if given is placement:
-      return y
-    return jax.lax.with_sharding_constraint(y, jax.sharding.NamedSharding(
-        placement.mesh, given.dividing_spec(y.shape)))
-
-  likeq = lambda y, x: quantized.QuantizedMoment(like(y.codes, x.codes), like(y.scales, x.scales))
-  out = like(out, g if p is None else p)
-  return out, likeq(new_mu, mu), likeq(new_nu, nu)
-
-
-def _update_plain(impl, scalars, seeds, ps, gs, mus, nus, placements, *, nesterov, interpret,
+def update_leaves(impl, scalars, seeds, ps, gs, mus, nus, placements, *, nesterov, interpret,
                   config, group, los=None):
   """Places each leaf (``placements``: :func:`sharding_lib.resolve_placements`'
-  answers, one per leaf): kernels on unsharded leaves, shard-local kernels
-  (one ``shard_map`` per mesh) on evenly sharded ones, the reference on the
-  rest. ``los``: None, or one companion (or None) per leaf. Returns four
-  lists: out, mu, nu and the new companions (None where a leaf has none)."""
+  answers, one per leaf), whatever its moments' format: kernels on unsharded
+  leaves, shard-local kernels (one ``shard_map`` per mesh) on evenly sharded
+  ones, the reference on the rest. A leaf whose shards would split its
+  moments' quantisation blocks runs shard-local with its last axis whole
+  (a block's scale is its absmax), its results placed back as it was.
+  ``los``: None, or one companion (or None) per leaf. Returns four lists:
+  out, mu, nu (in their format: :class:`QuantizedMoment` for 8-bit moments)
+  and the new companions (None where a leaf has none)."""
   n = len(gs)
   apply = ps is not None
   los = los if los is not None else [None] * n
@@ -426,6 +348,8 @@ def _update_plain(impl, scalars, seeds, ps, gs, mus, nus, placements, *, nestero
                       index_maps=[None] * len(idx), los=pick(los, idx)))
 
   Placement = sharding_lib.Placement
+  given = list(placements)
+  placements = [_fitting(impl, p, gs[i].shape, formats.of(mus[i])) for i, p in enumerate(given)]
   run_here([i for i, p in enumerate(placements) if p is sharding_lib.UNSHARDED], impl)
   # No placement on a multi-device mesh, or an uneven one: the reference, which
   # XLA partitions (no kernel ever sees a sharded operand).
@@ -437,9 +361,21 @@ def _update_plain(impl, scalars, seeds, ps, gs, mus, nus, placements, *, nestero
   run_here(sorted([i for i, p in enumerate(placements) if p is sharding_lib.UNKNOWN] + uneven),
            "xla")
   for mesh, idx in _by_mesh(placements, gs):
-    assign(idx, _run_sharded(run, impl, mesh, idx, placements, scalars, seeds, ps, gs, mus, nus,
-                             los))
+    assign(idx, _run_sharded(run, impl, mesh, idx, placements, given, scalars, seeds, ps, gs,
+                             mus, nus, los))
   return outs
+
+
+def _fitting(impl, placement, shape, fmt):
+  """``placement``, or where an even placement's shards would split ``fmt``'s
+  quantisation blocks, the same with the last axis whole."""
+  if not (isinstance(placement, sharding_lib.Placement) and placement.is_even(shape)
+          and not fmt.fits(placement.local_shape(shape))):
+    return placement
+  dispatch.log_fallback(OP_NAME, impl, "a leaf with 8-bit moments whose shards split blocks",
+                        runs="the kernel with the last axis gathered")
+  spec = tuple(placement.spec) + (None,) * (len(shape) - len(placement.spec))
+  return sharding_lib.Placement(placement.mesh, jax.sharding.PartitionSpec(*spec[:-1], None))
 
 
 def _by_mesh(placements, gs):
@@ -456,15 +392,20 @@ def _by_mesh(placements, gs):
   return meshes
 
 
-def _run_sharded(run, impl, mesh, idx, placements, scalars, seeds, ps, gs, mus, nus, los):
+def _run_sharded(run, impl, mesh, idx, placements, given, scalars, seeds, ps, gs, mus, nus,
+                 los):
   """The leaves ``idx`` of one mesh, shard-local in one ``shard_map``, with
   each shard's global index base in its seed row. A companion is sharded as
-  its parameter (the same shape, the same spec)."""
+  its parameter (the same shape, the same spec); 8-bit moments' codes and
+  scales as their leaf. A leaf that ran on another placement than its
+  ``given`` one (its last axis gathered, :func:`_fitting`) is placed back."""
   apply = ps is not None
   tracked = [j for j, i in enumerate(idx) if los[i] is not None]
   P = jax.sharding.PartitionSpec
   pick = lambda arrays: [arrays[i] for i in idx]
+  fmts = [formats.of(mus[i]) for i in idx]
   specs = [placements[i].spec for i in idx]
+  moment_specs = [f.spec(spec) for f, spec in zip(fmts, specs)]
   shapes = [gs[i].shape for i in idx]
   maps = [sharding_lib.index_map_of(s, placements[i].local_shape(s))
           for i, s in zip(idx, shapes)]
@@ -483,19 +424,32 @@ def _run_sharded(run, impl, mesh, idx, placements, scalars, seeds, ps, gs, mus, 
     return out, mu, nu, [lo[j] for j in tracked]
 
   fit = lambda arrays: [sharding_lib.to_spec(arrays[i], placements[i]) for i in idx]
-  leaves = (fit(ps) if apply else []) + fit(gs) + fit(mus) + fit(nus)
+  fit_moments = lambda arrays: [
+      f.map(lambda a, i=i: sharding_lib.to_spec(a, placements[i]), arrays[i])
+      for f, i in zip(fmts, idx)]
+  leaves = (fit(ps) if apply else []) + fit(gs) + fit_moments(mus) + fit_moments(nus)
   lo_leaves = [sharding_lib.to_spec(los[idx[j]], placements[idx[j]]) for j in tracked]
   lo_specs = [specs[j] for j in tracked]
   n_groups = 4 if apply else 3
   res_p, res_mu, res_nu, res_lo = sharding_lib.shard_local(
-      body, mesh, (P(), P()) + tuple(specs) * n_groups + tuple(lo_specs),
-      (specs, specs, specs, lo_specs))(
+      body, mesh,
+      (P(), P()) + tuple(specs) * (n_groups - 2) + tuple(moment_specs) * 2 + tuple(lo_specs),
+      (specs, moment_specs, moment_specs, lo_specs))(
           jnp.stack(pick(scalars)), jnp.stack(pick(seeds)), *leaves, *lo_leaves)
+
+  def back(y, x, i):
+    # x's own placement; a leaf run on another one (gathered), its given one
+    if placements[i] is given[i]:
+      return sharding_lib.like(y, x)
+    return sharding_lib.put_back(y, x, given[i])
+
   # The moments keep their own placement (the direction follows the grads').
-  res_mu = [sharding_lib.like(y, mus[i]) for y, i in zip(res_mu, idx)]
-  res_nu = [sharding_lib.like(y, nus[i]) for y, i in zip(res_nu, idx)]
-  if not apply:
-    res_p = [sharding_lib.like(y, gs[i]) for y, i in zip(res_p, idx)]
+  res_mu = [f.map(lambda y, x, i=i: back(y, x, i), y, mus[i])
+            for f, y, i in zip(fmts, res_mu, idx)]
+  res_nu = [f.map(lambda y, x, i=i: back(y, x, i), y, nus[i])
+            for f, y, i in zip(fmts, res_nu, idx)]
+  res_p = [y if apply and placements[i] is given[i] else back(y, ps[i] if apply else gs[i], i)
+           for y, i in zip(res_p, idx)]
   new_lo = [None] * len(idx)
   for j, y in zip(tracked, res_lo):
     new_lo[j] = sharding_lib.like(y, los[idx[j]])

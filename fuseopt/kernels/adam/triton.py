@@ -32,7 +32,24 @@ from fuseopt.kernels.elementwise_tiling import TritonConfig
 
 Config = TritonConfig
 SEARCH_SPACE = elementwise_tiling.TRITON_SEARCH_SPACE
-heuristic = elementwise_tiling.triton_heuristic
+
+
+def heuristic(size: int, itemsizes=(4,)) -> TritonConfig:
+  """The per-leaf launch's config for a leaf of ``size`` elements whose
+  operands and outputs are ``itemsizes`` bytes wide: the elementwise
+  heuristic (block 1024, 8 warps: 4 elements a thread, 128-bit accesses to
+  fp32), or, where every operand is 2 bytes wide (bf16 params, grads and
+  moments), 8 elements a thread (block 2048, 8 warps), which gives each of
+  them 128-bit loads and stores where 4 would give 64-bit ones, with no spill
+  and no shared memory (the compiled PTX, docs/compile_tier.md, "PTX: access
+  widths"). A mix of widths keeps 4 elements a thread: at 8 Triton stages the
+  fp32 stores through shared memory."""
+  config = elementwise_tiling.triton_heuristic(size)
+  if max(itemsizes, default=4) <= 2 and size >= 2 * config.block and config.num_warps == 8:
+    return TritonConfig(block=2 * config.block, num_warps=config.num_warps)
+  return config
+
+
 # Every float32/bfloat16 leaf (the public functions check the dtypes).
 supports = dispatch.supports_every_call
 

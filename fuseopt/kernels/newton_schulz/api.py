@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from fuseopt.kernels import _validate
 from fuseopt.kernels import dispatch
-from fuseopt.kernels.newton_schulz.backends import BACKENDS
+from fuseopt.kernels.newton_schulz.backends import BACKENDS, DEFAULT_GRAM, STANDARD_ORDER
 from fuseopt.kernels.newton_schulz.coefficients import coefficient_table
 from fuseopt.kernels.newton_schulz.coefficients import DEFAULT_STEPS
 from fuseopt.kernels.newton_schulz.coefficients import GRAM_AUTO_ASPECT
@@ -41,7 +41,7 @@ __all__ = ["DEFAULT_STEPS", "GRAM_AUTO_ASPECT", "JORDAN", "POLAR_EXPRESS", "Tile
 
 
 def newton_schulz(x, *, coeffs="polar_express", steps=None, ns_dtype=jnp.bfloat16,
-                  eps=1e-7, gram=False, implementation=None, interpret=False,
+                  eps=1e-7, gram=None, implementation=None, interpret=False,
                   config=None) -> jax.Array:
   """Orthogonalises ``x`` (its polar factor U Vᵀ, approximately) by Newton–Schulz.
 
@@ -59,12 +59,18 @@ def newton_schulz(x, *, coeffs="polar_express", steps=None, ns_dtype=jnp.bfloat1
       beyond, a NaN result rather than a silent zero), and a zero matrix
       gives zeros.
     gram: Gram Newton–Schulz (iterate on the m × m Gram matrix, restarted
-      before the steps in ``GRAM_RESTARTS[coeffs]``); ``"auto"`` enables it from
-      aspect ratio 2; a tuple of step indices sets the restarts (``(2,)``:
-      one restart, fewer FLOPs, less accurate on ill-conditioned inputs).
-    implementation: ``None`` (chosen by :mod:`fuseopt.kernels.dispatch`),
-      ``"xla"``, ``"triton"``, ``"mosaic_tpu"`` or ``"mosaic_gpu"`` (sm_90 GPUs only,
-      bf16/f16 iterates: :mod:`.mosaic_gpu`; never chosen by ``None``).
+      before the steps in ``GRAM_RESTARTS[coeffs]``): ``True``, ``False``,
+      ``"auto"`` (from aspect ratio 2), a tuple of step indices setting the
+      restarts (``(2,)``: one restart, fewer FLOPs, less accurate on
+      ill-conditioned inputs), or ``None`` (default): the platform's fastest
+      measured (``backends.DEFAULT_GRAM``): ``"auto"`` on a GPU, ``False``
+      (optax's iteration) elsewhere.
+    implementation: ``None`` (chosen by :mod:`fuseopt.kernels.dispatch`; on a
+      GPU without ``config``, the standard iteration runs as XLA's matmuls and
+      the Gram iteration on Triton, each the faster measured there:
+      ``backends.STANDARD_ORDER``), ``"xla"``, ``"triton"``, ``"mosaic_tpu"``
+      or ``"mosaic_gpu"`` (sm_90 GPUs only, bf16/f16 iterates:
+      :mod:`.mosaic_gpu`; never chosen by ``None``).
     interpret: run a Pallas backend in interpret mode (CPU debugging).
     config: :class:`TiledConfig`, or a :mod:`fuseopt.kernels.newton_schulz.fused`
       config (``mosaic_gpu``: :class:`.fused.mosaic_gpu.MosaicGPUConfig`) to force
@@ -79,14 +85,20 @@ def newton_schulz(x, *, coeffs="polar_express", steps=None, ns_dtype=jnp.bfloat1
   _validate.check_real("newton_schulz", "eps", eps, lo=0.0)
   table, scale = coefficient_table(coeffs, steps)
   overrides = dispatch.environment_overrides()
-  impl = dispatch.select(OP_NAME, BACKENDS, implementation, (x,), interpret=interpret,
-                         overrides=overrides, shape=x.shape, dtype=x.dtype, ns_dtype=ns_dtype)
+  platform = dispatch.current_platform((x,))
+  if gram is None:
+    gram = DEFAULT_GRAM.get(platform, False)
   xb, _ = as_batched(x)
+  batch, m, n = xb.shape
+  restarts = gram_restarts(gram, m, n, coeffs)
+  # (a config asks for a Pallas path: the common order)
+  order = STANDARD_ORDER if restarts is None and config is None else None
+  impl = dispatch.select(OP_NAME, BACKENDS, implementation, (x,), interpret=interpret,
+                         overrides=overrides, order=order, shape=x.shape, dtype=x.dtype,
+                         ns_dtype=ns_dtype)
   if impl == "xla" or xb.size == 0:
     return newton_schulz_reference(x, coeffs=coeffs, steps=steps, ns_dtype=ns_dtype,
                                    eps=eps, gram=gram)
-  batch, m, n = xb.shape
-  restarts = gram_restarts(gram, m, n, coeffs)
   reference = functools.partial(newton_schulz_reference, coeffs=coeffs, steps=steps,
                                 ns_dtype=ns_dtype, eps=eps, gram=gram)
   kernel = functools.partial(_run_backend, impl=impl, interpret=interpret,

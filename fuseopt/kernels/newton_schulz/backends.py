@@ -53,3 +53,13 @@ BACKENDS = {
     "mosaic_tpu": PallasBackend("mosaic_tpu"),
     "mosaic_gpu": PallasBackend("mosaic_gpu", mosaic_gpu_supports),
 }
+
+# What implementation=None and gram=None mean where a measurement set them
+# apart from dispatch.PLATFORM_ORDER (docs/measurements.md, "Newton–Schulz"):
+# on an H200 the Gram iteration ran fastest on the Triton path for matrices of
+# aspect ratio >= 2 (gram="auto"), and the standard iteration fastest as XLA's
+# own matmuls. Without a measurement (TPU, CPU) the common order and optax's
+# standard iteration stay.
+DEFAULT_GRAM = {"gpu": "auto", "cuda": "auto"}
+STANDARD_ORDER = {"gpu": ("xla",), "cuda": ("xla",)}
+

@@ -4,3 +4,11 @@
 from fuseopt.kernels.stochastic_round import mosaic_gpu, mosaic_tpu, reference, triton
 
 BACKENDS = {"xla": reference, "triton": triton, "mosaic_tpu": mosaic_tpu, "mosaic_gpu": mosaic_gpu}
+
+# implementation=None's order where it is not dispatch.PLATFORM_ORDER's. On
+# an H200 XLA's own fusion of the counter hash (the reference) streams faster
+# than the Triton kernel and than XLA's round-to-nearest convert
+# (docs/measurements.md, "Stochastic rounding"): the reference is the GPU's
+# default; the kernel runs when named.
+ORDER = {"gpu": ("xla",), "cuda": ("xla",)}
+

@@ -1,0 +1,66 @@
+"""The moment format as a type (fuseopt/kernels/adam/formats.py): what each
+format says about a leaf, and one driver for both (a tree mixing the formats
+runs each leaf as it runs alone)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fuseopt.kernels import adam
+from fuseopt.kernels.adam import formats, quantized
+from tests.kernels.harness import assert_bitwise_equal
+
+
+def test_each_moment_has_its_format():
+  dense = jnp.zeros((4, 256), jnp.bfloat16)
+  q = quantized.zeros((4, 256), signed=True)
+  assert formats.of(dense) is formats.DENSE and formats.of(q) is formats.INT8
+  assert formats.INT8.quantized and not formats.DENSE.quantized
+  assert formats.DENSE.signature(dense) == jnp.dtype(jnp.bfloat16)
+  assert formats.INT8.signature(q) == "int8"
+
+
+def test_fits_says_whether_a_shard_keeps_whole_blocks():
+  assert formats.DENSE.fits((3, 5))
+  assert formats.INT8.fits((8, 512)) and not formats.INT8.fits((8, 128))
+  assert not formats.INT8.fits((8, 300))
+
+
+def test_kernel_layout_round_trips_and_specs_follow_the_leaf():
+  q = quantized.QuantizedMoment(jnp.arange(2 * 512, dtype=jnp.int32).astype(jnp.int8)
+                                .reshape(2, 512), jnp.arange(4, dtype=jnp.float32).reshape(2, 2))
+  flat = formats.INT8.kernel_layout(q)
+  assert flat.codes.shape == (4, quantized.BLOCK) and flat.scales.shape == (4,)
+  back = formats.INT8.restore(flat, q)
+  np.testing.assert_array_equal(back.codes, q.codes)
+  np.testing.assert_array_equal(back.scales, q.scales)
+  d = jnp.ones((3, 5))
+  assert formats.DENSE.kernel_layout(d).shape == (15,)
+  assert formats.DENSE.restore(formats.DENSE.kernel_layout(d), d).shape == (3, 5)
+  spec = jax.sharding.PartitionSpec("x", None)
+  assert formats.INT8.spec(spec) == quantized.QuantizedMoment(spec, spec)
+  assert formats.DENSE.spec(spec) == spec
+
+
+def test_a_tree_of_both_formats_runs_each_leaf_as_alone():
+  """One call of adam_update_tree over dense and 8-bit leaves gives each leaf
+  the bits of its own single-leaf call (the reference: the driver, not a
+  kernel body, is under test)."""
+  k = jax.random.split(jax.random.key(0), 6)
+  shapes = [(4, 256), (7,), (2, 512)]
+  ps = [jax.random.normal(k[i], s) for i, s in enumerate(shapes)]
+  gs = [jax.random.normal(k[3 + i], s) for i, s in enumerate(shapes)]
+  mus = [quantized.zeros(shapes[0], signed=True), jnp.zeros(shapes[1], jnp.bfloat16),
+         quantized.zeros(shapes[2], signed=True)]
+  nus = [quantized.zeros(shapes[0], signed=False), jnp.zeros(shapes[1], jnp.bfloat16),
+         quantized.zeros(shapes[2], signed=False)]
+  kw = dict(count=2, learning_rate=1e-2, weight_decay=0.1, implementation="xla", seed=5)
+  out, mu, nu = jax.jit(lambda *a: adam.adam_update_tree(*a, **kw))(ps, gs, mus, nus)
+  for i in range(3):
+    one = jax.jit(lambda *a, i=i: adam.adam_update(*a, leaf_index=i, **kw))(
+        ps[i], gs[i], mus[i], nus[i])
+    for got, want in zip(jax.tree.leaves((out[i], mu[i], nu[i])), jax.tree.leaves(one)):
+      if jnp.issubdtype(got.dtype, jnp.integer):   # 8-bit codes
+        np.testing.assert_array_equal(got, want, f"leaf {i}")
+      else:
+        assert_bitwise_equal(got, want, f"leaf {i}")
