@@ -113,12 +113,19 @@ def test_variant_that_stops_lowering_for_the_h200_fails():
 def test_kernel_launches_are_counted_in_the_h200_lowering():
   import jax.numpy as jnp
 
-  from fuseopt.kernels import stochastic_round_bf16
+  from fuseopt.kernels import adam_update, stochastic_round_bf16
   x = jnp.ones((4096,), jnp.float32)
-  auto = jax.jit(lambda x: stochastic_round_bf16(x, 1))  # implementation chosen at trace time
-  forced_xla = jax.jit(lambda x: stochastic_round_bf16(x, 1, implementation="xla"))
-  assert regression.h200_kernels(auto, (x,)) == 1
-  assert regression.h200_kernels(forced_xla, (x,)) == 0
+  m = jnp.zeros((4096,), jnp.bfloat16)
+  # implementation chosen at trace time, as the H200 chooses it: a kernel
+  # for Adam, XLA's fusion for stochastic rounding (its GPU order)
+  auto = jax.jit(lambda x, m: adam_update(x, x, m, m, count=1))
+  forced_xla = jax.jit(lambda x, m: adam_update(x, x, m, m, count=1, implementation="xla"))
+  assert regression.h200_kernels(auto, (x, m)) == 1
+  assert regression.h200_kernels(forced_xla, (x, m)) == 0
+  assert regression.h200_kernels(jax.jit(lambda x: stochastic_round_bf16(x, 1)), (x,)) == 0
+  named = jax.jit(lambda x: stochastic_round_bf16(x, 1, implementation="triton"))
+  assert regression.h200_kernels(named, (x,)) == 1
+  # (the count steers nothing through the environment)
   assert "FUSEOPT_IMPLEMENTATION" not in __import__("os").environ
 
 

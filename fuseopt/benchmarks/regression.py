@@ -85,12 +85,12 @@ FIGURES = ("temp_bytes", "argument_bytes", "output_bytes", "alias_bytes", "state
            "hlo_fusions", "custom_calls", "cost_flops", "cost_bytes", "h200_kernels")
 
 # Kernel launches per step on a GPU, counted from the CPU: the variant is
-# traced with FUSEOPT_IMPLEMENTATION=triton (so ops left to choose pick the
-# Triton kernels; variants that name "xla" stay XLA) and lowered for an H200
-# under an abstract mesh, and the Pallas-Triton calls in the StableHLO are
+# traced and lowered for an H200 under an abstract mesh of that device, so
+# each op left to choose dispatches as it does on the H200 (its platform
+# order: dispatch.select), and the Pallas-Triton calls in the StableHLO are
 # counted. Lowering only: no GPU and no compile needed.
 CROSS_TARGET = dict(device_kind="NVIDIA H200", platform="gpu", lowering_platform="cuda",
-                    implementation="triton", num_cores=132)
+                    num_cores=132)
 _TRITON_CALL = r"stablehlo\.custom_call @__gpu\$xla\.gpu\.triton"
 
 
@@ -121,29 +121,19 @@ TOLERANCES: dict[str, Tolerance] = {
 
 def h200_lowering_text(fn, args) -> str:
   """StableHLO of ``fn(*args)`` lowered for an H200 (:data:`CROSS_TARGET`):
-  traced under an abstract mesh of that device with
-  ``FUSEOPT_IMPLEMENTATION`` set to its backend, so ops left to choose pick
-  its kernels (and variants that name ``"xla"`` stay XLA). Arrays in ``args``
-  are replaced by their shapes; nothing is compiled."""
+  traced under an abstract mesh of that device, so ops left to choose pick
+  what they pick on it (and variants that name ``"xla"`` stay XLA). Arrays in
+  ``args`` are replaced by their shapes; nothing is compiled."""
   from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
-  from fuseopt.kernels import dispatch
   t = CROSS_TARGET
   mesh = AbstractMesh((), (), abstract_device=AbstractDevice(
       device_kind=t["device_kind"], num_cores=t["num_cores"], platform=t["platform"]))
   structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if isinstance(a, jax.Array) else a,
                          args)
   fn = fn if hasattr(fn, "trace") else jax.jit(fn)
-  old = os.environ.get(dispatch.ENV_VAR)
-  os.environ[dispatch.ENV_VAR] = t["implementation"]
-  try:
-    with use_abstract_mesh(mesh):
-      return fn.trace(*structs).lower(lowering_platforms=(t["lowering_platform"],)).as_text()
-  finally:
-    if old is None:
-      del os.environ[dispatch.ENV_VAR]
-    else:
-      os.environ[dispatch.ENV_VAR] = old
+  with use_abstract_mesh(mesh):
+    return fn.trace(*structs).lower(lowering_platforms=(t["lowering_platform"],)).as_text()
 
 
 def h200_kernels(fn, args) -> int:

@@ -99,9 +99,8 @@ def adam_update(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0
     mu, nu: the moments, fp32 or bf16, same shape; or both 8-bit,
       :class:`QuantizedMoment` (:mod:`.quantized`: int8 ``mu`` and uint8 ``nu``
       codes, one fp32 scale per block of 256 along the last axis, which must
-      divide by 256), returned as new :class:`QuantizedMoment` s. The
-      reference, Triton and Mosaic TPU take them; Mosaic GPU leaves such a
-      leaf to the reference (logged).
+      divide by 256), returned as new :class:`QuantizedMoment` s. Every
+      backend takes them (:mod:`.formats`: the format a type, one driver).
     count: integer scalar (may be traced), the step number after increment;
       a concrete count must be >= 1.
     learning_rate, weight_decay: scalars (may be traced, e.g. a schedule's

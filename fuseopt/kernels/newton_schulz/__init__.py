@@ -6,9 +6,11 @@ The op's folder:
   also this package's name, so it lives in a module of its own);
 - :mod:`.reference`: the specification and the CPU path (``"xla"``);
 - :mod:`.coefficients`: the coefficient schedules, Gram restarts, FLOPs;
-- :mod:`.triton`, :mod:`.mosaic_tpu`, :mod:`.mosaic_gpu` (opt-in, sm_90): the
-  op's backends (what the dispatch runs): the fused kernel or the tiled
-  kernels (:mod:`.paths`); :mod:`.mosaic_gpu_common`: the Mosaic GPU tile layout;
+- :mod:`.backends`: the op's dispatch table (``xla``, ``triton``,
+  ``mosaic_tpu``, ``mosaic_gpu`` (opt-in, sm_90)), each Pallas backend a
+  record that runs the fused kernel or the tiled kernels (:mod:`.paths`), and
+  the platform defaults a measurement set (Gram iterations, the standard
+  iteration's backend); :mod:`.mosaic_gpu_common`: the Mosaic GPU tile layout;
 - the pieces, each a folder with its reference and one module per backend
   (kernel, config, heuristic, search space): :mod:`.sym` (the symmetric
   products ``alpha·X Xᵀ + beta·X + gamma·I``: the Gram matrix and the

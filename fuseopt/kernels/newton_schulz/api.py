@@ -1,11 +1,11 @@
 """Newton–Schulz orthogonalisation (Muon's polar factor): the public function.
 
 What it computes: :mod:`.reference` (the specification and the CPU path).
-Backends, one module each, chosen by :mod:`fuseopt.kernels.dispatch`:
-``xla`` (:mod:`.reference`), ``triton`` (:mod:`.triton`), ``mosaic_tpu``
-(:mod:`.mosaic_tpu`) and ``mosaic_gpu`` (:mod:`.mosaic_gpu`, opt-in, sm_90); a
-Pallas backend runs the fused whole-NS kernel or the tiled kernels
-(:mod:`.paths`).
+Backends (:mod:`.backends`' table), chosen by :mod:`fuseopt.kernels.dispatch`:
+``xla`` (:mod:`.reference`), ``triton``, ``mosaic_tpu`` and ``mosaic_gpu``
+(opt-in, sm_90); a Pallas backend runs the fused whole-NS kernel or the tiled
+kernels (:mod:`.paths`; the pieces' modules per backend in :mod:`.sym`,
+:mod:`.gemm`, :mod:`.fused`).
 """
 
 from __future__ import annotations
