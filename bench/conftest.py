@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import pytest
 
-from fuseopt.benchmarks import core
+from fuseopt.benchmarks import ceiling, core
 
 
 def pytest_addoption(parser):
@@ -36,7 +36,7 @@ def bench_size(request, platform):
 
 @pytest.fixture(scope="session")
 def ceilings(platform, bench_size):
-  return core.measure_ceilings(platform, quick=bench_size == "quick")
+  return ceiling.measure_ceilings(platform, quick=bench_size == "quick")
 
 
 _BASELINE_MS: dict[str, float] = {}

@@ -54,7 +54,7 @@ from pathlib import Path
 
 import jax
 
-from fuseopt.benchmarks import ceiling, core, report
+from fuseopt.benchmarks import ceiling, core, environment, report
 from fuseopt.benchmarks.cases import CASE_MODULES, all_cases
 
 
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
   for op, msg in errors.items():
     print(f"gpu_suite: cases of {op!r} left out: {msg}", flush=True)
 
-  ceilings = core.measure_ceilings(platform, quick=size == "quick")
+  ceilings = ceiling.measure_ceilings(platform, quick=size == "quick")
   _record_clocks(meta, "clocks_power_after_ceilings")
   print(f"gpu_suite: ceilings copy {ceilings['copy_gbps']:.0f} GB/s "
         f"({ceilings.get('copy_ceiling_source')}), "
@@ -153,7 +153,7 @@ def _record_clocks(meta: dict, key: str) -> None:
   """``meta[key]``: nvidia-smi's clocks and power now (the GPU has just been
   busy), where nvidia-smi exists; nothing elsewhere, never an error."""
   try:
-    clocks = ceiling.clocks_and_power()
+    clocks = environment.clocks_and_power()
   except Exception:  # noqa: BLE001 - a record, never a reason to stop
     clocks = None
   if clocks is not None:

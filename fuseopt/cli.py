@@ -171,7 +171,7 @@ def cmd_bench(args, out=print) -> int:
   import jax
 
   _emulate_cpu_mesh()
-  from fuseopt.benchmarks import core, report
+  from fuseopt.benchmarks import ceiling, core, report
   from fuseopt.benchmarks.cases import all_cases
 
   platform = jax.default_backend()
@@ -192,7 +192,7 @@ def cmd_bench(args, out=print) -> int:
   iters = args.iters or (10 if accel else 5)
   out(f"fuseopt bench: {len(cases)} cases on {meta['device_kind']} ({platform}), size {size}")
   t0 = time.perf_counter()
-  ceilings = core.measure_ceilings(platform, quick=not accel or size == "quick")
+  ceilings = ceiling.measure_ceilings(platform, quick=not accel or size == "quick")
 
   def save(case, new, rows):
     report.save_json(report.make_results(meta, ceilings, rows, errors), json_path)
@@ -252,10 +252,10 @@ def cmd_report(args, out=print) -> int:
     changed = compiled.render_tables(tier_page, args.results / "compiled")
     if changed is not None:
       out(f"{tier_page}: compiled-figures tables {'updated' if changed else 'unchanged'}")
-  from fuseopt.benchmarks import scale
+  from fuseopt.benchmarks import scale_report
   scaling = args.readme.parent / "docs" / "scaling.md"
   if scaling.exists():
-    changed = scale.render(scaling, args.results / "compiled")
+    changed = scale_report.render(scaling, args.results / "compiled")
     if changed is not None:
       out(f"{scaling}: measured-at-scale table {'updated' if changed else 'unchanged'}")
   return 0

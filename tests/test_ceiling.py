@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fuseopt.benchmarks import ceiling
+from fuseopt.benchmarks import ceiling, environment
 
 SMALL = ceiling.StreamConfig(num_warps=1, vectors=1, programs_per_sm=1)   # block 128
 
@@ -63,7 +63,7 @@ def test_measure_ceilings_takes_the_best_and_names_it(monkeypatch):
   fake = {"copy_stream_elements": 8, "copy_gbps_xla_copy": 5.0, "copy_gbps_xla_axpy": 7.0,
           "copy_gbps_pallas_stream": 1e6}
   monkeypatch.setattr(ceiling, "copy_ceilings", lambda *a, **k: dict(fake))
-  got = core.measure_ceilings("cpu", quick=True)
+  got = ceiling.measure_ceilings("cpu", quick=True)
   assert got["copy_gbps"] == 1e6 and got["copy_ceiling_source"] == "pallas_stream"
   assert got["copy_gbps_xla_scale_shift"] > 0 and got["copy_gbps_xla_axpy"] == 7.0
   assert got["matmul_tflops"] > 0
@@ -121,7 +121,7 @@ GPU 00000000:19:00.0
 
 
 def test_clocks_and_power_are_parsed():
-  [gpu] = ceiling.parse_clocks_and_power(SMI)
+  [gpu] = environment.parse_clocks_and_power(SMI)
   assert gpu["bus_id"] == "00000000:19:00.0"
   assert gpu["clocks"] == {"graphics_mhz": 1755.0, "sm_mhz": 1755.0, "memory_mhz": 3201.0}
   assert gpu["max_clocks"] == {"graphics_mhz": 1980.0, "sm_mhz": 1980.0, "memory_mhz": 3201.0}
@@ -132,26 +132,26 @@ def test_clocks_and_power_are_parsed():
 
 
 def test_clocks_and_power_absent_without_nvidia_smi(monkeypatch):
-  monkeypatch.setattr(ceiling.shutil, "which", lambda name: None)
-  assert ceiling.clocks_and_power() is None
+  monkeypatch.setattr(environment.shutil, "which", lambda name: None)
+  assert environment.clocks_and_power() is None
 
 
 def test_clocks_and_power_keep_the_raw_text_and_never_raise(monkeypatch):
-  monkeypatch.setattr(ceiling.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
-  monkeypatch.setattr(ceiling.subprocess, "run",
+  monkeypatch.setattr(environment.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+  monkeypatch.setattr(environment.subprocess, "run",
                       lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=SMI, stderr=""))
-  got = ceiling.clocks_and_power()
+  got = environment.clocks_and_power()
   assert got["raw"] == SMI and got["gpus"][0]["max_clocks"]["sm_mhz"] == 1980.0
 
   def fails(*a, **k):
     raise subprocess.CalledProcessError(9, "nvidia-smi")
-  monkeypatch.setattr(ceiling.subprocess, "run", fails)
-  assert ceiling.clocks_and_power() is None
+  monkeypatch.setattr(environment.subprocess, "run", fails)
+  assert environment.clocks_and_power() is None
 
 
 def test_run_meta_records_clocks_only_where_nvidia_smi_is(monkeypatch):
   from fuseopt.benchmarks import core
-  monkeypatch.setattr(ceiling, "clocks_and_power", lambda: None)
+  monkeypatch.setattr(environment, "clocks_and_power", lambda: None)
   assert "clocks_power" not in core.run_meta("quick")
-  monkeypatch.setattr(ceiling, "clocks_and_power", lambda: {"raw": "x", "gpus": []})
+  monkeypatch.setattr(environment, "clocks_and_power", lambda: {"raw": "x", "gpus": []})
   assert core.run_meta("quick")["clocks_power"] == {"raw": "x", "gpus": []}

@@ -9,30 +9,32 @@ from pathlib import Path
 import jax
 import pytest
 
-from fuseopt import compat
+from fuseopt.kernels import interpret
 from fuseopt.benchmarks import compile_results, regression
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_tpu_interpret_params_detect_races_where_the_release_raises(monkeypatch):
-  monkeypatch.setenv("FUSEOPT_DETECT_RACES", "1")
-  params = compat.tpu_interpret_params()
-  if compat.interpret_raises_on_race():          # jax >= 0.12
+def test_tpu_interpret_params_detect_races_where_the_release_raises():
+  params = interpret.tpu_params(detect_races=True)
+  if interpret.raises_on_race():                 # jax >= 0.12
     assert params.detect_races and params.on_race == "raise"
   else:                                          # 0.11.2: no public way to raise
     assert not params.detect_races and not hasattr(params, "on_race")
-  monkeypatch.setenv("FUSEOPT_DETECT_RACES", "0")
-  assert not compat.tpu_interpret_params().detect_races
+  assert not interpret.tpu_params(detect_races=False).detect_races
   # An explicit on_race is accepted on every release (dropped where unknown).
-  compat.tpu_interpret_params(detect_races=False, on_race="raise")
+  interpret.tpu_params(detect_races=False, on_race="raise")
 
 
-def test_interpret_arg_takes_the_shim(monkeypatch):
+def test_interpret_arg_takes_the_environment(monkeypatch):
   from fuseopt.kernels import dispatch
   monkeypatch.setenv("FUSEOPT_DETECT_RACES", "1")
   params = dispatch.interpret_arg("mosaic_tpu", True)
-  assert params.detect_races == compat.interpret_raises_on_race()
+  assert params.detect_races == interpret.raises_on_race()
+  monkeypatch.setenv("FUSEOPT_DETECT_RACES", "0")
+  assert not dispatch.interpret_arg("mosaic_tpu", True).detect_races
+  assert dispatch.interpret_arg("triton", True) is True
+  assert dispatch.interpret_arg("mosaic_tpu", False) is False
 
 
 def _doc(jax_version, **cases):

@@ -1,7 +1,7 @@
 """The copy-bandwidth ceiling's streaming kernel, and the GPU's clocks and power.
 
 The benchmark suite's "% of floor" divides a case's minimal bytes by the copy
-ceiling (:func:`fuseopt.benchmarks.core.measure_ceilings`), so the ceiling
+ceiling (:func:`measure_ceilings`), so the ceiling
 must be what the memory system really sustains, not what one particular XLA
 fusion reaches. On a GPU this module's Pallas-Triton kernel is one of its
 measurements: ``o = x * scale + shift`` over a flat fp32 array (read 4 B,
@@ -25,22 +25,24 @@ access is masked. It runs in interpret mode on the CPU (the tests check its
 values there); the suite measures it on GPUs only, beside XLA's own copy and
 axpy (TPUs and the CPU use those alone).
 
-:func:`clocks_and_power` reads ``nvidia-smi -q -d CLOCK,POWER`` for a run's
-meta (a GPU whose clocks or power cap held it back explains a low ceiling).
+:func:`measure_ceilings` takes the best of these (and the matmul rate) for
+a run. :func:`fuseopt.benchmarks.environment.clocks_and_power` reads
+``nvidia-smi -q -d CLOCK,POWER`` for the run's meta (a GPU whose clocks or
+power cap held it back explains a low ceiling); the kernel's PTX, deviceless,
+is :func:`fuseopt.benchmarks.ptx_figures.stream_ptx`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import re
-import shutil
-import subprocess
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
+from fuseopt.benchmarks import core
 
 #: fp32 elements of one 128-bit access.
 VECTOR = 4
@@ -138,15 +140,14 @@ def time_streamed(fn, args: tuple, *, calls: int, reps: int) -> float:
   so the host's per-call overhead hides under the previous call's run and
   only the batch's first launch and last wait are exposed."""
   import time
-  from fuseopt.benchmarks import core
-  core.block(fn(*args))   # compiled and warm
+  jax.block_until_ready(fn(*args))   # compiled and warm
   best = float("inf")
   for _ in range(reps):
     t0 = time.perf_counter()
     out = None
     for _ in range(calls):
       out = fn(*args)
-    core.block(out)
+    jax.block_until_ready(out)
     best = min(best, time.perf_counter() - t0)
     del out
   return best / calls
@@ -212,92 +213,51 @@ def copy_ceilings(platform: str, *, calls: int, reps: int, n: int | None = None,
   return out
 
 
-# ------------------------------------------------- deviceless PTX check --
-def stream_ptx(target: str = "h200", *, n: int = STREAM_ELEMENTS,
-               config: StreamConfig = StreamConfig()) -> str:
-  """The PTX of :func:`stream` over ``n`` fp32 elements as XLA compiles it
-  for a GPU compile target (:mod:`fuseopt.targets`, no GPU needed; read with
-  :mod:`fuseopt.benchmarks.ptx_figures`). Raises
-  :class:`fuseopt.targets.CompilerMissing` without the ``compile`` extra."""
-  from fuseopt import targets
-  from fuseopt.benchmarks import ptx_figures
-  t = targets.get(target)
-  if t.platform != "gpu":
-    raise ValueError(f"{t.name} is not a GPU target")
-  why = targets.missing(t)
-  if why:
-    raise targets.CompilerMissing(why)
-  fn = functools.partial(stream, config=config, num_sms=t.num_cores)
-  kernels = ptx_figures.ptx_of(t, fn, (jax.ShapeDtypeStruct((n,), jnp.float32),),
-                               prefix="fuseopt_ceiling_stream")
-  if not kernels:
-    raise RuntimeError(f"XLA dumped no PTX of fuseopt_ceiling_stream for {t.name}")
-  return next(iter(kernels.values()))
+# ------------------------------------------------------- the suite's ceilings --
+def measure_ceilings(platform: str | None = None, *, quick: bool = False) -> dict[str, Any]:
+  """Copy bandwidth (GB/s) and bf16 matmul rate (TFLOP/s), measured now on
+  the default device.
 
+  The copy ceiling ``copy_gbps`` is the best of several streaming
+  measurements, each recorded (``copy_ceiling_source`` names the winner):
 
-# --------------------------------------------------------- clocks, power --
-_SMI_TIMEOUT_S = 10.0
-# Sections of ``nvidia-smi -q -d CLOCK,POWER`` and the fields read from them
-# (names as the driver prints them; drivers before 535 call the power
-# section "Power Readings" and the current draw "Power Draw").
-_SECTIONS = {"Clocks": "clocks", "Max Clocks": "max_clocks",
-             "Applications Clocks": "application_clocks",
-             "GPU Power Readings": "power", "Power Readings": "power"}
-_FIELDS = {"clocks": ("SM", "Memory", "Graphics"), "max_clocks": ("SM", "Memory", "Graphics"),
-           "application_clocks": ("Graphics", "Memory"),
-           "power": ("Average Power Draw", "Instantaneous Power Draw", "Power Draw",
-                     "Current Power Limit", "Power Limit", "Enforced Power Limit",
-                     "Max Power Limit")}
-_NUMBER = re.compile(r"^([\d.]+)\s*(MHz|W)$")
+  - ``copy_gbps_xla_scale_shift``: one jitted XLA fp32 ``x*a+b`` (8 B an
+    element), the best of single timed calls: 2 GiB of traffic on an
+    accelerator (``quick``: 512 MiB), once the suite's only measurement,
+    kept so that runs stay comparable with earlier ones;
+  - ``copy_gbps_xla_copy``, ``copy_gbps_xla_axpy`` and, on a GPU,
+    ``copy_gbps_pallas_stream`` (a persistent Pallas-Triton kernel with
+    128-bit accesses): 2^29 fp32 elements (4 GiB read + written; axpy 6 GiB)
+    timed as back-to-back calls so that dispatch overhead hides
+    (:mod:`fuseopt.benchmarks.ceiling`). On the CPU these run on 2^22
+    elements.
 
-
-def parse_clocks_and_power(text: str) -> list[dict[str, Any]]:
-  """Per GPU (in ``nvidia-smi -q``'s order): ``{"clocks": {"sm_mhz", ...},
-  "max_clocks": {...}, "application_clocks": {...}, "power": {"power_draw_w",
-  "power_limit_w", ...}}``, the fields found (numbers in MHz and W; a field
-  the driver reports "N/A" is left out)."""
-  gpus: list[dict[str, Any]] = []
-  section = None
-  for line in text.splitlines():
-    if line.startswith("GPU "):
-      gpus.append({"bus_id": line[4:].strip()})
-      section = None
-      continue
-    if not gpus or not line.strip():
-      continue
-    indent = len(line) - len(line.lstrip())
-    key, _, value = (s.strip() for s in line.partition(":"))
-    if not value:
-      # A section header at the first level under the GPU (a sub-header
-      # such as "Power Samples" ends the section's fields).
-      section = _SECTIONS.get(key) if indent <= 4 else None
-      continue
-    if section is None or key not in _FIELDS[section]:
-      continue
-    m = _NUMBER.match(value)
-    if not m:
-      continue
-    unit = m.group(2).lower()
-    name = re.sub(r"[^a-z0-9]+", "_", key.lower()).strip("_")
-    name = {"instantaneous_power_draw": "power_draw"}.get(name, name)
-    gpus[-1].setdefault(section, {}).setdefault(f"{name}_{unit}", float(m.group(1)))
-  return gpus
-
-
-def clocks_and_power() -> dict[str, Any] | None:
-  """``nvidia-smi -q -d CLOCK,POWER`` now: ``{"raw": text, "gpus": [...]}``
-  (:func:`parse_clocks_and_power`); None where nvidia-smi is not installed
-  or fails. Never raises."""
-  if shutil.which("nvidia-smi") is None:
-    return None
-  try:
-    text = subprocess.run(["nvidia-smi", "-q", "-d", "CLOCK,POWER"], capture_output=True,
-                          text=True, timeout=_SMI_TIMEOUT_S, check=True).stdout
-  except (OSError, subprocess.SubprocessError):
-    return None
-  out: dict[str, Any] = {"raw": text}
-  try:
-    out["gpus"] = parse_clocks_and_power(text)
-  except Exception:  # noqa: BLE001 - the raw text is the record; parsing is a convenience
-    pass
-  return out
+  Matmul: 8192³ (``quick``: 4096³). On the CPU, where bf16 matmuls are
+  emulated and slower than fp32 ones, the matmul ceiling is the faster of
+  the two, so that no fp32-accumulating case appears above its floor.
+  """
+  platform = platform or jax.default_backend()
+  accel = platform in ("gpu", "tpu")
+  n = ((1 << 26) if quick else (1 << 28)) if accel else (1 << 22)
+  d = ((4096 if quick else 8192) if accel else 512)
+  iters = 10 if accel else 5
+  x = jnp.ones((n,), jnp.float32)
+  f = jax.jit(lambda x: x * 1.0001 + 0.5)
+  # More calls on the CPU: it is shared, and the ceiling is the best call.
+  t = core.time_fn(f, (x,), iters=iters if accel else 20)
+  copies = {"copy_gbps_xla_scale_shift": 8 * n / (t["min_ms"] * 1e-3) / 1e9}
+  del x
+  copies.update(copy_ceilings(platform, calls=8 if accel else 4, reps=5,
+                                      n=None if accel else (1 << 22)))
+  measured = {k: v for k, v in copies.items() if k.startswith("copy_gbps_") and not k.endswith("_error")}
+  source = max(measured, key=measured.get)
+  rates = {}
+  for dtype in (jnp.bfloat16,) if accel else (jnp.bfloat16, jnp.float32):
+    a = jnp.ones((d, d), dtype)
+    g = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype))
+    t = core.time_fn(g, (a, a), iters=iters)
+    rates[jnp.dtype(dtype).name] = 2 * d ** 3 / (t["min_ms"] * 1e-3) / 1e12
+    del a
+  return {"copy_gbps": copies[source], "copy_ceiling_source": source.removeprefix("copy_gbps_"),
+          **copies, "matmul_tflops": max(rates.values()), "copy_elements": n, "matmul_dim": d,
+          **{f"matmul_tflops_{k}": v for k, v in rates.items()}}

@@ -14,7 +14,7 @@
   codebases use, on 8 to 1024 devices (:mod:`fuseopt.benchmarks.scale`).
 
 Sharded and scale cases place the optimizer state like the parameters and
-donate it (:func:`shard_like_params`): their figures are of the program users
+donate it (:func:`~fuseopt.benchmarks.compile_steps.shard_like_params`): their figures are of the program users
 run.
 """
 
@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from fuseopt import targets as targets_lib
+from fuseopt.benchmarks import compile_steps
 from fuseopt.benchmarks.compile_harness import Case
 
 F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
@@ -338,20 +339,6 @@ def _builder_recipe():
           "fuseopt_step": (tx, True)}
 
 
-def _step_fn(tx, fused):
-  import optax
-
-  import fuseopt.optim as fo
-  if fused:
-    def step(params, state, grads):
-      return fo.step(tx, grads, state, params)
-  else:
-    def step(params, state, grads):
-      updates, state = tx.update(grads, state, params)
-      return optax.apply_updates(params, updates), state
-  return step
-
-
 # Which targets CI compiles the costly cases on (the rest is the full sweep,
 # `fuseopt compile-check --target all --all`; docs/compile_tier.md says why
 # each): libtpu takes 1-3 min for one sharded or Muon step of the 1.20 B tree
@@ -381,7 +368,7 @@ def step_cases() -> list[Case]:
         tx, fused = _recipes()[recipe][variant]
         tree = workloads.llama_tree(F32)
         state = jax.eval_shape(tx.init, tree)
-        return _step_fn(tx, fused), (tree, state, tree), (0, 1)
+        return compile_steps.step_fn(tx, fused), (tree, state, tree), (0, 1)
       ci = CI_TARGETS["builder"] if recipe == "builder_recipe" else None
       if variant == "fuseopt_fallback":
         ci = CI_TARGETS["builder_fallback" if recipe == "builder_recipe" else "fallback"]
@@ -427,7 +414,7 @@ def variant_step_cases() -> list[Case]:
       tx, dtype = _variant_recipes()[recipe]
       tree = workloads.llama_tree(dtype)
       state = jax.eval_shape(tx.init, tree)
-      return _step_fn(tx, True), (tree, state, tree), (0, 1)
+      return compile_steps.step_fn(tx, True), (tree, state, tree), (0, 1)
     out.append(Case(f"step/{recipe}/fuseopt_step/llama1.2b", build, kind="step",
                     ci_targets=CI_TARGETS["variants"]))
   # AdamW on 8-bit moments, fused: state 2.03 B/param (CI: one GPU).
@@ -436,50 +423,10 @@ def variant_step_cases() -> list[Case]:
     tx = fo.adamw(1e-3, weight_decay=0.1, moment_dtype="int8")
     tree = workloads.llama_tree(F32)
     state = jax.eval_shape(tx.init, tree)
-    return _step_fn(tx, True), (tree, state, tree), (0, 1)
+    return compile_steps.step_fn(tx, True), (tree, state, tree), (0, 1)
   out.append(Case("step/adamw_int8_recipe/fuseopt_step/llama1.2b", build_int8, kind="step",
                   ci_targets=CI_TARGETS["int8"]))
   return out
-
-
-FSDP_AXIS = "fsdp"
-
-
-def _fsdp_spec(x):
-  P = jax.sharding.PartitionSpec
-  if len(x.shape) >= 2 and x.shape[0] % 8 == 0:
-    return P(FSDP_AXIS, *([None] * (len(x.shape) - 1)))
-  return P()
-
-
-def hybrid_tx(variant: str, shardings=None, dims=None, **options):
-  """The hybrid Muon + AdamW recipe of the sharded cases: fuseopt's (bf16
-  AdamW moments, Jordan's coefficients; ``shardings`` on an Auto mesh;
-  ``options`` of :func:`fuseopt.optim.muon`) or optax's ``contrib.muon`` on
-  the same split (``dims``: the Muon dimension numbers, the 1.2 B tree's by
-  default)."""
-  import optax
-
-  import fuseopt.optim as fo
-  from fuseopt.benchmarks.cases import muon as muon_cases
-  dims = dims or muon_cases.muon_dims
-  if variant == "optax":
-    return optax.contrib.muon(0.02, ns_coeffs=muon_cases.COEFFS, weight_decay=0.1,
-                              adam_weight_decay=0.1, muon_weight_dimension_numbers=dims)
-  return fo.muon(0.02, ns_coeffs="jordan", weight_decay=0.1, adam_weight_decay=0.1,
-                 muon_weight_dimension_numbers=dims,
-                 execution=fo.Execution(shardings=shardings, adam_moment_dtype=BF16), **options)
-
-
-def sharded_step_args(t, tx, tree, shardings, *, fused: bool):
-  """``(step, (params, state, grads), donate)`` of one sharded step: params
-  and grads placed by ``shardings``, the state placed like the params
-  (:func:`shard_like_params`), params and state donated: the program a user
-  runs."""
-  placed = targets_lib.avals(t, tree, shardings)
-  state = jax.eval_shape(tx.init, placed)
-  mesh = jax.tree.leaves(shardings)[0].mesh
-  return _step_fn(tx, fused), (placed, shard_like_params(state, placed, mesh), placed), (0, 1)
 
 
 def sharded_cases() -> list[Case]:
@@ -497,12 +444,12 @@ def sharded_cases() -> list[Case]:
           continue  # no baseline: optax has no 8-bit moments, and optax.contrib.muon does not
           # trace on an Explicit mesh (its Newton-Schulz raises a ShardingTypeError)
         def mesh_of(t, axis_type=axis_type):
-          return targets_lib.mesh(t, (8,), (FSDP_AXIS,), axis_types=(axis_type,))
+          return targets_lib.mesh(t, (8,), (compile_steps.FSDP_AXIS,), axis_types=(axis_type,))
 
         def build(t, axis_type=axis_type, recipe=recipe, variant=variant, mesh_of=mesh_of):
           mesh = mesh_of(t)
           tree = workloads.llama_tree(F32)
-          specs = jax.tree.map(_fsdp_spec, tree)
+          specs = jax.tree.map(compile_steps.fsdp_spec, tree)
           shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
           auto = shardings if axis_type == AxisType.Auto else None
           if recipe.startswith("adamw"):
@@ -510,57 +457,14 @@ def sharded_cases() -> list[Case]:
                   fo.adamw(1e-3, weight_decay=0.1, shardings=auto,
                            **({"moment_dtype": "int8"} if recipe == "adamw_int8" else {})))
           else:
-            tx = hybrid_tx(variant, auto)
-          return sharded_step_args(t, tx, tree, shardings, fused=variant != "optax")
+            tx = compile_steps.hybrid_tx(variant, auto)
+          return compile_steps.sharded_step_args(t, tx, tree, shardings, fused=variant != "optax")
         kind = "explicit" if axis_type == AxisType.Explicit else "auto"
         out.append(Case(f"sharded/{recipe}/{variant}/llama1.2b-fsdp8-{kind}", build,
                         kind="sharded", devices=8, expect_kernels=variant != "optax",
                         baseline=variant == "optax", ci_targets=CI_TARGETS[f"sharded_{'int8_' * (recipe == 'adamw_int8')}{kind}"],
                         mesh=mesh_of))
   return out
-
-
-def shard_like_params(state, params, mesh):
-  """``state`` (``jax.eval_shape(tx.init, params)``) placed as a user places
-  it: like the parameters.
-
-  On an Explicit mesh ``eval_shape`` already gives every state leaf its
-  sharding; on Auto axes it gives none, and placing those structs replicated
-  would compile a step whose optimizer state arrives whole on every device
-  (and cannot be donated into the sharded output). A state leaf found under a
-  parameter's key path (Adam's moments, Muon's momentum, a mantissa
-  companion, inside any ``optax.chain``/``partition`` wrapper) takes that
-  parameter's spec, keeping only the entries whose dimension is the
-  parameter's (a per-neuron moment's reduced axis is replicated); anything
-  else (counts, coefficient tables) is replicated.
-  """
-  P, NamedSharding = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
-  rep = NamedSharding(mesh, P())
-  by_path = {}
-  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-    spec = x.sharding.spec if isinstance(getattr(x, "sharding", None), NamedSharding) else P()
-    by_path[tuple(str(k) for k in path)] = (tuple(x.shape), spec)
-
-  def spec_for(path, x):
-    keys = tuple(str(k) for k in path)
-    keys = keys[:-1] if keys[-1:] in ((".codes",), (".scales",)) else keys  # 8-bit moments
-    for j in range(len(keys)):
-      if keys[j:] in by_path:
-        shape, spec = by_path[keys[j:]]
-        if len(shape) != len(x.shape):
-          return P()
-        spec = tuple(spec) + (None,) * (len(shape) - len(spec))
-        return P(*[e if a == b else None for e, a, b in zip(spec, x.shape, shape)])
-    return P()
-
-  def one(path, x):
-    if not isinstance(x, jax.ShapeDtypeStruct):
-      return x
-    s = x.sharding
-    if not isinstance(s, NamedSharding) or not any(s.spec):
-      s = NamedSharding(mesh, spec_for(path, x)) if x.shape else rep
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-  return jax.tree_util.tree_map_with_path(one, state)
 
 
 KINDS = ("kernel", "step", "sharded", "scale")

@@ -105,7 +105,7 @@ _TABLE_ROWS = (
 )
 
 
-def _gb(v) -> str:
+def gb(v) -> str:
   if v is None:
     return "-"
   if v < 1 << 20:
@@ -134,7 +134,7 @@ def why_failed(error: str) -> str:
   "does not compile: NotImplementedError"."""
   if "RESOURCE_EXHAUSTED" in error or "Ran out of memory" in error:
     want = requested_bytes(error)
-    return "does not fit" + (f" ({_gb(want)})" if want else "")
+    return "does not fit" + (f" ({gb(want)})" if want else "")
   if "ShardingTypeError" in error:
     return "does not trace"
   m = re.search(r"compile for \S+ \([^)]*\): (\w+(?:Error|Exception))", error)
@@ -194,8 +194,8 @@ def markdown(root: Path | str = RESULTS_DIR) -> str:
         continue
       b = b or {}
       secs = lambda f: (f"{f['lower_s'] + f['compile_s']:.0f}" if "lower_s" in f else "-")
-      theirs_temp = _gb(b.get("temp_bytes")) if "error" not in b else why_failed(b["error"])
-      out.append(f"| {label} | {_gb(a.get('temp_bytes'))} | {theirs_temp} | "
+      theirs_temp = gb(b.get("temp_bytes")) if "error" not in b else why_failed(b["error"])
+      out.append(f"| {label} | {gb(a.get('temp_bytes'))} | {theirs_temp} | "
                  f"{a.get('kernels', '-')} | {_coll(a) if ours.startswith('sharded') else '-'} | "
                  f"{_coll(b) if ours.startswith('sharded') else '-'} | {secs(a)} / {secs(b)} |")
     out.append("")

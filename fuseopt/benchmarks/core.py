@@ -201,56 +201,6 @@ def stats_of(compiled) -> dict[str, Any]:
   return stats
 
 
-def measure_ceilings(platform: str | None = None, *, quick: bool = False) -> dict[str, Any]:
-  """Copy bandwidth (GB/s) and bf16 matmul rate (TFLOP/s), measured now on
-  the default device.
-
-  The copy ceiling ``copy_gbps`` is the best of several streaming
-  measurements, each recorded (``copy_ceiling_source`` names the winner):
-
-  - ``copy_gbps_xla_scale_shift``: one jitted XLA fp32 ``x*a+b`` (8 B an
-    element), the best of single timed calls: 2 GiB of traffic on an
-    accelerator (``quick``: 512 MiB), once the suite's only measurement,
-    kept so that runs stay comparable with earlier ones;
-  - ``copy_gbps_xla_copy``, ``copy_gbps_xla_axpy`` and, on a GPU,
-    ``copy_gbps_pallas_stream`` (a persistent Pallas-Triton kernel with
-    128-bit accesses): 2^29 fp32 elements (4 GiB read + written; axpy 6 GiB)
-    timed as back-to-back calls so that dispatch overhead hides
-    (:mod:`fuseopt.benchmarks.ceiling`). On the CPU these run on 2^22
-    elements.
-
-  Matmul: 8192³ (``quick``: 4096³). On the CPU, where bf16 matmuls are
-  emulated and slower than fp32 ones, the matmul ceiling is the faster of
-  the two, so that no fp32-accumulating case appears above its floor.
-  """
-  from fuseopt.benchmarks import ceiling
-  platform = platform or jax.default_backend()
-  accel = platform in ("gpu", "tpu")
-  n = ((1 << 26) if quick else (1 << 28)) if accel else (1 << 22)
-  d = ((4096 if quick else 8192) if accel else 512)
-  iters = 10 if accel else 5
-  x = jnp.ones((n,), jnp.float32)
-  f = jax.jit(lambda x: x * 1.0001 + 0.5)
-  # More calls on the CPU: it is shared, and the ceiling is the best call.
-  t = time_fn(f, (x,), iters=iters if accel else 20)
-  copies = {"copy_gbps_xla_scale_shift": 8 * n / (t["min_ms"] * 1e-3) / 1e9}
-  del x
-  copies.update(ceiling.copy_ceilings(platform, calls=8 if accel else 4, reps=5,
-                                      n=None if accel else (1 << 22)))
-  measured = {k: v for k, v in copies.items() if k.startswith("copy_gbps_") and not k.endswith("_error")}
-  source = max(measured, key=measured.get)
-  rates = {}
-  for dtype in (jnp.bfloat16,) if accel else (jnp.bfloat16, jnp.float32):
-    a = jnp.ones((d, d), dtype)
-    g = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype))
-    t = time_fn(g, (a, a), iters=iters)
-    rates[jnp.dtype(dtype).name] = 2 * d ** 3 / (t["min_ms"] * 1e-3) / 1e12
-    del a
-  return {"copy_gbps": copies[source], "copy_ceiling_source": source.removeprefix("copy_gbps_"),
-          **copies, "matmul_tflops": max(rates.values()), "copy_elements": n, "matmul_dim": d,
-          **{f"matmul_tflops_{k}": v for k, v in rates.items()}}
-
-
 def floor_ms(case: Case, ceilings: dict[str, float]) -> float | None:
   """The roofline floor of a case: the larger of its FLOP time and byte time."""
   parts = []
@@ -421,9 +371,9 @@ def run_meta(size: str) -> dict[str, Any]:
   """The ``meta`` of a results JSON. Where ``nvidia-smi`` exists,
   ``clocks_power`` is its ``-q -d CLOCK,POWER`` report now (SM and memory
   clocks current and max, power draw and limit, and the raw text:
-  :func:`fuseopt.benchmarks.ceiling.clocks_and_power`); absent elsewhere."""
+  :func:`fuseopt.benchmarks.environment.clocks_and_power`); absent elsewhere."""
   import platform as _pf
-  from fuseopt.benchmarks import ceiling
+  from fuseopt.benchmarks import environment
   d = jax.devices()[0]
   meta = {
       "device_kind": device_kind(), "device_slug": device_slug(), "platform": d.platform,
@@ -432,7 +382,7 @@ def run_meta(size: str) -> dict[str, Any]:
       "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
       "env": environment.collect(),  # versions (jaxlib, CUDA plugin, driver, triton, torch, ...)
   }
-  clocks = ceiling.clocks_and_power()
+  clocks = environment.clocks_and_power()
   if clocks is not None:
     meta["clocks_power"] = clocks
   return meta

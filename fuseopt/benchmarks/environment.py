@@ -112,3 +112,71 @@ def device_info() -> dict[str, Any]:
 def collect() -> dict[str, Any]:
   """:func:`versions` and :func:`device_info` in one dict."""
   return {**versions(), **device_info()}
+
+
+# --------------------------------------------------------- clocks, power --
+_SMI_TIMEOUT_S = 10.0
+# Sections of ``nvidia-smi -q -d CLOCK,POWER`` and the fields read from them
+# (names as the driver prints them; drivers before 535 call the power
+# section "Power Readings" and the current draw "Power Draw").
+_SECTIONS = {"Clocks": "clocks", "Max Clocks": "max_clocks",
+             "Applications Clocks": "application_clocks",
+             "GPU Power Readings": "power", "Power Readings": "power"}
+_FIELDS = {"clocks": ("SM", "Memory", "Graphics"), "max_clocks": ("SM", "Memory", "Graphics"),
+           "application_clocks": ("Graphics", "Memory"),
+           "power": ("Average Power Draw", "Instantaneous Power Draw", "Power Draw",
+                     "Current Power Limit", "Power Limit", "Enforced Power Limit",
+                     "Max Power Limit")}
+_NUMBER = re.compile(r"^([\d.]+)\s*(MHz|W)$")
+
+
+def parse_clocks_and_power(text: str) -> list[dict[str, Any]]:
+  """Per GPU (in ``nvidia-smi -q``'s order): ``{"clocks": {"sm_mhz", ...},
+  "max_clocks": {...}, "application_clocks": {...}, "power": {"power_draw_w",
+  "power_limit_w", ...}}``, the fields found (numbers in MHz and W; a field
+  the driver reports "N/A" is left out)."""
+  gpus: list[dict[str, Any]] = []
+  section = None
+  for line in text.splitlines():
+    if line.startswith("GPU "):
+      gpus.append({"bus_id": line[4:].strip()})
+      section = None
+      continue
+    if not gpus or not line.strip():
+      continue
+    indent = len(line) - len(line.lstrip())
+    key, _, value = (s.strip() for s in line.partition(":"))
+    if not value:
+      # A section header at the first level under the GPU (a sub-header
+      # such as "Power Samples" ends the section's fields).
+      section = _SECTIONS.get(key) if indent <= 4 else None
+      continue
+    if section is None or key not in _FIELDS[section]:
+      continue
+    m = _NUMBER.match(value)
+    if not m:
+      continue
+    unit = m.group(2).lower()
+    name = re.sub(r"[^a-z0-9]+", "_", key.lower()).strip("_")
+    name = {"instantaneous_power_draw": "power_draw"}.get(name, name)
+    gpus[-1].setdefault(section, {}).setdefault(f"{name}_{unit}", float(m.group(1)))
+  return gpus
+
+
+def clocks_and_power() -> dict[str, Any] | None:
+  """``nvidia-smi -q -d CLOCK,POWER`` now: ``{"raw": text, "gpus": [...]}``
+  (:func:`parse_clocks_and_power`); None where nvidia-smi is not installed
+  or fails. Never raises."""
+  if shutil.which("nvidia-smi") is None:
+    return None
+  try:
+    text = subprocess.run(["nvidia-smi", "-q", "-d", "CLOCK,POWER"], capture_output=True,
+                          text=True, timeout=_SMI_TIMEOUT_S, check=True).stdout
+  except (OSError, subprocess.SubprocessError):
+    return None
+  out: dict[str, Any] = {"raw": text}
+  try:
+    out["gpus"] = parse_clocks_and_power(text)
+  except Exception:  # noqa: BLE001 - the raw text is the record; parsing is a convenience
+    pass
+  return out

@@ -444,3 +444,33 @@ __all__ = ["SCHEMA", "GUARDED_CASES", "results_path", "load", "write", "entries"
            "accesses", "histogram", "per_param", "ptxas_path", "ptxas_report",
            "figures", "compile_for_ptx", "dumped_ptx", "keyed", "lower", "ptx_of", "case_ptx",
            "case_figures", "compare"]
+
+
+# ------------------------------------------- the ceiling's kernel, deviceless --
+def stream_ptx(target: str = "h200", *, n: int | None = None, config=None) -> str:
+  """The PTX of the ceiling's streaming kernel
+  (:func:`fuseopt.benchmarks.ceiling.stream`) over ``n`` fp32 elements
+  (default ``ceiling.STREAM_ELEMENTS``) as XLA compiles it for a GPU compile
+  target (:mod:`fuseopt.targets`, no GPU needed). Raises
+  :class:`fuseopt.targets.CompilerMissing` without the ``compile`` extra."""
+  import functools
+
+  import jax
+  import jax.numpy as jnp
+
+  from fuseopt import targets
+  from fuseopt.benchmarks import ceiling
+  n = ceiling.STREAM_ELEMENTS if n is None else n
+  config = ceiling.StreamConfig() if config is None else config
+  t = targets.get(target)
+  if t.platform != "gpu":
+    raise ValueError(f"{t.name} is not a GPU target")
+  why = targets.missing(t)
+  if why:
+    raise targets.CompilerMissing(why)
+  fn = functools.partial(ceiling.stream, config=config, num_sms=t.num_cores)
+  kernels = ptx_of(t, fn, (jax.ShapeDtypeStruct((n,), jnp.float32),),
+                               prefix="fuseopt_ceiling_stream")
+  if not kernels:
+    raise RuntimeError(f"XLA dumped no PTX of fuseopt_ceiling_stream for {t.name}")
+  return next(iter(kernels.values()))

@@ -44,7 +44,7 @@ and nowhere else, once per op call (the op hands what it read down):
   when neither ``config=`` nor ``gram=`` decides it (a Gram iteration has no
   fused kernel: the variable is then ignored, with a warning);
 - ``FUSEOPT_DETECT_RACES=1``: interpret-mode TPU kernels raise on a data race
-  (where the release can, :mod:`fuseopt.compat`).
+  (where the release can, :mod:`fuseopt.kernels.interpret`).
 
 They are read when an op is *traced*. ``jax.jit`` caches what it traced and
 does not see the environment, so a function jitted before a variable changed
@@ -62,6 +62,8 @@ import re
 from typing import Any, Iterable, Mapping
 
 import jax
+
+from fuseopt.kernels import interpret as interpret_lib
 
 logger = logging.getLogger("fuseopt")
 
@@ -332,13 +334,10 @@ def check_mosaic_gpu_target(op: str, interpret: bool, arrays: Iterable[Any] = ()
 
 
 def interpret_arg(implementation: str, interpret: bool) -> Any:
-  """The ``interpret=`` value a backend's Pallas call wants."""
-  if not interpret:
-    return False
-  if implementation == "mosaic_tpu":
-    from fuseopt import compat   # race detection where the release raises on one
-    return compat.tpu_interpret_params()
-  if implementation == "mosaic_gpu":
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    return plgpu.InterpretGPUParams()
-  return True
+  """The ``interpret=`` value a backend's Pallas call wants
+  (:mod:`fuseopt.kernels.interpret`), with the race detection
+  ``FUSEOPT_DETECT_RACES`` asks for."""
+  # (the environment read only where it decides something: a TPU kernel in interpret mode)
+  races = bool(interpret) and implementation == "mosaic_tpu" and (
+      environment_overrides().detect_races)
+  return interpret_lib.params(implementation, interpret, detect_races=races)

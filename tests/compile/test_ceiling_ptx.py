@@ -13,7 +13,7 @@ from fuseopt.benchmarks import ptx_figures
 @pytest.mark.parametrize("config", ceiling.CONFIGS,
                          ids=lambda c: f"w{c.num_warps}v{c.vectors}p{c.programs_per_sm}")
 def test_stream_moves_128_bit_vectors_on_h200(config):
-  ptx = ceiling.stream_ptx("h200", config=config)
+  ptx = ptx_figures.stream_ptx("h200", config=config)
   got = ptx_figures.accesses(ptx)
   # Each thread moves ``vectors`` 4-fp32 vectors a loop step, in and out,
   # and nothing narrower.

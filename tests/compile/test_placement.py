@@ -17,7 +17,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import fuseopt.optim as fo
 from fuseopt import targets
-from fuseopt.benchmarks import compile_cases, compile_results, scale
+from fuseopt.benchmarks import compile_cases, compile_results, compile_steps, scale
 
 
 def _per_device_bytes(args) -> int:
@@ -49,7 +49,7 @@ def test_state_is_placed_like_the_params_on_an_auto_mesh(make, dtype):
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
   params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         tree, shardings)
-  state = compile_cases.shard_like_params(jax.eval_shape(make(shardings).init, params), params, mesh)
+  state = compile_steps.shard_like_params(jax.eval_shape(make(shardings).init, params), params, mesh)
   seen = 0
   for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
     name = jax.tree_util.keystr(path)

@@ -5,7 +5,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from fuseopt.benchmarks import compile_results, scale
+from fuseopt.benchmarks import compile_results, scale, scale_report
 from fuseopt.optim.matrix_views import MatrixViews, MuonDimensionNumbers
 
 
@@ -65,17 +65,17 @@ def test_the_table_says_what_does_not_fit_and_what_does_not_compile(tmp_path):
       "scale/hybrid/optax/llama8.8b-fsdp256": {"error": oom},
       "scale/hybrid/fuseopt_step/llama8.8b-packed-fsdp256": {"error": views}}}
   (tmp_path / "v5e.json").write_text(json.dumps(doc))
-  table = scale.markdown(tmp_path)
+  table = scale_report.markdown(tmp_path)
   row = next(l for l in table.splitlines() if "8.8 B, one leaf per matrix, FSDP | 256 × v5e" in l)
   assert "| 1.50 GiB | 1.00 GiB | 6 all-to-all (1 MiB) | 97 | does not fit (16.86 GiB) |" in row
   assert "60 / -" in row
   packed = next(l for l in table.splitlines() if "packed" in l and "256 × v5e" in l)
   assert "does not compile: NotImplementedError" in packed and "no views" in packed
   page = tmp_path / "scaling.md"
-  page.write_text(f"a\n{scale.SCALE_START}\nold\n{scale.SCALE_END}\nb\n")
-  assert scale.render(page, tmp_path) is True
-  assert page.read_text() == f"a\n{scale.SCALE_START}\n{table}{scale.SCALE_END}\nb\n"
-  assert scale.render(page, tmp_path) is False
+  page.write_text(f"a\n{scale_report.SCALE_START}\nold\n{scale_report.SCALE_END}\nb\n")
+  assert scale_report.render(page, tmp_path) is True
+  assert page.read_text() == f"a\n{scale_report.SCALE_START}\n{table}{scale_report.SCALE_END}\nb\n"
+  assert scale_report.render(page, tmp_path) is False
 
 
 def test_the_table_takes_each_row_from_the_newest_release_that_recorded_it(tmp_path):
@@ -90,7 +90,7 @@ def test_the_table_takes_each_row_from_the_newest_release_that_recorded_it(tmp_p
     (tmp_path / f"jax-{release}").mkdir()
     (tmp_path / f"jax-{release}" / "v5e.json").write_text(
         json.dumps({"environment": {"jax": release}, "cases": {ours: fig(temp)}}))
-  table = scale.markdown(tmp_path).splitlines()
+  table = scale_report.markdown(tmp_path).splitlines()
   row = next(l for l in table if "8.8 B, one leaf per matrix, FSDP | 256 × v5e" in l)
   assert "| 384 MiB |" in row and row.endswith("| 0.12.0.1 / - |")
   stacked = next(l for l in table if "scan-stacked" in l and "256 × v5e" in l)
