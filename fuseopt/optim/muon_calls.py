@@ -221,7 +221,7 @@ def _unsequenced(step: _MuonStep, leaf_shardings):
   if distributed:
     leaf_of = {k: i for i, k in distributed.items()}
     for members in plan.rounds():
-      ys = plan.orthogonalize([mu_hat[leaf_of[k]] for k in members], config.ns, members)
+      ys = plan.run([mu_hat[leaf_of[k]] for k in members], config.ns, members)
       for k, y in zip(members, ys):
         results[(leaf_of[k], 0)] = y
   parts: dict[tuple[int, int], list] = {}
@@ -304,7 +304,7 @@ def _sequenced_distributed(seq: _Sequencer, plan, distributed):
     started = {}
     for i, (g, m, p) in zip(leaves, seq.barrier(leaves)):
       started[i] = step.momentum(i, seq.grad_fn(g), m) + (p,)
-    ys = plan.orthogonalize([started[i][1] for i in leaves], step.config.ns, members)
+    ys = plan.run([started[i][1] for i in leaves], step.config.ns, members)
     for i, k, y in zip(leaves, members, ys):
       stored, h, a, p = started[i]
       leaf = plan.leaves[k]

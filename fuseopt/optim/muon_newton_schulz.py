@@ -83,8 +83,8 @@ def _optax_newton_schulz(x, table, preconditioning, eps):
   return x.T if transposed else x
 
 
-def _orthogonalize(x, *, coeffs, steps, ns_dtype, eps, preconditioning, gram, implementation, interpret,
-                   ns_matmul="xla"):
+def newton_schulz_stack(x, *, coeffs, steps, ns_dtype, eps, preconditioning, gram, implementation, interpret,
+                        ns_matmul="xla"):
   """Newton-Schulz on a ``(batch, rows, cols)`` array."""
   if preconditioning == "frobenius" and jnp.dtype(x.dtype) in adam_transforms.KERNEL_DTYPES:
     config = None if ns_matmul == "xla" else kernels.TiledConfig(matmul=ns_matmul)

@@ -71,7 +71,7 @@ from fuseopt.optim import muon_settings
 from fuseopt.optim import weight_decay as weight_decay_lib
 from fuseopt.optim.matrix_views import Experts, MatrixViews, MuonDimensionNumbers
 from fuseopt.optim.muon_calls import _direction
-from fuseopt.optim.muon_newton_schulz import _NS_STEPS, _PRECONDITIONINGS, _orthogonalize
+from fuseopt.optim.muon_newton_schulz import _NS_STEPS, _PRECONDITIONINGS, newton_schulz_stack
 from fuseopt.optim.muon_settings import Execution, NewtonSchulz
 from fuseopt.optim.muon_step import (_MuonConfig, _active, _broadcast_specs, _expert_specs,
                                      _is_spec, _is_spec_or_none, _store)
@@ -213,8 +213,8 @@ def _direction_transform(args, piece=None) -> optax.GradientTransformation:
   # apply_updates).
   fused_ns_input = ns.dtype if preconditioning == "frobenius" and not args["adaptive"] else None
 
-  orthogonalize = functools.partial(
-      _orthogonalize, coeffs=kernel_coeffs, steps=kernel_steps, ns_dtype=ns.dtype, eps=eps,
+  ns_stack = functools.partial(
+      newton_schulz_stack, coeffs=kernel_coeffs, steps=kernel_steps, ns_dtype=ns.dtype, eps=eps,
       preconditioning=preconditioning, gram=ns.gram, implementation=execution.implementation,
       interpret=execution.interpret, ns_matmul=ns.matmul)
   config = _MuonConfig(
@@ -224,7 +224,7 @@ def _direction_transform(args, piece=None) -> optax.GradientTransformation:
       ns_max_elements=ns.max_elements, shardings=execution.shardings,
       # Jitted: a step's NS calls of one shape (a model's layers repeat a
       # handful) are traced and lowered once, and their kernels compiled once.
-      ns=jax.jit(orthogonalize if piece is None else piece.wrap_ns(orthogonalize)),
+      ns=jax.jit(ns_stack if piece is None else piece.wrap_ns(ns_stack)),
       piece=piece)
   direction = functools.partial(_direction, config)
 

@@ -190,7 +190,7 @@ def _ns_calls(fn, *args) -> list[int]:
 
   def walk(jaxpr):
     for eqn in jaxpr.eqns:
-      if eqn.primitive.name in ("jit", "pjit") and eqn.params.get("name") == "_orthogonalize":
+      if eqn.primitive.name in ("jit", "pjit") and eqn.params.get("name") == "newton_schulz_stack":
         out.append(eqn.invars[0].aval.shape[0])
         continue
       for sub in jax.extend.core.jaxprs_in_params(eqn.params):

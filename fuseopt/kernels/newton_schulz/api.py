@@ -126,7 +126,7 @@ def _run_backend(x, *, impl, interpret, config, table, scale, eps, ns_dtype, res
   """Normalises ``x`` and runs backend ``impl``'s iteration on it."""
   xb, restore = as_batched(x)
   y = normalise(xb, scale, eps, ns_dtype)
-  y = BACKENDS[impl].orthogonalize(
+  y = BACKENDS[impl].iterate(
       y, table=table, restarts=restarts, ns_dtype=ns_dtype, config=config,
       interpret=dispatch.interpret_arg(impl, interpret), ns_path=ns_path)
   return restore(y.astype(x.dtype))

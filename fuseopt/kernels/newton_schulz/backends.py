@@ -26,9 +26,9 @@ class PallasBackend:
   name: str
   supports: Callable[[dispatch.Call], str | None] = dispatch.supports_every_call
 
-  def orthogonalize(self, y, *, table, restarts, ns_dtype, interpret, config, ns_path=None):
+  def iterate(self, y, *, table, restarts, ns_dtype, interpret, config, ns_path=None):
     """The iteration on a normalised batch ``y`` (B, m, n), m <= n."""
-    return paths.orthogonalize(self.name, y, table=table, restarts=restarts, ns_dtype=ns_dtype,
+    return paths.iterate(self.name, y, table=table, restarts=restarts, ns_dtype=ns_dtype,
                                interpret=interpret, config=config, ns_path=ns_path)
 
 

@@ -306,7 +306,7 @@ class Plan:
         out.append(current)
     return out
 
-  def orthogonalize(self, arrays: Sequence[jax.Array], ns: Callable,
+  def run(self, arrays: Sequence[jax.Array], ns: Callable,
                     which: Sequence[int] | None = None) -> list:
     """Runs ``ns`` on every matrix of the leaves ``which`` (default: all),
     whose arrays are ``arrays``; see :func:`orthogonalize_sharded`."""
@@ -392,7 +392,7 @@ def orthogonalize_sharded(leaves: Sequence[jax.Array],
     of size 1, but for a view axis on that side: one entry per view),
     replicated over the mesh axes of the reduction side.
   """
-  return Plan(leaves, placements, views, max_elements).orthogonalize(leaves, ns)
+  return Plan(leaves, placements, views, max_elements).run(leaves, ns)
 
 
 def _returns_stats(ns, key, plan) -> bool:

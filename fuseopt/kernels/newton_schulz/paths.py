@@ -45,7 +45,7 @@ def pick_path(impl, m, n, batch, config, use_gram, ns_path=None) -> str:
   return "fused" if fused.fits(impl, m, n) else "tiled"
 
 
-def orthogonalize(impl, y, *, table, restarts, ns_dtype, interpret, config, ns_path=None):
+def iterate(impl, y, *, table, restarts, ns_dtype, interpret, config, ns_path=None):
   """The iteration on a normalised batch ``y`` (B, m, n), m <= n, on backend
   ``impl``'s kernels; ``interpret`` is the Pallas call's value."""
   batch, m, n = y.shape

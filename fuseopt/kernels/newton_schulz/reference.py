@@ -52,7 +52,7 @@ supports = dispatch.supports_every_call
 
 
 
-def orthogonalize(y, *, table, restarts, ns_dtype, interpret, config, ns_path=None):
+def iterate(y, *, table, restarts, ns_dtype, interpret, config, ns_path=None):
   """The iteration on a normalised batch ``(B, m, n)``, ``m <= n``."""
   del interpret, config, ns_path
   return iterate(table, restarts, ReferenceOps(ns_dtype))(y)
