@@ -241,31 +241,15 @@ def _direction_transform(args, piece=None) -> optax.GradientTransformation:
 
 def _add_decayed_weights(weight_decay, weight_decay_mask, dims_fn,
                          cautious: bool) -> optax.GradientTransformation:
-  """Muon's decay, ``u + wd * p``, with :func:`optax.add_decayed_weights`'s
-  state (a checkpoint has optax's structure), no decay on the frozen
+  """Muon's decay, ``u + wd * p``: :func:`fuseopt.optim.weight_decay.add_decayed_weights`
+  (optax's state, the product rounded before its add) gated off the frozen
   matrices of leaves declared :class:`~fuseopt.optim.Experts` (known at the
-  update: the specs may come from a callable). Written here rather than
-  optax's piece: the product ``wd * p`` is rounded before its add
-  (:func:`fuseopt.optim.weight_decay.decay_term`), so a sharded and an
-  unsharded step give the same bits on a CPU with FMA."""
-  plain = optax.add_decayed_weights(weight_decay)
-
-  def update_fn(updates, state, params):
-    if params is None:
-      raise ValueError("muon: weight decay needs params; pass params= to update()")
-    leaves, treedef = jax.tree.flatten(updates)
-    experts = _expert_specs(dims_fn, updates, treedef)
-    wd, state = weight_decay_lib.rate_at(weight_decay, state)
-    if isinstance(wd, (int, float)) and wd == 0.0:
-      return updates, state   # (as optax's piece: no decay, the updates as they are)
-    out = []
-    for u, p, e in zip(leaves, treedef.flatten_up_to(params), experts):
-      d = weight_decay_lib.decay_term(u, p, wd, cautious)
-      out.append(u + (d if e is None else jnp.where(_active(u, e), d, jnp.zeros((), p.dtype))))
-    return treedef.unflatten(out), state
-
-  tx = optax.GradientTransformation(plain.init, update_fn)
-  return tx if weight_decay_mask is None else optax.masked(tx, weight_decay_mask)
+  update: the specs may come from a callable)."""
+  def gate(updates):
+    experts = _expert_specs(dims_fn, updates, jax.tree.structure(updates))
+    return [None if e is None else functools.partial(_active, spec=e) for e in experts]
+  return weight_decay_lib.add_decayed_weights(weight_decay, weight_decay_mask, cautious=cautious,
+                                              gate=gate)
 
 
 def _adamw(learning_rate, b1, b2, eps, eps_root, weight_decay, mu_dtype, moment_dtype, nesterov,

@@ -87,6 +87,7 @@ def add_decayed_weights(
     weight_decay: optax.ScalarOrSchedule = 0.0,
     mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
     *, cautious: bool = False,
+    gate: Optional[Callable[[Any], list]] = None,
 ) -> optax.GradientTransformation:
   """:func:`optax.add_decayed_weights` with its product rounded before the
   add (:func:`decay_term`): ``u + wd * p``, or with ``cautious``
@@ -97,7 +98,10 @@ def add_decayed_weights(
   optax's structure and checkpoints interoperate. ``u`` is the incoming
   update (the optimizer's direction before the decay). A rate of zero
   returns the updates as they are (optax computes ``u + 0 * p``: the same
-  bits for every finite ``p``).
+  bits for every finite ``p``). ``gate``: None, or a function of the updates
+  giving, for each of ``jax.tree.leaves(updates)``, None (every element
+  decays) or a function of that leaf's update that is True where it decays
+  (known only at the update: Muon's frozen experts).
   """
   plain = optax.add_decayed_weights(weight_decay)
 
@@ -108,8 +112,17 @@ def add_decayed_weights(
     wd, state = rate_at(weight_decay, state)
     if isinstance(wd, (int, float)) and wd == 0.0:
       return updates, state
-    return jax.tree.map(lambda u, p: None if u is None else u + decay_term(u, p, wd, cautious),
-                        updates, params, is_leaf=lambda x: x is None), state
+    leaves, treedef = jax.tree.flatten(updates, is_leaf=lambda x: x is None)
+    gates = iter(gate(updates) if gate is not None else [])
+    out = []
+    for u, p in zip(leaves, treedef.flatten_up_to(params)):
+      if u is None:
+        out.append(None)
+        continue
+      d = decay_term(u, p, wd, cautious)
+      g = next(gates, None)
+      out.append(u + (d if g is None else jnp.where(g(u), d, jnp.zeros((), p.dtype))))
+    return treedef.unflatten(out), state
 
   tx = optax.GradientTransformation(plain.init, update_fn)
   return tx if mask is None else optax.masked(tx, mask)
