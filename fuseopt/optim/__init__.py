@@ -14,6 +14,7 @@ from fuseopt.optim.adam_transforms import adam
 from fuseopt.optim.adam_transforms import adamw
 from fuseopt.optim.adam_transforms import bf16_moments
 from fuseopt.optim.adam_transforms import scale_by_adam
+from fuseopt.optim.convert import convert_moments
 from fuseopt.optim.step import step
 
 # Muon, its matrix views and its split from logical axes; QK-Clip.
@@ -97,6 +98,7 @@ __all__ = (
     "add_cautious_decayed_weights",
     "apply_updates",
     "bf16_moments",
+    "convert_moments",
     "build_optimizer",
     "cautious",
     "freeze",

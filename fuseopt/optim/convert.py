@@ -1,0 +1,91 @@
+"""A run's Adam moments converted to another format: resume in a smaller one.
+
+:func:`convert_moments` takes an optimizer state (what ``tx.init`` returned
+and ``update`` / :func:`fuseopt.optim.step` advanced, or a checkpoint of it)
+and gives the same state with every Adam moment (``ScaleByAdamState.mu`` and
+``nu``, wherever they are: the AdamW side of the Muon family included) in
+another format: fp32, bf16 or 8-bit (:mod:`fuseopt.kernels.adam.quantized`).
+The result has the structure, shapes and dtypes ``tx.init`` gives for that
+format, so a transform built with the new ``moment_dtype`` takes it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fuseopt.kernels import counter_hash
+from fuseopt.kernels import fp_contract
+from fuseopt.kernels.adam import quantized
+from fuseopt.optim import _checks
+
+__all__ = ["convert_moments"]
+
+
+def convert_moments(state: Any, moment_dtype: Any, *, seed: int = 0) -> Any:
+  """``state`` with its Adam moments in ``moment_dtype``.
+
+  Args:
+    state: an optimizer state of fuseopt's (or optax's) Adam family, any
+      nesting of chains, partitions and masks.
+    moment_dtype: ``"float32"``, ``"bfloat16"`` or ``"int8"`` (the
+      ``moment_dtype`` of :func:`fuseopt.optim.adamw`: a dtype, its name or
+      its scalar type). To 8 bits, a leaf whose last axis does not divide into
+      quantisation blocks keeps bf16 moments, as ``tx.init`` does.
+    seed: the counter-hash seed of the 8-bit codes' stochastic rounding
+      (leaf ``i``'s codes are rounded with ``derive_seed(seed, 0, i,
+      STREAM_MU / STREAM_NU)``, ``i`` its position among the state's moment
+      leaves): the same state and seed give the same codes.
+
+  Returns:
+    The state, every ``mu`` and ``nu`` converted: 8-bit moments dequantised,
+    then cast (fp32 exactly; bf16 rounded to nearest) or quantised again;
+    the counts and every other part of the state as they were.
+  """
+  target = _checks.moment_format("convert_moments", "moment_dtype", moment_dtype)
+  if target is None:
+    raise ValueError("convert_moments: moment_dtype must name a format: float32, bfloat16 "
+                     "or 'int8', got None")
+  counter = [0]
+
+  def moments(tree, signed):
+    def one(m):
+      if isinstance(m, optax.MaskedNode) or m is None:
+        return m
+      i = counter[0]
+      counter[0] += 1
+      return _convert(m, target, signed=signed, seed=seed, leaf_index=i)
+    return jax.tree.map(one, tree, is_leaf=lambda x: quantized.is_quantized(x)
+                        or isinstance(x, optax.MaskedNode))
+
+  def adam_state(s):
+    if not isinstance(s, optax.ScaleByAdamState):
+      return s
+    return s._replace(mu=moments(s.mu, True), nu=moments(s.nu, False))
+
+  return jax.tree.map(adam_state, state,
+                      is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+
+
+def _convert(m, target, *, signed: bool, seed: int, leaf_index: int):
+  value = (quantized.dequantize(m, signed=signed) if quantized.is_quantized(m)
+           else jnp.asarray(m).astype(jnp.float32))
+  if target != _checks.INT8:
+    return value.astype(target)
+  shape = value.shape
+  if not quantized.fits(shape):
+    return value.astype(jnp.bfloat16)   # as tx.init: a leaf without whole blocks
+  stream = counter_hash.STREAM_MU if signed else counter_hash.STREAM_NU
+  leaf_seed = counter_hash.derive_seed(seed, 0, np.uint32(leaf_index), stream)
+  bshape = quantized.scales_shape(shape) + (quantized.BLOCK,)
+  index = jax.lax.iota(jnp.uint32, value.size).reshape(bshape)
+  bits = counter_hash.hash_bits(index, leaf_seed)
+  if signed:
+    codes, scale = quantized.quantize_mu(value.reshape(bshape), bits)
+  else:   # (its squares rounded before their subtractions: the same codes in any program)
+    codes, scale = quantized.quantize_nu(value.reshape(bshape), bits, fence=fp_contract.rounded)
+  return quantized.QuantizedMoment(codes.reshape(shape), scale[..., 0])

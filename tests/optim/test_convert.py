@@ -1,0 +1,114 @@
+"""fo.convert_moments: a state's Adam moments into another format, the state
+then what tx.init gives for that format, and the run resumes from it."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fuseopt.optim as fo
+from fuseopt.kernels.adam import quantized
+
+
+def _params():
+  k = jax.random.split(jax.random.key(0), 3)
+  return {"w": jax.random.normal(k[0], (8, 512)), "odd": jax.random.normal(k[1], (6, 10)),
+          "b": jax.random.normal(k[2], (16,))}
+
+
+def _tx(moment_dtype):
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")   # int8: the leaves without whole blocks keep bf16
+    return fo.adamw(1e-2, weight_decay=0.1, moment_dtype=moment_dtype)
+
+
+def _init(tx, params):
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    return tx.init(params)
+
+
+def _advanced(moment_dtype, params, steps=2):
+  tx = _tx(moment_dtype)
+  state = _init(tx, params)
+  step = jax.jit(lambda p, s, g: fo.step(tx, g, s, p))
+  for t in range(steps):
+    params, state = step(params, state, jax.tree.map(lambda x: x * (t + 1) * 0.1, params))
+  return params, state
+
+
+def _layout(state):
+  return jax.tree.map(lambda x: (x.shape, x.dtype), state)
+
+
+@pytest.mark.parametrize("source,target", [("float32", "int8"), ("int8", "bfloat16"),
+                                           ("bfloat16", "float32"), ("int8", "float32"),
+                                           ("float32", "bfloat16")])
+def test_converted_state_is_what_init_gives_and_resumes(source, target):
+  params = _params()
+  params, state = _advanced(source, params)
+  new = fo.convert_moments(state, target)
+  assert _layout(new) == _layout(_init(_tx(target), params))
+  assert int(new[0].count) == int(state[0].count)
+  # the run resumes in the new format (tx.update refuses a state of another format)
+  tx = _tx(target)
+  p2, s2 = jax.jit(lambda p, s, g: fo.step(tx, g, s, p))(params, new, params)
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(p2))
+  tx.update(params, new, params)
+
+
+def _value(m, signed):
+  return quantized.dequantize(m, signed=signed) if quantized.is_quantized(m) else m.astype(
+      jnp.float32)
+
+
+def test_values_survive_the_round_trip_within_the_formats_resolution():
+  params = _params()
+  _, state = _advanced("float32", params)
+  mu, nu = state[0].mu["w"], state[0].nu["w"]
+  q = fo.convert_moments(state, "int8")
+  assert quantized.is_quantized(q[0].mu["w"]) and q[0].mu["odd"].dtype == jnp.bfloat16
+  back = fo.convert_moments(q, "float32")
+  # one code step of the block: |mu| max / 127; sqrt(nu) max / 255 in the root domain
+  mstep = np.max(np.abs(np.asarray(mu)).reshape(8, 2, 256), axis=-1, keepdims=True) / 127
+  err = np.abs(np.asarray(back[0].mu["w"]) - np.asarray(mu)).reshape(8, 2, 256)
+  assert np.all(err <= mstep * 1.0001 + 1e-12)
+  root = np.sqrt(np.asarray(nu)).reshape(8, 2, 256)
+  rstep = root.max(axis=-1, keepdims=True) / 255
+  rerr = np.abs(np.sqrt(np.asarray(back[0].nu["w"])).reshape(8, 2, 256) - root)
+  assert np.all(rerr <= rstep * 1.0001 + 1e-12)
+  # nu never 0 where the fp32 nu > 0
+  assert not np.any((np.asarray(back[0].nu["w"]) == 0) & (np.asarray(nu) > 0))
+
+
+def test_same_state_and_seed_give_the_same_codes_and_another_seed_others():
+  _, state = _advanced("float32", _params())
+  a = fo.convert_moments(state, "int8", seed=1)
+  b = fo.convert_moments(state, "int8", seed=1)
+  c = fo.convert_moments(state, "int8", seed=2)
+  np.testing.assert_array_equal(a[0].mu["w"].codes, b[0].mu["w"].codes)
+  assert np.any(np.asarray(a[0].mu["w"].codes) != np.asarray(c[0].mu["w"].codes))
+
+
+def test_muon_adamw_side_is_converted_and_momentum_kept():
+  params = {"w": jnp.ones((256, 512)), "b": jnp.ones((512,))}
+  state = fo.muon(1e-3).init(params)
+  new = fo.convert_moments(state, "int8")
+  adam = [s for s in jax.tree.leaves(new, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+          if isinstance(s, optax.ScaleByAdamState)]
+  assert len(adam) == 1 and quantized.is_quantized(adam[0].mu["b"])
+  assert isinstance(adam[0].mu["w"], optax.MaskedNode)     # Muon's matrix: not Adam's
+  # Muon's momentum is no Adam moment: the same arrays
+  before = [x for x in jax.tree.leaves(state) if x.shape == (256, 512)]
+  after = [x for x in jax.tree.leaves(new) if x.shape == (256, 512)]
+  assert len(before) == len(after) == 1 and after[0].dtype == before[0].dtype
+
+
+@pytest.mark.parametrize("bad", [None, "int4", jnp.float16])
+def test_a_format_not_offered_is_refused_naming_the_accepted(bad):
+  _, state = _advanced("float32", _params(), steps=1)
+  with pytest.raises((ValueError, TypeError), match="float32.*bfloat16.*int8|int8"):
+    fo.convert_moments(state, bad)
