@@ -19,23 +19,46 @@ from fuseopt.optim import _checks
 from fuseopt.optim import groups as groups_lib
 from fuseopt.optim import schedules as schedules_lib
 
-__all__ = ["OPTIMIZERS", "BF16_PARAMS", "BF16_STATE_OPTIMIZERS", "CAUTIOUS_OPTIMIZERS",
+__all__ = ["CAPABILITIES", "Capabilities", "OPTIMIZERS", "BF16_PARAMS", "BF16_STATE_OPTIMIZERS", "CAUTIOUS_OPTIMIZERS",
            "MUON_OPTIMIZERS", "STATE_DTYPES", "INT8_STATE_OPTIMIZERS", "OptimConfig"]
 
-OPTIMIZERS = ("adam", "adamw", "lamb", "lion", "adafactor", "muon", "muonclip", "normuon")
-# Optimizers whose moments can be stored in bf16 (state_dtype="bfloat16").
-BF16_STATE_OPTIMIZERS = ("adam", "adamw", "lion", "muon", "muonclip", "normuon")
-# The Muon family: an AdamW side, Muon's parameter split.
-MUON_OPTIMIZERS = ("muon", "muonclip", "normuon")
-# Optimizers with cautious weight decay (a decay rate given as fuseopt.optim.cautious).
-CAUTIOUS_OPTIMIZERS = ("adamw", "muon", "muonclip", "normuon")
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+  """What the builder may ask of one optimizer (:data:`CAPABILITIES`)."""
+  bf16_state: bool = False     # moments stored in bf16 (state_dtype="bfloat16")
+  int8_state: bool = False     # Adam's moments as 8-bit blockwise codes (state_dtype="int8")
+  muon_family: bool = False    # an AdamW side and Muon's parameter split
+  cautious: bool = False       # cautious weight decay (a rate given as fuseopt.optim.cautious)
+  weight_decay: bool = True    # weight decay among its own kwargs
+
+
+# Each optimizer's capabilities, declared once: the tuples below are read off it.
+# The Muon family keeps its momentum fp32 under state_dtype="int8" (its AdamW
+# side's moments are the 8-bit ones).
+CAPABILITIES = {
+    "adam": Capabilities(bf16_state=True, int8_state=True, weight_decay=False),
+    "adamw": Capabilities(bf16_state=True, int8_state=True, cautious=True),
+    "lamb": Capabilities(),
+    "lion": Capabilities(bf16_state=True),
+    "adafactor": Capabilities(),
+    "muon": Capabilities(bf16_state=True, int8_state=True, muon_family=True, cautious=True),
+    "muonclip": Capabilities(bf16_state=True, int8_state=True, muon_family=True, cautious=True),
+    "normuon": Capabilities(bf16_state=True, int8_state=True, muon_family=True, cautious=True),
+}
+
+
+def _having(field: str) -> tuple[str, ...]:
+  return tuple(name for name, c in CAPABILITIES.items() if getattr(c, field))
+
+
+OPTIMIZERS = tuple(CAPABILITIES)
+BF16_STATE_OPTIMIZERS = _having("bf16_state")
+MUON_OPTIMIZERS = _having("muon_family")
+CAUTIOUS_OPTIMIZERS = _having("cautious")
 BF16_PARAMS = ("stochastic", "mantissa")
 STATE_DTYPES = ("float32", "bfloat16", "int8")
-# Optimizers whose Adam moments can be 8-bit blockwise codes (state_dtype="int8"):
-# Adam/AdamW, and the Muon family's AdamW side (Muon's momentum stays fp32).
-INT8_STATE_OPTIMIZERS = ("adam", "adamw", "muon", "muonclip", "normuon")
-# Weight decay is part of these optimizers' own kwargs; plain Adam has none.
-_NO_DECAY_OPTIMIZERS = ("adam",)
+INT8_STATE_OPTIMIZERS = _having("int8_state")
+_NO_DECAY_OPTIMIZERS = tuple(name for name, c in CAPABILITIES.items() if not c.weight_decay)
 
 
 def _yaml():

@@ -367,3 +367,13 @@ def test_a_skipped_fused_step_leaves_8bit_moments_untouched(name):
   assert_trees_equal(s_nan.inner_state, s0.inner_state)
   assert_trees_equal(p2, clean[1][0])
   assert_trees_equal(s2.inner_state, clean[1][1].inner_state)
+
+
+def test_each_optimizer_is_declared_once_and_built():
+  """The builder's optimizers are config.CAPABILITIES' keys (one declaration
+  each); the capability tuples are read off that table."""
+  from fuseopt.optim import builder, config
+  assert tuple(builder.OPTIMIZER_MAP) == config.OPTIMIZERS == tuple(config.CAPABILITIES)
+  caps = config.CAPABILITIES
+  assert config.INT8_STATE_OPTIMIZERS == tuple(n for n in caps if caps[n].int8_state)
+  assert set(config.MUON_OPTIMIZERS) <= set(config.CAUTIOUS_OPTIMIZERS)
