@@ -64,3 +64,9 @@ def test_a_tree_of_both_formats_runs_each_leaf_as_alone():
         np.testing.assert_array_equal(got, want, f"leaf {i}")
       else:
         assert_bitwise_equal(got, want, f"leaf {i}")
+
+
+def test_leaf_layout_is_flat_or_whole_block_rows():
+  a = jnp.ones((4, 512))
+  assert formats.DENSE.leaf_layout(a).shape == (2048,)
+  assert formats.INT8.leaf_layout(a).shape == (8, quantized.BLOCK)

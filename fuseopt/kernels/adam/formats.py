@@ -52,6 +52,11 @@ class MomentFormat:
       return m.reshape(-1)
     return quantized.QuantizedMoment(m.codes.reshape(-1, self.block), m.scales.reshape(-1))
 
+  def leaf_layout(self, a):
+    """A leaf's own array (``p``, ``g``) as the kernels take it beside
+    moments of this format: flat, or ``(R, BLOCK)`` rows of whole blocks."""
+    return a.reshape(-1) if not self.quantized else a.reshape(-1, self.block)
+
   def restore(self, m, like):
     """A kernel's result ``m`` back in the shapes of ``like``."""
     if not self.quantized:

@@ -261,7 +261,7 @@ def _run_quantized_group(impl, members, scalars, seeds, ps, gs, mus, nus, *, nes
   out = {}
   for chunk in launch_chunks(sizes, cfg.max_leaves_per_launch, by_size=apply):
     chunk = [members[j] for j in chunk]
-    rows = lambda a: a.reshape(-1, fmt.block)
+    rows = fmt.leaf_layout
     args = (jnp.stack([scalars[i] for i in chunk]), jnp.stack([seeds[i] for i in chunk]),
             [rows(ps[i]) for i in chunk] if apply else None, [rows(gs[i]) for i in chunk],
             [fmt.kernel_layout(mus[i]) for i in chunk], [fmt.kernel_layout(nus[i]) for i in chunk])
@@ -303,7 +303,7 @@ def _run_quantized(impl, scalars, seeds, p, g, mu, nu, *, nesterov, interpret, c
     # (in the leaf's own shape: the kernel picks a view that keeps the TPU layout)
     return no_derivative(impl, run, scalars, seeds, p, g, mu, nu)
   fmt = formats.INT8
-  rows = lambda a: a.reshape(-1, fmt.block)
+  rows = fmt.leaf_layout
   operands = (scalars, seeds, None if p is None else rows(p), rows(g), fmt.kernel_layout(mu),
               fmt.kernel_layout(nu))
   if impl == "mosaic_gpu":

@@ -42,8 +42,8 @@ def heuristic(size: int, itemsizes=(4,)) -> TritonConfig:
   moments), 8 elements a thread (block 2048, 8 warps), which gives each of
   them 128-bit loads and stores where 4 would give 64-bit ones, with no spill
   and no shared memory (the compiled PTX, docs/compile_tier.md, "PTX: access
-  widths"). A mix of widths keeps 4 elements a thread: at 8 Triton stages the
-  fp32 stores through shared memory."""
+  widths"). A mix of widths keeps 4 elements a thread: at 8 the fp32 outputs
+  are stored through shared memory."""
   config = elementwise_tiling.triton_heuristic(size)
   if max(itemsizes, default=4) <= 2 and size >= 2 * config.block and config.num_warps == 8:
     return TritonConfig(block=2 * config.block, num_warps=config.num_warps)
