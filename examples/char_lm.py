@@ -24,8 +24,8 @@ With ``--bf16-params`` the model's parameters are stored in bf16 and AdamW
 (learning rate ``--lr-adam``, 3e-4 there by default) runs four ways: fp32
 parameters (the reference), bf16 with round-to-nearest (``optax.adamw`` +
 ``apply_updates``: updates below half a bf16 ulp are lost), bf16 with
-fuseopt's stochastic rounding (``bf16_params="stochastic"``) and bf16 with a
-mantissa companion (``bf16_params="mantissa"``: the fp32 run's masters).
+fuseopt's stochastic rounding (the default) and bf16 with a mantissa
+companion (``fo.track_mantissa(tx)``: the fp32 run's masters).
 
 With ``--moments`` (a comma-separated list of ``fp32``, ``bf16``, ``int8``)
 the fused ``fuseopt.optim.adamw`` runs once per moment storage: fp32, bf16
@@ -144,7 +144,7 @@ def optimizers(model, steps: int, lr_adam: float, lr_muon: float):
   sched = lambda peak: optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(steps, warmup + 1))
   dims = fuseopt.nnx.muon_dimension_numbers(model)
   config = fo.OptimConfig(
-      optimizer="muon", weight_decay=0.01, state_dtype="bfloat16", muon_logical_axes=True,
+      optimizer="muon", weight_decay=0.01, moment_dtype="bfloat16", muon_logical_axes=True,
       schedule={"kind": "cosine", "peak": lr_muon, "warmup_steps": warmup},
       adam_schedule={"kind": "cosine", "peak": lr_adam, "warmup_steps": warmup},
       optimizer_kwargs={"ns_coeffs": "polar_express"})
@@ -170,7 +170,7 @@ def bf16_optimizers(model, steps: int, lr_adam: float, lr_muon: float):
       "bf16, round to nearest (optax)": (nnx.Optimizer, optax.adamw(sched, weight_decay=0.01),
                                          jnp.bfloat16),
       "bf16, stochastic rounding": (fuseopt.nnx.Optimizer, fused(), jnp.bfloat16),
-      "bf16 + mantissa companion": (fuseopt.nnx.Optimizer, fused(bf16_params="mantissa"),
+      "bf16 + mantissa companion": (fuseopt.nnx.Optimizer, fo.track_mantissa(fused()),
                                     jnp.bfloat16),
   }
 

@@ -37,11 +37,11 @@ CASES = {
     # bf16 moments, stochastically rounded with per-step seeds, through the fused step.
     "adamw_bf16_fused_step": (lambda: fo.adamw(1e-2, weight_decay=0.1), True),
     # Muon's momentum and its AdamW side's bf16 moments.
-    "muon": (lambda: fo.muon(1e-2, muon_weight_dimension_numbers=_DIMS, execution=fo.Execution(adam_moment_dtype=jnp.bfloat16)), False),
+    "muon": (lambda: fo.muon(1e-2, muon_weight_dimension_numbers=_DIMS, moment_dtype=jnp.bfloat16), False),
     # The builder's nesting: freeze / skip_nonfinite / MultiSteps / clip / partition of groups.
     "builder": (lambda: fo.build_optimizer(fo.OptimConfig.from_dict({
         "optimizer": "muon", "schedule": {"kind": "cosine", "peak": 0.02, "warmup_steps": 2},
-        "adam_learning_rate": 3e-3, "muon_patterns": ["layers/*/kernel"], "state_dtype": "bfloat16",
+        "adam_learning_rate": 3e-3, "muon_patterns": ["layers/*/kernel"], "moment_dtype": "bfloat16",
         "weight_decay": 0.1, "clip_norm": 1.0, "accumulate_steps": 2, "skip_nonfinite": True,
         "frozen": ["embed/*"],
         "param_groups": [{"name": "no_decay", "patterns": ["*/scale"], "weight_decay": 0.0},

@@ -181,7 +181,7 @@ learning_rate: 0.02
 adam_learning_rate: 3.0e-3
 muon_logical_axes: true
 weight_decay: 0.1
-state_dtype: bfloat16
+moment_dtype: bfloat16
 param_groups:
   - {name: no_decay, patterns: ['*/bias', '*/scale'], weight_decay: 0.0}
   - {name: rest, patterns: ['*']}

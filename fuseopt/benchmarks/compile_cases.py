@@ -323,7 +323,7 @@ def _builder_recipe():
                         "decay_fraction": 0.2},
       "muon_patterns": ["layers/*/attn/*", "layers/*/mlp/*"],
       "weight_decay": 0.1,
-      "state_dtype": "bfloat16",
+      "moment_dtype": "bfloat16",
       "param_groups": [{"name": "no_decay", "patterns": ["*_norm", "final_norm"],
                         "weight_decay": 0.0},
                        {"name": "rest", "patterns": ["*"]}],
@@ -388,7 +388,6 @@ def _variant_recipes():
   def hybrid(factory, mantissa=False, cautious=False):
     wd = fo.cautious(0.1) if cautious else 0.1
     tx = factory(0.02, weight_decay=wd, adam_weight_decay=wd, ns_coeffs="jordan",
-                 execution=fo.Execution(adam_moment_dtype=BF16),
                  muon_weight_dimension_numbers=muon_cases.muon_dims)
     return fusion.chain(safeguards.clip_by_global_norm(1.0),
                         fo.track_mantissa(tx, owner="muon") if mantissa else tx)
@@ -399,7 +398,7 @@ def _variant_recipes():
       # mantissa wrapper inside the clip, as the builder places it.
       "mantissa_adamw_recipe": (fusion.chain(
           safeguards.clip_by_global_norm(1.0),
-          fo.adamw(1e-3, weight_decay=0.1, bf16_params="mantissa")), BF16),
+          fo.track_mantissa(fo.adamw(1e-3, weight_decay=0.1))), BF16),
       "mantissa_hybrid_recipe": (hybrid(fo.muon, mantissa=True), BF16),
   }
 
@@ -454,7 +453,7 @@ def sharded_cases() -> list[Case]:
           auto = shardings if axis_type == AxisType.Auto else None
           if recipe.startswith("adamw"):
             tx = (optax.adamw(1e-3, weight_decay=0.1) if variant == "optax" else
-                  fo.adamw(1e-3, weight_decay=0.1, shardings=auto,
+                  fo.adamw(1e-3, weight_decay=0.1, execution=fo.Execution(shardings=auto),
                            **({"moment_dtype": "int8"} if recipe == "adamw_int8" else {})))
           else:
             tx = compile_steps.hybrid_tx(variant, auto)

@@ -59,7 +59,7 @@ def hybrid_tx(variant: str, shardings=None, dims=None, **options):
                               adam_weight_decay=0.1, muon_weight_dimension_numbers=dims)
   return fo.muon(0.02, ns_coeffs="jordan", weight_decay=0.1, adam_weight_decay=0.1,
                  muon_weight_dimension_numbers=dims,
-                 execution=fo.Execution(shardings=shardings, adam_moment_dtype=BF16), **options)
+                 execution=fo.Execution(shardings=shardings), **options)
 
 
 def sharded_step_args(t, tx, tree, shardings, *, fused: bool):

@@ -298,6 +298,9 @@ LEGACY_NAMES = {  # (op, label in the file) -> today's label
     ("adam", "fuseopt_step[int8,grouped]"): "fuseopt_step[int8]",
     ("step", "fuseopt_step"): "fuseopt_step[per_leaf]",
     ("muon", "fuseopt_muon[gram]"): "fuseopt_muon[gram,jordan]",
+    # The Muon family's AdamW side kept fp32 moments by default then; bf16 since.
+    ("muon", "fuseopt_muon"): "fuseopt_muon[fp32_adam]",
+    ("muon", "fuseopt_muon[bf16_adam]"): "fuseopt_muon",
 }
 LEGACY_DEFAULTS = {  # (op, today's label): the rows that ran the default call's program then
     ("stochastic_round", "fuseopt"), ("adam", "fuseopt_step"),

@@ -21,7 +21,7 @@ from fuseopt.optim.step import step
 from fuseopt.optim.muon_transforms import muon
 from fuseopt.optim.muon_transforms import MuonDimensionNumbers
 from fuseopt.optim.muon_transforms import scale_by_muon
-from fuseopt.optim.muon_settings import Execution
+from fuseopt.optim.execution import Execution
 from fuseopt.optim.muon_settings import NewtonSchulz
 from fuseopt.optim.normuon_transforms import normuon
 from fuseopt.optim.normuon_transforms import NorMuonState

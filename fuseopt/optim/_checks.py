@@ -10,8 +10,10 @@ see :mod:`fuseopt.optim.schedules`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -142,11 +144,11 @@ def moment_format(owner: str, name: str, value):
   ``jnp.dtype(bfloat16)`` (given as a dtype, its name or its scalar type),
   :data:`INT8` (the name, or ``jnp.int8``) or None (optax's dtypes).
 
-  The one reading of ``moment_dtype`` (:func:`~fuseopt.optim.adam`,
-  :func:`~fuseopt.optim.adamw`, :func:`~fuseopt.optim.scale_by_adam`),
-  ``Execution.adam_moment_dtype`` and the config's conflict check, so that
-  every caller accepts the same values and every refusal lists all four
-  (the messages used to name float32, bfloat16 or None and not ``"int8"``).
+  The one reading of ``moment_dtype``, where it enters
+  (:func:`~fuseopt.optim.adam`, :func:`~fuseopt.optim.adamw`,
+  :func:`~fuseopt.optim.scale_by_adam`, the Muon family,
+  :func:`~fuseopt.optim.convert_moments`), so that every caller accepts the
+  same values and every refusal lists all four.
   A ``TypeError`` for what is no dtype (``8``, ``"INT8"``), a ``ValueError``
   for a dtype the kernel has no format for (``uint8``, ``float16``)."""
   if value is None:
@@ -179,9 +181,8 @@ def check_mu_dtype(owner: str, value):
     return None
   what = ("a floating dtype (e.g. float32 or bfloat16; complex for complex parameters: a dtype, "
           "its name or its scalar type) or None")
-  int8 = (f"; for 8-bit moments pass moment_dtype={INT8!r} (adam, adamw, scale_by_adam) or "
-          f"execution=Execution(adam_moment_dtype={INT8!r}) (the AdamW side of muon, normuon, "
-          f"muonclip; Muon's momentum has no 8-bit format)")
+  int8 = (f"; for 8-bit moments pass moment_dtype={INT8!r} (adam, adamw, scale_by_adam, and "
+          f"the AdamW side of muon, normuon, muonclip; Muon's momentum has no 8-bit format)")
   try:
     dtype = jnp.dtype(value)
   except TypeError:
@@ -219,3 +220,21 @@ def check_state(owner: str, tx, state, params) -> None:
       raise ValueError(f"{owner}: state leaf {jax.tree_util.keystr(path)} is "
                        f"{dtype}{list(shape) if shape is not None else ''}, but tx.init(params) "
                        f"gives {w.dtype}{list(w.shape)}")
+
+
+def as_record(owner: str, name: str, value, cls):
+  """``value`` as a ``cls`` record: the record itself, a mapping of its
+  fields (a YAML config's), or ``None`` for the defaults."""
+  if value is None:
+    return cls()
+  if isinstance(value, cls):
+    return value
+  if isinstance(value, Mapping):
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - fields)
+    if unknown:
+      raise ValueError(f"{owner}: {name} has unknown fields {unknown}; expected some of "
+                       f"{sorted(fields)}")
+    return cls(**value)
+  raise TypeError(f"{owner}: {name} must be a fuseopt.optim.{cls.__name__} (or a mapping of its "
+                  f"fields), got {value!r}")

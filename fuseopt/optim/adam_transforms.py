@@ -34,6 +34,7 @@ from fuseopt.kernels import sharding as kernel_sharding
 from fuseopt.kernels.adam import quantized
 from fuseopt.optim import _checks
 from fuseopt.optim import fusion
+from fuseopt.optim.execution import Execution
 from fuseopt.optim import learning_rate as learning_rate_lib
 from fuseopt.optim import mantissa
 from fuseopt.optim import weight_decay as weight_decay_lib
@@ -53,9 +54,7 @@ class AdamHyperparams:
   mu_dtype: Any
   nu_dtype: Any
   seed: int
-  implementation: Optional[str]
-  interpret: bool = False
-  shardings: Any = None  # placement of the params (Auto mesh axes); see scale_by_adam
+  execution: Execution
   cautious: bool = False  # cautious weight decay (fuseopt.optim.weight_decay)
 
 
@@ -195,9 +194,7 @@ def _check_hyper(b1, b2, eps, eps_root, owner="scale_by_adam"):
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                   eps_root: float = 0.0, mu_dtype: Any = None, *, nesterov: bool = False,
                   moment_dtype: Any = "bfloat16", seed: Optional[int] = None,
-                  implementation: Optional[str] = None,
-                  interpret: bool = False,
-                  shardings: Any = None) -> optax.GradientTransformation:
+                  execution: Optional[Execution] = None) -> optax.GradientTransformation:
   r"""Drop-in for :func:`optax.scale_by_adam` with moments stored in ``moment_dtype``.
 
   .. math::
@@ -237,20 +234,15 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
       moments (one warning at ``init`` names such leaves); ``mu_dtype`` must
       then be None (or int8).
     seed: integer mixed into the rounding seeds (``None``: 0).
-    implementation, interpret: forwarded to :func:`fuseopt.kernels.adam_update`.
-    shardings: where the parameters live when the mesh axes are Auto: a tree
-      of ``NamedSharding`` / ``PartitionSpec`` shaped like the params (or a
-      prefix, or one for all). The kernels then run shard-local
-      (``shard_map``) with the counter hash on global indices: bitwise the
-      unsharded result, no gather. ``None``: read the placement from the
-      arrays' types (Explicit axes); on an Auto mesh of several devices the
-      plain-jnp reference runs instead (XLA partitions it) and a warning
-      names this argument. See docs/scaling.md.
+    execution: an :class:`~fuseopt.optim.Execution` record (or a mapping of
+      its fields; ``None``: its defaults): a forced backend of
+      :func:`fuseopt.kernels.adam_update`, interpret mode, and the
+      parameters' shardings on an Auto mesh (docs/scaling.md).
 
-  The defaults of ``moment_dtype``, ``seed`` and ``implementation`` are
-  neither numbers nor callables, so :func:`optax.inject_hyperparams` leaves
-  them alone and injects what it injects into :func:`optax.scale_by_adam`
-  (pass a non-default ``seed`` or a dtype *type* such as ``jnp.float32`` in
+  The defaults of ``moment_dtype``, ``seed`` and ``execution`` are neither
+  numbers nor callables, so :func:`optax.inject_hyperparams` leaves them
+  alone and injects what it injects into :func:`optax.scale_by_adam` (pass a
+  non-default ``seed`` or a dtype *type* such as ``jnp.float32`` in
   ``static_args``, or give the dtype by name).
 
   Returns:
@@ -260,17 +252,21 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     (8-bit against bf16/fp32, either way): a ``ValueError`` naming the leaf
     and both formats.
   """
-  return _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, moment_dtype, seed,
-                        implementation, interpret, shardings, owner="scale_by_adam")
-
-
-def _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, moment_dtype, seed,
-                   implementation, interpret, shardings, *, owner):
-  """:func:`scale_by_adam`, its errors at ``update`` naming ``owner`` (the
-  function the user called: ``adam``, ``adamw``)."""
   _check_hyper(b1, b2, eps, eps_root)
   nu_dtype = _checks.moment_format("scale_by_adam", "moment_dtype", moment_dtype)
-  mu_dtype = _optax_dtype(_check_int8(nu_dtype, mu_dtype, "scale_by_adam"), "scale_by_adam")
+  mu_dtype = _check_int8(nu_dtype, mu_dtype, "scale_by_adam")
+  execution = _checks.as_record("scale_by_adam", "execution", execution, Execution)
+  return _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, nu_dtype, seed, execution,
+                        owner="scale_by_adam")
+
+
+def _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, nu_dtype, seed,
+                   execution: Execution, *, owner):
+  """:func:`scale_by_adam` of checked arguments (``nu_dtype`` the moment
+  format as :func:`fuseopt.optim._checks.moment_format` returns it, read once
+  by the public function), its errors at ``update`` naming ``owner`` (the
+  function the user called: ``adam``, ``adamw``)."""
+  mu_dtype = _optax_dtype(mu_dtype, owner)
   seed = 0 if seed is None else seed
   warned = []
 
@@ -301,7 +297,7 @@ def _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, moment_dtype, seed
              or {g[i].dtype, mu[i].dtype, nu[i].dtype} <= set(KERNEL_DTYPES)}
     rest = [i for i in range(len(g)) if i not in fused]
     u, new_mu, new_nu = [None] * len(g), list(mu), list(nu)
-    leaf_shardings = kernel_sharding.flatten_shardings(shardings, treedef.unflatten(g),
+    leaf_shardings = kernel_sharding.flatten_shardings(execution.shardings, treedef.unflatten(g),
                                                        owner="scale_by_adam", strict=True)
     if fused:
       # Other leaves stand in as empty arrays, so leaf i keeps rounding seed i.
@@ -309,8 +305,8 @@ def _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, moment_dtype, seed
       pick = lambda xs: [x if i in fused else empty for i, x in enumerate(xs)]
       outs = kernels.adam_update_tree(
           None, pick(g), pick(mu), pick(nu), count=count, b1=b1, b2=b2, eps=eps,
-          eps_root=eps_root, nesterov=nesterov, seed=seed, implementation=implementation,
-          interpret=interpret,
+          eps_root=eps_root, nesterov=nesterov, seed=seed,
+          implementation=execution.implementation, interpret=execution.interpret,
           shardings=None if leaf_shardings is None else [
               s if i in fused else None for i, s in enumerate(leaf_shardings)])
       for i in fused:
@@ -395,11 +391,12 @@ def _in_place(hp: AdamHyperparams, decay_at: Optional[int], lr_at: int):
     outs = kernels.adam_update_tree(
         p_leaves, g_leaves, mu_leaves, nu_leaves, count=count, learning_rate=lr, b1=hp.b1,
         b2=hp.b2, eps=hp.eps, eps_root=hp.eps_root, weight_decay=wds, nesterov=hp.nesterov,
-        seed=hp.seed, implementation=hp.implementation, interpret=hp.interpret,
+        seed=hp.seed, implementation=hp.execution.implementation,
+        interpret=hp.execution.interpret,
         group=ctx.group, grad_scale=1.0 if ctx.grad_scale is None else ctx.grad_scale,
         apply=True if ctx.apply is None else ctx.apply,
         shardings=kernel_sharding.flatten_shardings(
-            hp.shardings if ctx.shardings is None else ctx.shardings, visible,
+            hp.execution.shardings if ctx.shardings is None else ctx.shardings, visible,
             owner=name if ctx.shardings is None else "step", strict=True),
         **variants)
     new_p, mu, nu = outs[:3]
@@ -426,38 +423,35 @@ def _fused(chain, hp: AdamHyperparams, decay_at=None, lr_at=1) -> FusedAdamTrans
 def adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
          eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: Any = None, *,
          nesterov: bool = False, moment_dtype: Any = "bfloat16", seed: Optional[int] = None,
-         implementation: Optional[str] = None, interpret: bool = False,
-         shardings: Any = None, bf16_params: str = "stochastic") -> FusedAdamTransformation:
+         execution: Optional[Execution] = None) -> FusedAdamTransformation:
   r"""Adam (Kingma & Ba 2014) with bf16-stored moments: drop-in for :func:`optax.adam`.
 
   ``chain(scale_by_adam(...), scale_by_learning_rate(learning_rate))``, so
   :math:`p_t = p_{t-1} - \alpha_t u_t` with :math:`u_t` of
   :func:`scale_by_adam`; the state has :func:`optax.adam`'s structure. Pass
-  it to :func:`fuseopt.optim.step` for the fused in-place update.
+  it to :func:`fuseopt.optim.step` for the fused in-place update; bf16
+  parameters are written with the counter-hash stochastic rounding there,
+  exact bf16 parameters are ``track_mantissa(adam(...))``
+  (:func:`~fuseopt.optim.track_mantissa`).
 
   Args:
     learning_rate: a scalar or an optax schedule.
     b1, b2, eps, eps_root, mu_dtype, nesterov: as in :func:`optax.adam`.
-    moment_dtype, seed, implementation, interpret, shardings: see :func:`scale_by_adam`.
-    bf16_params: how :func:`fuseopt.optim.step` stores bf16 parameters:
-      ``"stochastic"`` (default: rounded with the counter-hash stochastic
-      rounding) or ``"mantissa"`` (exact: the state holds a uint16 companion
-      per parameter, :mod:`fuseopt.optim.mantissa`; every parameter must be
-      bfloat16).
+    moment_dtype, seed, execution: see :func:`scale_by_adam`.
   """
   _checks.check_rate("adam", "learning_rate", learning_rate)
   _check_hyper(b1, b2, eps, eps_root, "adam")
   nu_dtype = _checks.moment_format("adam", "moment_dtype", moment_dtype)
   mu_dtype = _check_int8(nu_dtype, mu_dtype, "adam")
-  mantissa.check_mode("adam", bf16_params)
+  execution = _checks.as_record("adam", "execution", execution, Execution)
   chain = optax.chain(
-      _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, moment_dtype, seed,
-                     implementation, interpret, shardings, owner="adam"),
+      _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, nu_dtype, seed, execution,
+                     owner="adam"),
       learning_rate_lib.scale_by_learning_rate(learning_rate))
-  return mantissa.with_bf16_params(_fused(chain, AdamHyperparams(
+  return _fused(chain, AdamHyperparams(
       learning_rate, b1, b2, eps, eps_root, None, None, nesterov,
       _optax_dtype(mu_dtype, "adam") or nu_dtype, nu_dtype, 0 if seed is None else seed,
-      implementation, interpret, shardings)), bf16_params, "adam")
+      execution))
 
 
 def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
@@ -465,16 +459,15 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
           weight_decay: optax.ScalarOrSchedule = 1e-4,
           mask: Optional[Any | Callable[[optax.Params], Any]] = None, *,
           nesterov: bool = False, moment_dtype: Any = "bfloat16", seed: Optional[int] = None,
-          implementation: Optional[str] = None, interpret: bool = False,
-          shardings: Any = None,
-          bf16_params: str = "stochastic") -> FusedAdamTransformation:
+          execution: Optional[Execution] = None) -> FusedAdamTransformation:
   r"""AdamW (Loshchilov & Hutter 2019) with bf16 moments: drop-in for :func:`optax.adamw`.
 
   :math:`p_t = p_{t-1} - \alpha_t (u_t + \lambda p_{t-1})` with :math:`u_t`
   of :func:`scale_by_adam` and decoupled weight decay :math:`\lambda` applied
   where ``mask`` is True. Same chain, hence same state structure, as
   :func:`optax.adamw`. Pass it to :func:`fuseopt.optim.step` for the fused
-  in-place update.
+  in-place update (exact bf16 parameters: ``track_mantissa(adamw(...))``,
+  see :func:`adam`).
 
   Args:
     learning_rate, weight_decay: scalars or optax schedules; a
@@ -486,8 +479,7 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
     mask: a pytree of bools (prefix of the params) or a callable returning
       one; True where weight decay applies.
     b1, b2, eps, eps_root, mu_dtype, nesterov: as in :func:`optax.adamw`.
-    moment_dtype, seed, implementation, interpret, shardings: see :func:`scale_by_adam`.
-    bf16_params: ``"stochastic"`` or ``"mantissa"``, see :func:`adam`.
+    moment_dtype, seed, execution: see :func:`scale_by_adam`.
   """
   _checks.check_rate("adamw", "learning_rate", learning_rate)
   weight_decay, cautious = weight_decay_lib.split_rate(weight_decay)
@@ -495,15 +487,13 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
   _check_hyper(b1, b2, eps, eps_root, "adamw")
   nu_dtype = _checks.moment_format("adamw", "moment_dtype", moment_dtype)
   mu_dtype = _check_int8(nu_dtype, mu_dtype, "adamw")
-  mantissa.check_mode("adamw", bf16_params)
+  execution = _checks.as_record("adamw", "execution", execution, Execution)
   chain = optax.chain(
-      _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, moment_dtype, seed,
-                     implementation, interpret, shardings, owner="adamw"),
+      _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, nu_dtype, seed, execution,
+                     owner="adamw"),
       weight_decay_lib.add_decayed_weights(weight_decay, mask, cautious=cautious),
       learning_rate_lib.scale_by_learning_rate(learning_rate))
-  return mantissa.with_bf16_params(_fused(chain, AdamHyperparams(
+  return _fused(chain, AdamHyperparams(
       learning_rate, b1, b2, eps, eps_root, weight_decay, mask, nesterov,
       _optax_dtype(mu_dtype, "adamw") or nu_dtype, nu_dtype, 0 if seed is None else seed,
-      implementation, interpret, shardings, cautious),
-      decay_at=1, lr_at=2), bf16_params, "adamw")
-
+      execution, cautious), decay_at=1, lr_at=2)

@@ -21,7 +21,6 @@ adafactor) fall back to ``update`` + ``apply_updates``.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -34,7 +33,6 @@ from fuseopt.optim import fusion
 from fuseopt.optim import groups as groups_lib
 from fuseopt.optim import mantissa
 from fuseopt.optim import muon_axes
-from fuseopt.optim import muon_settings
 from fuseopt.optim import normuon_transforms
 from fuseopt.optim import qk_clip
 from fuseopt.optim import safeguards
@@ -62,14 +60,7 @@ def _scaled(rate: optax.ScalarOrSchedule, multiplier: float) -> optax.ScalarOrSc
 
 def _moments(config: OptimConfig):
   """The dtype of momentum-like state (lion, Muon's momentum): bf16 or optax's."""
-  return jnp.bfloat16 if config.state_dtype == "bfloat16" else None
-
-
-def _adam_moments(config: OptimConfig):
-  """Adam's ``moment_dtype``: bf16, 8-bit codes (``"int8"``) or fp32."""
-  if config.state_dtype == "int8":
-    return "int8"
-  return _moments(config) or jnp.float32
+  return jnp.bfloat16 if config.moment_dtype == "bfloat16" else None
 
 
 def _betas(config: OptimConfig, b1="b1", b2="b2", eps="eps") -> dict[str, Any]:
@@ -88,13 +79,13 @@ def _decay(config, rate):
 
 def _adam(config, rate, weight_decay):
   kw = {**_betas(config), **config.optimizer_kwargs}
-  return adam_transforms.adam(rate, moment_dtype=_adam_moments(config), **kw)
+  return adam_transforms.adam(rate, moment_dtype=config.moment_dtype, **kw)
 
 
 def _adamw(config, rate, weight_decay):
   kw = {**_betas(config), **config.optimizer_kwargs}
   return adam_transforms.adamw(rate, weight_decay=_decay(config, weight_decay),
-                          moment_dtype=_adam_moments(config), **kw)
+                               moment_dtype=config.moment_dtype, **kw)
 
 
 def _keep_state_dtypes(tx: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -151,19 +142,12 @@ def pattern_dimension_numbers(patterns):
 
 def _muon_kwargs(config, weight_decay, adam_rate):
   # Muon's b1/b2 are its AdamW side's; its own momentum is optimizer_kwargs["beta"].
+  # The AdamW side's moments in moment_dtype; Muon's momentum bf16 with bf16
+  # moments, else fp32 (8-bit moments are the AdamW side's).
   kw = dict(weight_decay=_decay(config, weight_decay),
             adam_weight_decay=_decay(config, weight_decay), mu_dtype=_moments(config),
-            **_betas(config, b1="adam_b1", b2="adam_b2"))
+            moment_dtype=config.moment_dtype, **_betas(config, b1="adam_b1", b2="adam_b2"))
   extra = dict(config.optimizer_kwargs)
-  if config.state_dtype in ("bfloat16", "int8"):
-    # both AdamW-side moments (optax's muon has mu only); int8 leaves Muon's
-    # momentum fp32. An execution record of the kwargs keeps its own fields
-    # (its adam_moment_dtype, when set, is state_dtype's: OptimConfig refuses two).
-    execution = muon_settings.as_record("build_optimizer", "optimizer_kwargs['execution']",
-                                        extra.pop("execution", None), muon_settings.Execution)
-    if execution.adam_moment_dtype is None:
-      execution = dataclasses.replace(execution, adam_moment_dtype=_adam_moments(config))
-    kw["execution"] = execution
   if adam_rate is not None:
     kw["adam_learning_rate"] = adam_rate
   if config.muon_patterns is not None:

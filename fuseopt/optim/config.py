@@ -15,35 +15,35 @@ import math
 import re
 from typing import Any, Mapping, Sequence
 
-from fuseopt.optim import _checks
 from fuseopt.optim import groups as groups_lib
 from fuseopt.optim import schedules as schedules_lib
 
-__all__ = ["CAPABILITIES", "Capabilities", "OPTIMIZERS", "BF16_PARAMS", "BF16_STATE_OPTIMIZERS", "CAUTIOUS_OPTIMIZERS",
-           "MUON_OPTIMIZERS", "STATE_DTYPES", "INT8_STATE_OPTIMIZERS", "OptimConfig"]
+__all__ = ["CAPABILITIES", "Capabilities", "OPTIMIZERS", "BF16_PARAMS", "BF16_MOMENT_OPTIMIZERS",
+           "CAUTIOUS_OPTIMIZERS", "MUON_OPTIMIZERS", "MOMENT_DTYPES", "INT8_MOMENT_OPTIMIZERS",
+           "OptimConfig"]
 
 @dataclasses.dataclass(frozen=True)
 class Capabilities:
   """What the builder may ask of one optimizer (:data:`CAPABILITIES`)."""
-  bf16_state: bool = False     # moments stored in bf16 (state_dtype="bfloat16")
-  int8_state: bool = False     # Adam's moments as 8-bit blockwise codes (state_dtype="int8")
+  bf16_moments: bool = False   # moments stored in bf16 (moment_dtype="bfloat16")
+  int8_moments: bool = False   # Adam's moments as 8-bit blockwise codes (moment_dtype="int8")
   muon_family: bool = False    # an AdamW side and Muon's parameter split
   cautious: bool = False       # cautious weight decay (a rate given as fuseopt.optim.cautious)
   weight_decay: bool = True    # weight decay among its own kwargs
 
 
 # Each optimizer's capabilities, declared once: the tuples below are read off it.
-# The Muon family keeps its momentum fp32 under state_dtype="int8" (its AdamW
+# The Muon family keeps its momentum fp32 under moment_dtype="int8" (its AdamW
 # side's moments are the 8-bit ones).
 CAPABILITIES = {
-    "adam": Capabilities(bf16_state=True, int8_state=True, weight_decay=False),
-    "adamw": Capabilities(bf16_state=True, int8_state=True, cautious=True),
+    "adam": Capabilities(bf16_moments=True, int8_moments=True, weight_decay=False),
+    "adamw": Capabilities(bf16_moments=True, int8_moments=True, cautious=True),
     "lamb": Capabilities(),
-    "lion": Capabilities(bf16_state=True),
+    "lion": Capabilities(bf16_moments=True),
     "adafactor": Capabilities(),
-    "muon": Capabilities(bf16_state=True, int8_state=True, muon_family=True, cautious=True),
-    "muonclip": Capabilities(bf16_state=True, int8_state=True, muon_family=True, cautious=True),
-    "normuon": Capabilities(bf16_state=True, int8_state=True, muon_family=True, cautious=True),
+    "muon": Capabilities(bf16_moments=True, int8_moments=True, muon_family=True, cautious=True),
+    "muonclip": Capabilities(bf16_moments=True, int8_moments=True, muon_family=True, cautious=True),
+    "normuon": Capabilities(bf16_moments=True, int8_moments=True, muon_family=True, cautious=True),
 }
 
 
@@ -52,12 +52,13 @@ def _having(field: str) -> tuple[str, ...]:
 
 
 OPTIMIZERS = tuple(CAPABILITIES)
-BF16_STATE_OPTIMIZERS = _having("bf16_state")
+BF16_MOMENT_OPTIMIZERS = _having("bf16_moments")
 MUON_OPTIMIZERS = _having("muon_family")
 CAUTIOUS_OPTIMIZERS = _having("cautious")
 BF16_PARAMS = ("stochastic", "mantissa")
-STATE_DTYPES = ("float32", "bfloat16", "int8")
-INT8_STATE_OPTIMIZERS = _having("int8_state")
+# The moment formats a config names (fuseopt.optim.adamw's moment_dtype, by name).
+MOMENT_DTYPES = ("float32", "bfloat16", "int8")
+INT8_MOMENT_OPTIMIZERS = _having("int8_moments")
 _NO_DECAY_OPTIMIZERS = tuple(name for name, c in CAPABILITIES.items() if not c.weight_decay)
 
 
@@ -101,10 +102,10 @@ def _suggest(name: str, options: Sequence[str]) -> str:
 
 def _kwarg_hint(optimizer: str, reserved) -> str:
   """Where a reserved ``optimizer_kwargs`` key belongs: the moments' format
-  is ``state_dtype``; a Muon optimizer's ``b1``/``b2`` fields are the AdamW
+  is ``moment_dtype``; a Muon optimizer's ``b1``/``b2`` fields are the AdamW
   side's."""
   if {"moment_dtype", "mu_dtype"} & set(reserved):
-    return (f" (the moments' format is OptimConfig.state_dtype, one of {STATE_DTYPES}; Muon's "
+    return (f" (the moments' format is OptimConfig.moment_dtype, one of {MOMENT_DTYPES}; Muon's "
             f"AdamW side takes it from there too)")
   if optimizer == "normuon" and "b2" in reserved:
     return (" (b1, b2 and eps are the AdamW side's; NorMuon's per-neuron decay is "
@@ -133,11 +134,13 @@ class OptimConfig:
     b1, b2, eps: the optimizer's moment rates and epsilon; None keeps its
       default (Muon: ``b1``/``b2`` are its AdamW side's, its momentum is
       ``optimizer_kwargs["beta"]``).
-    state_dtype: ``"float32"``, ``"bfloat16"`` or ``"int8"`` moments; bf16 only
-      for :data:`BF16_STATE_OPTIMIZERS`; int8 (Adam's moments as 8-bit codes
-      with one fp32 scale per 256 elements, docs/adam.md) only for
-      :data:`INT8_STATE_OPTIMIZERS`, where the Muon family keeps its momentum
-      in fp32 and stores its AdamW side's moments in int8.
+    moment_dtype: the moments' format, :func:`~fuseopt.optim.adamw`'s
+      ``moment_dtype`` by name: ``"float32"`` (default), ``"bfloat16"`` or
+      ``"int8"``; bf16 only for :data:`BF16_MOMENT_OPTIMIZERS` (the Muon
+      family's momentum too); int8 (Adam's moments as 8-bit codes with one
+      fp32 scale per 256 elements, docs/adam.md) only for
+      :data:`INT8_MOMENT_OPTIMIZERS`, where the Muon family keeps its
+      momentum in fp32 and stores its AdamW side's moments in int8.
     param_groups: :class:`~fuseopt.optim.groups.ParamGroup` records (or their
       dicts); empty means one group for everything.
     clip_norm: global-norm clip threshold over all gradients; 0 or ``inf``
@@ -194,7 +197,7 @@ class OptimConfig:
   b1: float | None = None
   b2: float | None = None
   eps: float | None = None
-  state_dtype: str = "float32"
+  moment_dtype: str = "float32"
   param_groups: tuple[groups_lib.ParamGroup, ...] = ()
   clip_norm: float = 0.0
   accumulate_steps: int = 1
@@ -273,14 +276,17 @@ class OptimConfig:
     if self.eps is not None and (not _is_number(self.eps) or not math.isfinite(self.eps)
                                  or self.eps < 0):
       raise ValueError(f"OptimConfig.eps must be a finite number >= 0 or None, got {self.eps!r}")
-    if self.state_dtype not in STATE_DTYPES:
-      raise ValueError(f"OptimConfig.state_dtype must be one of {STATE_DTYPES}, got {self.state_dtype!r}")
-    if self.state_dtype == "bfloat16" and self.optimizer not in BF16_STATE_OPTIMIZERS:
-      raise ValueError(f"OptimConfig.state_dtype='bfloat16': optimizer {self.optimizer!r} cannot keep bf16 "
-                       f"moments; use one of {BF16_STATE_OPTIMIZERS} or state_dtype='float32'")
-    if self.state_dtype == "int8" and self.optimizer not in INT8_STATE_OPTIMIZERS:
-      raise ValueError(f"OptimConfig.state_dtype='int8': optimizer {self.optimizer!r} cannot keep 8-bit "
-                       f"moments; use one of {INT8_STATE_OPTIMIZERS} or state_dtype='float32'")
+    if self.moment_dtype not in MOMENT_DTYPES:
+      raise ValueError(f"OptimConfig.moment_dtype must be one of {MOMENT_DTYPES}, got "
+                       f"{self.moment_dtype!r}" + _suggest(str(self.moment_dtype), MOMENT_DTYPES))
+    if self.moment_dtype == "bfloat16" and self.optimizer not in BF16_MOMENT_OPTIMIZERS:
+      raise ValueError(f"OptimConfig.moment_dtype='bfloat16': optimizer {self.optimizer!r} cannot "
+                       f"keep bf16 moments; use one of {BF16_MOMENT_OPTIMIZERS} or "
+                       f"moment_dtype='float32'")
+    if self.moment_dtype == "int8" and self.optimizer not in INT8_MOMENT_OPTIMIZERS:
+      raise ValueError(f"OptimConfig.moment_dtype='int8': optimizer {self.optimizer!r} cannot "
+                       f"keep 8-bit moments; use one of {INT8_MOMENT_OPTIMIZERS} or "
+                       f"moment_dtype='float32'")
     if self.optimizer in _NO_DECAY_OPTIMIZERS and self.weight_decay > 0:
       raise ValueError(f"OptimConfig.weight_decay: optimizer {self.optimizer!r} has no weight decay "
                        f"(got {self.weight_decay}); use 'adamw'")
@@ -317,32 +323,7 @@ class OptimConfig:
       raise ValueError(f"OptimConfig.optimizer_kwargs: {sorted(reserved)} are OptimConfig fields; "
                        f"set them there" + _kwarg_hint(self.optimizer, reserved))
     set_("optimizer_kwargs", dict(self.optimizer_kwargs))
-    self._check_moment_formats()
     self._check_muon_fields(set_)
-
-  def _check_moment_formats(self):
-    """``state_dtype`` and an ``optimizer_kwargs['execution']`` whose
-    ``adam_moment_dtype`` is set name the AdamW side's moments twice: the same
-    format is accepted, two different ones raise naming both. The builder
-    used to keep the execution's and drop ``state_dtype`` without a word
-    (``state_dtype: int8`` with ``adam_moment_dtype: bfloat16`` gave bf16
-    moments)."""
-    execution = self.optimizer_kwargs.get("execution")
-    given = (execution.get("adam_moment_dtype") if isinstance(execution, Mapping)
-             else getattr(execution, "adam_moment_dtype", None))
-    name = "optimizer_kwargs['execution'].adam_moment_dtype"
-    try:
-      given = _checks.moment_format("OptimConfig", name, given)
-    except TypeError as e:   # (a config's bad value is a ValueError naming the field)
-      raise ValueError(str(e)) from None
-    if given is None:
-      return
-    wanted = _checks.moment_format("OptimConfig", "state_dtype", self.state_dtype)
-    if given != wanted:
-      shown = given if isinstance(given, str) else given.name
-      raise ValueError(f"OptimConfig.state_dtype={self.state_dtype!r} and OptimConfig.{name}="
-                       f"{shown!r} disagree on the moments' format: give it once, as state_dtype "
-                       f"(one of {STATE_DTYPES}), or give the same format in both")
 
   def _check_muon_fields(self, set_):
     muon = self.optimizer in MUON_OPTIMIZERS

@@ -1,15 +1,15 @@
 """Exact bf16 parameters: a uint16 companion per parameter in the optimizer state.
 
-``bf16_params="mantissa"`` on :func:`~fuseopt.optim.adam`,
-:func:`~fuseopt.optim.adamw`, :func:`~fuseopt.optim.muon` and
-:func:`~fuseopt.optim.normuon` wraps the optimizer in :func:`track_mantissa`:
-the bf16 parameters the model reads are the top half of an fp32 master, and
-the bottom half lives in the optimizer state as a uint16 tree shaped like the
+:func:`track_mantissa` wraps any of fuseopt's optimizers
+(``track_mantissa(adamw(...))``, ``track_mantissa(muon(...))``; the
+builder's ``bf16_params="mantissa"`` does the same): the bf16 parameters
+the model reads are the top half of an fp32 master, and the bottom half lives in the optimizer state as a uint16 tree shaped like the
 params (:class:`MantissaState`; checkpoints keep it). Every update is computed
 on the fp32 master and split again (:mod:`fuseopt.kernels.mantissa`), so the
 masters follow an fp32 run of the same optimizer bit for bit, at 2 bytes per
 parameter more than bf16 parameters with stochastic rounding
-(``bf16_params="stochastic"``, the default) and 2 less than an fp32 master
+(the default: :func:`fuseopt.optim.step` writes bf16 parameters with the
+counter-hash stochastic rounding) and 2 less than an fp32 master
 copy. The idea is modded-nanogpt's "mantissa tracking" (speedrun record #57,
 2025).
 
@@ -51,8 +51,10 @@ from fuseopt.kernels import mantissa as bits
 from fuseopt.optim import fusion
 
 __all__ = ["BF16_PARAMS", "MantissaState", "Tracked", "check_bf16_params", "master_params",
-           "track_mantissa", "with_bf16_params"]
+           "track_mantissa"]
 
+# The builder's ``bf16_params``: stochastically rounded bf16 parameters, or
+# exact ones through track_mantissa.
 BF16_PARAMS = ("stochastic", "mantissa")
 
 
@@ -122,15 +124,10 @@ def check_bf16_params(owner: str, params) -> None:
     dtype = jnp.result_type(x)
     if jnp.issubdtype(dtype, jnp.floating) and dtype != jnp.bfloat16:
       raise ValueError(
-          f"{owner}: bf16_params='mantissa' needs bfloat16 parameters, but the leaf at "
-          f"{jax.tree_util.keystr(path) or '<root>'} is {dtype}; cast the params to bfloat16, "
-          f"or keep bf16_params='stochastic' (fp32 parameters need no companion)")
-
-
-def check_mode(owner: str, bf16_params) -> str:
-  if bf16_params not in BF16_PARAMS:
-    raise ValueError(f"{owner}: bf16_params must be one of {BF16_PARAMS}, got {bf16_params!r}")
-  return bf16_params
+          f"{owner}: exact bf16 parameters (a mantissa companion) need bfloat16 parameters, "
+          f"but the leaf at {jax.tree_util.keystr(path) or '<root>'} is {dtype}; cast the "
+          f"params to bfloat16, "
+          f"or leave the optimizer unwrapped (fp32 parameters need no companion)")
 
 
 def _masters(params, companion):
@@ -185,7 +182,7 @@ def track_mantissa(tx, owner: str = "track_mantissa") -> fusion.FusedTransformat
 
   def update_fn(updates, state, params=None, **extra_args):
     if params is None:
-      raise ValueError(f"{owner}: bf16_params='mantissa' needs params; pass params= to update()")
+      raise ValueError(f"{owner}: exact bf16 parameters need params; pass params= to update()")
     check_bf16_params(owner, params)
     masters = _masters(params, state.companion)
     u, inner = tx.update(widen(updates), state.inner_state, masters, **extra_args)
@@ -215,12 +212,6 @@ def track_mantissa(tx, owner: str = "track_mantissa") -> fusion.FusedTransformat
   return out
 
 
-def with_bf16_params(tx, bf16_params: str, owner: str):
-  """``tx`` as it is (``"stochastic"``) or wrapped in :func:`track_mantissa`."""
-  check_mode(owner, bf16_params)
-  return tx if bf16_params == "stochastic" else track_mantissa(tx, owner)
-
-
 def master_params(params, state):
   """The fp32 master parameters of ``params`` under optimizer ``state``.
 
@@ -229,7 +220,7 @@ def master_params(params, state):
   ``MultiSteps`` wrapper...) and joins each parameter to its companion. A
   leaf that no companion covers (an :class:`optax.MaskedNode` in every
   companion tree: a frozen leaf, another group's) is returned as it is.
-  Without any (``bf16_params="stochastic"``) the params are returned widened
+  Without any (an optimizer not wrapped in :func:`track_mantissa`) the params are returned widened
   to fp32.
 
   Raises:

@@ -1,14 +1,13 @@
-"""The two settings records of the Muon family: how the Newton-Schulz runs
-(:class:`NewtonSchulz`) and how the kernels run and keep their state
-(:class:`Execution`).
+"""How each Muon matrix's Newton-Schulz iteration runs: :class:`NewtonSchulz`.
 
 :func:`~fuseopt.optim.muon`, :func:`~fuseopt.optim.normuon`,
 :func:`~fuseopt.optim.muonclip` and their ``scale_by_`` directions take
 optax's arguments one by one (the numeric ones are what
-:func:`optax.inject_hyperparams` injects) and fuseopt's settings as these two
-frozen records, which inject_hyperparams leaves static. Both are checked at
-construction; the builder reads them from YAML as mappings
-(``optimizer_kwargs: {newton_schulz: {dtype: float32}}``).
+:func:`optax.inject_hyperparams` injects) and fuseopt's settings as frozen
+records, which inject_hyperparams leaves static: this one, and
+:class:`~fuseopt.optim.Execution` (where the kernels run, shared with Adam).
+Both are checked at construction; the builder reads them from YAML as
+mappings (``optimizer_kwargs: {newton_schulz: {dtype: float32}}``).
 
 What the iteration computes -- the coefficients and the step count -- keeps
 optax's names, ``ns_coeffs`` and ``ns_steps``, on the transforms
@@ -18,15 +17,13 @@ optax's names, ``ns_coeffs`` and ``ns_steps``, on the transforms
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any, Optional
 
 import jax.numpy as jnp
 import numpy as np
 
-from fuseopt.optim import _checks
 
-__all__ = ["Execution", "NewtonSchulz"]
+__all__ = ["NewtonSchulz"]
 
 _MATMULS = ("xla", "pallas")
 
@@ -81,62 +78,3 @@ class NewtonSchulz:
       raise ValueError(f"NewtonSchulz: max_elements must be an int >= 1 or None, got {m!r}")
     if self.matmul not in _MATMULS:
       raise ValueError(f"NewtonSchulz: matmul must be one of {_MATMULS}, got {self.matmul!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Execution:
-  """Where and how the kernels of an optimizer run (both its Muon and its
-  AdamW side), and the format the AdamW kernel keeps its moments in.
-
-  Attributes:
-    implementation: force one backend of the kernels (``None``: picked by the
-      platform and the shape; see docs/kernels.md for the names and the
-      environment override).
-    interpret: run the Pallas kernels in interpret mode (on the CPU).
-    shardings: where the parameters live when the mesh axes are Auto (a tree
-      of ``NamedSharding`` / ``PartitionSpec`` shaped like the params, a
-      prefix, or one for all); ``None`` reads the placement from the types
-      (Explicit axes). Sharded Muon leaves keep their momentum sharded; for
-      the Newton-Schulz, same-shaped matrices are re-laid out with
-      ``all_to_all`` so that each device orthogonalises about 1/N of them,
-      whole, then laid back (docs/scaling.md).
-    adam_moment_dtype: the AdamW side's two moments, as the Adam kernel
-      stores them (:func:`~fuseopt.optim.adamw`'s ``moment_dtype``):
-      ``None`` (default) keeps optax's dtypes (``mu`` in ``mu_dtype``, ``nu``
-      in the parameter's), ``"bfloat16"`` (stochastically rounded, 4 B of
-      state a parameter), ``"float32"``, or ``"int8"`` (8-bit codes with a
-      scale per 256 elements, docs/adam.md). Muon's own momentum is
-      ``mu_dtype``'s.
-  """
-  implementation: Optional[str] = None
-  interpret: bool = False
-  shardings: Any = None
-  adam_moment_dtype: Any = None
-
-  def __post_init__(self):
-    if self.implementation is not None and not isinstance(self.implementation, str):
-      raise ValueError(f"Execution: implementation must be a backend name or None, got "
-                       f"{self.implementation!r}")
-    if not isinstance(self.interpret, bool):
-      raise ValueError(f"Execution: interpret must be a bool, got {self.interpret!r}")
-    # (read as adamw reads its moment_dtype: one function, one message)
-    object.__setattr__(self, "adam_moment_dtype", _checks.moment_format(
-        "Execution", "adam_moment_dtype", self.adam_moment_dtype))
-
-
-def as_record(owner: str, name: str, value, cls):
-  """``value`` as a ``cls`` record: the record itself, a mapping of its
-  fields (a YAML config's), or ``None`` for the defaults."""
-  if value is None:
-    return cls()
-  if isinstance(value, cls):
-    return value
-  if isinstance(value, Mapping):
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(value) - fields)
-    if unknown:
-      raise ValueError(f"{owner}: {name} has unknown fields {unknown}; expected some of "
-                       f"{sorted(fields)}")
-    return cls(**value)
-  raise TypeError(f"{owner}: {name} must be a fuseopt.optim.{cls.__name__} (or a mapping of its "
-                  f"fields), got {value!r}")

@@ -47,7 +47,6 @@ platform's call size, optax's iteration).
 
 # No `from __future__ import annotations`: optax's tests (and tools) read
 # `learning_rate`'s annotation as the object optax.ScalarOrSchedule.
-import dataclasses
 import functools
 import inspect
 import types
@@ -67,12 +66,12 @@ from fuseopt.optim import fusion
 from fuseopt.optim import learning_rate as learning_rate_lib
 from fuseopt.optim import mantissa
 from fuseopt.optim import muon_axes
-from fuseopt.optim import muon_settings
 from fuseopt.optim import weight_decay as weight_decay_lib
 from fuseopt.optim.matrix_views import Experts, MatrixViews, MuonDimensionNumbers
 from fuseopt.optim.muon_calls import _direction
 from fuseopt.optim.muon_newton_schulz import _NS_STEPS, _PRECONDITIONINGS, newton_schulz_stack
-from fuseopt.optim.muon_settings import Execution, NewtonSchulz
+from fuseopt.optim.execution import Execution
+from fuseopt.optim.muon_settings import NewtonSchulz
 from fuseopt.optim.muon_step import (_MuonConfig, _active, _broadcast_specs, _expert_specs,
                                      _is_spec, _is_spec_or_none, _store)
 
@@ -143,8 +142,7 @@ def scale_by_muon(
       the matmul of the Pallas backends.
     execution: an :class:`~fuseopt.optim.Execution` record (or a mapping;
       ``None``: its defaults): a forced backend, interpret mode, and the
-      parameters' shardings on an Auto mesh (its ``adam_moment_dtype`` is
-      :func:`muon`'s, for the AdamW side: refused here).
+      parameters' shardings on an Auto mesh.
 
   Dtypes: float32 and bfloat16 matrices (frobenius preconditioning) go
   through the kernel; float16, float64 (x64) and complex matrices, and
@@ -188,13 +186,8 @@ def _direction_transform(args, piece=None) -> optax.GradientTransformation:
   kernel_coeffs, kernel_steps, state_coeffs = ns_coefficients.muon_coefficients(
       args["ns_coeffs"], ns_steps)
   mu_dtype = adam_transforms._optax_dtype(args["mu_dtype"])
-  ns = muon_settings.as_record("scale_by_muon", "newton_schulz", args["newton_schulz"],
-                               NewtonSchulz)
-  execution = muon_settings.as_record("scale_by_muon", "execution", args["execution"], Execution)
-  if execution.adam_moment_dtype is not None:
-    raise ValueError(f"scale_by_muon: execution.adam_moment_dtype="
-                     f"{execution.adam_moment_dtype!r} is the AdamW side's, and Muon's direction "
-                     f"has none (muon, normuon and muonclip take it)")
+  ns = _checks.as_record("scale_by_muon", "newton_schulz", args["newton_schulz"], NewtonSchulz)
+  execution = _checks.as_record("scale_by_muon", "execution", args["execution"], Execution)
   dims = args["weight_dimension_numbers"]
 
   def init_fn(params):
@@ -253,14 +246,14 @@ def _add_decayed_weights(weight_decay, weight_decay_mask, dims_fn,
 
 
 def _adamw(learning_rate, b1, b2, eps, eps_root, weight_decay, mu_dtype, moment_dtype, nesterov,
-           implementation=None, interpret=False, shardings=None):
+           execution):
   """fuseopt's AdamW; ``moment_dtype=None`` keeps optax's dtypes (mu in
   ``mu_dtype`` or the parameter's, nu in the parameter's)."""
   if moment_dtype is not None:
     mu_dtype = moment_dtype
-  return adam_transforms.adamw(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
-                         weight_decay=weight_decay, nesterov=nesterov, moment_dtype=moment_dtype,
-                         implementation=implementation, interpret=interpret, shardings=shardings)
+  return adam_transforms.adamw(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
+                               mu_dtype=mu_dtype, weight_decay=weight_decay, nesterov=nesterov,
+                               moment_dtype=moment_dtype, execution=execution)
 
 
 def _muon_branch(direction_tx, decay, learning_rate, weight_decay, weight_decay_mask, dims_fn,
@@ -351,6 +344,7 @@ def muon(
     adam_learning_rate: Optional[optax.ScalarOrSchedule] = None,
     muon_weight_dimension_numbers=None,
     consistent_rms: Optional[float] = None,
+    moment_dtype: Any = "bfloat16",
     newton_schulz: Optional[NewtonSchulz] = None,
     execution: Optional[Execution] = None,
 ) -> optax.GradientTransformation:
@@ -367,16 +361,17 @@ def muon(
   AdamW branch (Loshchilov & Hutter 2019): fuseopt's :func:`~fuseopt.optim.adamw`
   with ``adam_b1, adam_b2, eps, adam_eps_root, adam_weight_decay`` at
   ``adam_learning_rate`` (default: ``learning_rate``); both moments in
-  ``execution.adam_moment_dtype`` when given (``jnp.bfloat16`` halves its
-  state, written back with stochastic rounding; ``"int8"`` 8-bit codes),
-  else optax's dtypes (mu in ``mu_dtype``, nu in the parameter's dtype).
+  ``moment_dtype``, as :func:`~fuseopt.optim.adamw`'s: ``"bfloat16"``
+  (default, written back with stochastic rounding), ``"float32"``,
+  ``"int8"`` (8-bit codes) or ``None`` (optax's dtypes: mu in ``mu_dtype``,
+  nu in the parameter's). Muon's own momentum is in ``mu_dtype``.
 
   ``muon_weight_dimension_numbers`` picks the sides: a tree (or prefix) of
   :class:`MuonDimensionNumbers` / :class:`MatrixViews` with ``None`` where
   AdamW steps in, or a callable of the params returning one; ``None`` means
   "every 2-D leaf is a Muon matrix, the rest AdamW" -- all as in
   :func:`optax.contrib.muon`, whose arguments this accepts (the first 18);
-  then fuseopt's two records, ``newton_schulz``
+  then the AdamW side's ``moment_dtype`` and fuseopt's two records, ``newton_schulz``
   (:class:`~fuseopt.optim.NewtonSchulz`) and ``execution``
   (:class:`~fuseopt.optim.Execution`, both sides). The variants are pieces
   where they act, not flags: a spec wrapped in :class:`~fuseopt.optim.Experts`
@@ -409,7 +404,8 @@ def _muon(args, piece=None, owner="muon") -> optax.GradientTransformation:
   _checks.check_nonnegative(owner, "eps", a.eps)
   _checks.check_nonnegative(owner, "adam_eps_root", a.adam_eps_root)
   _checks.check_positive(owner, "consistent_rms", a.consistent_rms, optional=True)
-  execution = muon_settings.as_record(owner, "execution", a.execution, Execution)
+  moment_dtype = _checks.moment_format(owner, "moment_dtype", a.moment_dtype)
+  execution = _checks.as_record(owner, "execution", a.execution, Execution)
   adam_learning_rate = a.learning_rate if a.adam_learning_rate is None else a.adam_learning_rate
   weight_decay_mask = a.weight_decay_mask
   dims_fn, param_labels = _muon_split(a.muon_weight_dimension_numbers)
@@ -420,15 +416,13 @@ def _muon(args, piece=None, owner="muon") -> optax.GradientTransformation:
       nesterov=a.nesterov, adaptive=a.adaptive, preconditioning=a.preconditioning,
       weight_dimension_numbers=dims_fn, shape_scaling=True, consistent_rms=a.consistent_rms,
       newton_schulz=a.newton_schulz,
-      execution=dataclasses.replace(execution, adam_moment_dtype=None)), piece)
+      execution=execution), piece)
   return fusion.partition(
       transforms={
           "muon": _muon_branch(direction, decay, a.learning_rate, weight_decay, weight_decay_mask,
                                dims_fn, cautious),
           "adam": _adamw(adam_learning_rate, a.adam_b1, a.adam_b2, a.eps, a.adam_eps_root,
-                         a.adam_weight_decay, a.mu_dtype, execution.adam_moment_dtype, a.nesterov,
-                         implementation=execution.implementation, interpret=execution.interpret,
-                         shardings=execution.shardings),
+                         a.adam_weight_decay, a.mu_dtype, moment_dtype, a.nesterov, execution),
       },
       param_labels=param_labels,
       name=owner,

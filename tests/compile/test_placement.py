@@ -36,11 +36,11 @@ def _tree(dtype):
 
 
 @pytest.mark.parametrize("make,dtype", [
-    (lambda sh: fo.adamw(1e-3, shardings=sh), jnp.float32),
+    (lambda sh: fo.adamw(1e-3, execution=fo.Execution(shardings=sh)), jnp.float32),
     (lambda sh: fo.muon(0.02, execution=fo.Execution(shardings=sh)), jnp.float32),
     (lambda sh: optax.adamw(1e-3), jnp.float32),
     (lambda sh: optax.contrib.muon(0.02), jnp.float32),   # its state sits inside a partition
-    (lambda sh: fo.adamw(1e-3, bf16_params="mantissa", shardings=sh), jnp.bfloat16),
+    (lambda sh: fo.track_mantissa(fo.adamw(1e-3, execution=fo.Execution(shardings=sh))), jnp.bfloat16),
 ], ids=["fuseopt_adamw", "fuseopt_muon", "optax_adamw", "optax_muon", "mantissa"])
 def test_state_is_placed_like_the_params_on_an_auto_mesh(make, dtype):
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))

@@ -133,7 +133,7 @@ def substitutes(mode: str) -> dict[str, object]:
     return {"scale_by_adam": _with_defaults(fo.scale_by_adam, **f32),
             "adam": _with_defaults(fo.adam, **f32),
             "adamw": _with_defaults(fo.adamw, **f32),
-            "muon": _with_defaults(fo.muon, **ns),
+            "muon": _with_defaults(fo.muon, **f32, **ns),
             "scale_by_muon": _with_defaults(fo.scale_by_muon, **ns),
             "apply_updates": fo.apply_updates}
   if mode == "bf16":

@@ -161,7 +161,7 @@ def test_every_group_config_lowers_for_the_h200():
 
 def _step_kernels(group):
   params = workloads.llama_tree_cpu(abstract=True)
-  tx = fuseopt.optim.adamw(1e-3, weight_decay=0.1, implementation="triton")
+  tx = fuseopt.optim.adamw(1e-3, weight_decay=0.1, execution=fuseopt.optim.Execution(implementation="triton"))
   state = jax.eval_shape(tx.init, params)
   fn = jax.jit(functools.partial(fuseopt.optim.step, tx, group=group), donate_argnums=(1, 2))
   text = harness.lower_for(H200, fn, params, state, params)

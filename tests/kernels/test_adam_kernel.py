@@ -26,8 +26,10 @@ def _inputs(key, shape, p_dtype, g_dtype, m_dtype):
 
 def _compare(got, want, what):
   """fp32 outputs within a few ulp; bf16 outputs bitwise, but for the rare
-  element whose fp32 value differs by an ulp across compilers (division,
-  sqrt, FMA contraction) before rounding: at most 1 in 500, one bf16 ulp."""
+  element whose fp32 value differs across compilers (division, sqrt, FMA
+  contraction) before rounding: at most 1 in 500, by one bf16 ulp plus the
+  fp32 error of the leaf's magnitude (where ``b1 mu + (1 - b1) g`` cancels,
+  an fp32 ulp of the operands is several bf16 ulps of the small result)."""
   for i, (a, b) in enumerate(zip(got, want)):
     assert a.dtype == b.dtype and a.shape == b.shape, f"{what}[{i}]"
     if a.dtype == F32:
@@ -39,7 +41,14 @@ def _compare(got, want, what):
       ab = harness.bits(a).astype(np.int32).reshape(-1)
       bb = harness.bits(b).astype(np.int32).reshape(-1)
       diff = np.abs(ab - bb)
-      assert diff.max(initial=0) <= 1, f"{what}[{i}]: bf16 differs by {diff.max()} ulp"
+      a32 = np.asarray(a, np.float32).reshape(-1)
+      b32 = np.asarray(b, np.float32).reshape(-1)
+      ulp = np.abs(np.spacing(b32.astype(jnp.bfloat16).astype(np.float32), dtype=np.float32))
+      ulp = np.maximum(ulp, np.abs(b32) * 2.0 ** -7)       # one bf16 ulp of the reference
+      bound = ulp + 1e-6 * float(np.max(np.abs(b32), initial=0.0))
+      far = (diff > 1) & ~(np.abs(a32 - b32) <= bound)
+      assert not far.any(), (f"{what}[{i}]: bf16 differs by {diff.max()} ulp, beyond one ulp "
+                             f"plus the leaf's fp32 error at {np.flatnonzero(far)[:5]}")
       assert (diff != 0).sum() <= max(1, a.size // 500), f"{what}[{i}]: {(diff != 0).sum()} differ"
 
 

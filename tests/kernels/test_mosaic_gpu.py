@@ -267,9 +267,9 @@ def _steps(tx, params, grads, shardings=None):
 def test_fused_step_with_the_environment_override(monkeypatch):
   params = _tree(0, BF16)
   grads = [_tree(10 + t, BF16) for t in range(2)]
-  want = _steps(fo.adamw(1e-2, weight_decay=0.1, seed=3, implementation="xla"), params, grads)
+  want = _steps(fo.adamw(1e-2, weight_decay=0.1, seed=3, execution=fo.Execution(implementation="xla")), params, grads)
   monkeypatch.setenv("FUSEOPT_IMPLEMENTATION", MGPU)
-  got = _steps(fo.adamw(1e-2, weight_decay=0.1, seed=3, interpret=True), params, grads)
+  got = _steps(fo.adamw(1e-2, weight_decay=0.1, seed=3, execution=fo.Execution(interpret=True)), params, grads)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     _compare((a,), (b,), "fo.step")
 
@@ -278,7 +278,7 @@ def test_fused_step_with_the_environment_override(monkeypatch):
 def test_fused_step_sharded_on_8_devices_is_bitwise(kind):
   params = _tree(0, BF16)
   grads = [_tree(10 + t, BF16) for t in range(2)]
-  tx = fo.adamw(1e-2, weight_decay=0.1, seed=3, implementation=MGPU, interpret=True)
+  tx = fo.adamw(1e-2, weight_decay=0.1, seed=3, execution=fo.Execution(implementation=MGPU, interpret=True))
   want = _steps(tx, params, grads)
   mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(kind,) * 2)
   specs = {"w": P("x", "y"), "stack": P("y", "x"), "bias": P(("x", "y")), "odd": P(None, "y")}
@@ -335,7 +335,7 @@ def _adam_call(x):
 
 
 def _step_call(x):
-  tx = fo.adamw(1e-3, implementation=MGPU)
+  tx = fo.adamw(1e-3, execution=fo.Execution(implementation=MGPU))
   return fo.step(tx, {"w": x}, tx.init({"w": x}), {"w": x})
 
 

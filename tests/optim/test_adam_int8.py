@@ -83,8 +83,7 @@ def test_fused_step_equals_update_and_apply(impl):
   """fo.step and tx.update + apply_updates: the same moments bit for bit, and
   (fp32 leaves) the same parameters, over three steps."""
   params = _params()
-  tx = fo.adamw(1e-2, weight_decay=0.1, moment_dtype="int8", seed=5, implementation=impl,
-                interpret=True)
+  tx = fo.adamw(1e-2, weight_decay=0.1, moment_dtype="int8", seed=5, execution=fo.Execution(implementation=impl, interpret=True))
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     state = tx.init(params)
@@ -131,14 +130,14 @@ def test_inject_hyperparams():
 
 @pytest.mark.parametrize("factory", ["muon", "normuon"])
 def test_muon_adamw_side_takes_int8_moments(factory):
-  """fo.muon / fo.normuon(execution=Execution(adam_moment_dtype="int8")): the AdamW side's
+  """fo.muon / fo.normuon(moment_dtype="int8"): the AdamW side's
   leaves hold QuantizedMoment pairs (NorMuon's per-neuron nu stays fp32); the fused step
   equals update + apply_updates."""
   k = jax.random.split(jax.random.key(0), 3)
   params = {"w": jax.random.normal(k[0], (256, 512)), "emb": jax.random.normal(k[1], (64, 256)),
             "b": jax.random.normal(k[2], (512,))}
   dims = {"w": fo.MuonDimensionNumbers(0, 1), "emb": None, "b": None}
-  tx = getattr(fo, factory)(1e-2, execution=fo.Execution(adam_moment_dtype="int8"),
+  tx = getattr(fo, factory)(1e-2, moment_dtype="int8",
                             muon_weight_dimension_numbers=dims, weight_decay=0.1,
                             adam_weight_decay=0.1)
   state = tx.init(params)
@@ -201,11 +200,11 @@ def test_update_takes_its_own_state_and_the_fallback_leaves():
 
 @pytest.mark.parametrize("factory", ["muon", "normuon"])
 def test_muon_adamw_side_refuses_a_state_of_the_other_moment_format(factory):
-  """The Muon family's AdamW side (Execution.adam_moment_dtype) refuses as adamw does."""
+  """The Muon family's AdamW side (moment_dtype) refuses as adamw does."""
   k = jax.random.split(jax.random.key(0), 2)
   params = {"w": jax.random.normal(k[0], (8, 16)), "emb": jax.random.normal(k[1], (4, 256))}
   dims = {"w": fo.MuonDimensionNumbers(0, 1), "emb": None}
-  make = lambda fmt: getattr(fo, factory)(1e-2, execution=fo.Execution(adam_moment_dtype=fmt),
+  make = lambda fmt: getattr(fo, factory)(1e-2, moment_dtype=fmt,
                                           muon_weight_dimension_numbers=dims)
   g = _grads(0, params)
   for state_format, tx_format, found in (("int8", jnp.bfloat16, "8-bit"),

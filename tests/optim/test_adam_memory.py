@@ -35,8 +35,7 @@ def test_fused_step_temp_memory_is_under_one_percent_of_state():
   params = _llama_like()
   n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
   assert 90e6 < n < 120e6, n
-  tx = fo.adamw(optax.cosine_decay_schedule(1e-3, 1000), weight_decay=0.1,
-                mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p), implementation="xla")
+  tx = fo.adamw(optax.cosine_decay_schedule(1e-3, 1000), weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p), execution=fo.Execution(implementation="xla"))
   # fp32 params never share an aval with bf16 moments: any donation order.
   mem, state_bytes = _temp_and_state(params, params, tx, params_first=False)
   assert state_bytes >= 4 * n  # bf16 mu + nu
@@ -47,7 +46,7 @@ def test_fused_step_temp_memory_is_under_one_percent_of_state():
 
 def test_bf16_params_and_grads_step_is_lean_too():
   params = _llama_like(d=1024, ff=4096, vocab=4000, dtype=BF16)
-  tx = fo.adam(1e-3, nesterov=True, implementation="xla")
+  tx = fo.adam(1e-3, nesterov=True, execution=fo.Execution(implementation="xla"))
   mem, state_bytes = _temp_and_state(params, params, tx)
   assert mem.temp_size_in_bytes < 0.01 * state_bytes, (mem.temp_size_in_bytes, state_bytes)
   # The trap the documented order avoids: state donated before params pairs

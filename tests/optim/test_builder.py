@@ -82,25 +82,25 @@ def test_muon_records_from_a_config_are_the_records():
     fo.NewtonSchulz(matmul="cublas")
 
 
-def test_bf16_state():
-  cfg = OptimConfig(optimizer="adamw", learning_rate=1e-3, state_dtype="bfloat16")
+def test_bf16_moments():
+  cfg = OptimConfig(optimizer="adamw", learning_rate=1e-3, moment_dtype="bfloat16")
   (_, state), = run(build_optimizer(cfg, 10), [grads()])
   dtypes = {x.dtype for x in jax.tree.leaves(state) if x.shape == (16, 8)}
   assert jnp.dtype(jnp.bfloat16) in dtypes
-  with pytest.raises(ValueError, match="state_dtype.*lamb"):
-    OptimConfig(optimizer="lamb", learning_rate=1e-3, state_dtype="bfloat16")
-  with pytest.raises(ValueError, match="state_dtype.*adafactor"):
-    OptimConfig(optimizer="adafactor", learning_rate=1e-3, state_dtype="bfloat16")
+  with pytest.raises(ValueError, match="moment_dtype.*lamb"):
+    OptimConfig(optimizer="lamb", learning_rate=1e-3, moment_dtype="bfloat16")
+  with pytest.raises(ValueError, match="moment_dtype.*adafactor"):
+    OptimConfig(optimizer="adafactor", learning_rate=1e-3, moment_dtype="bfloat16")
 
 
-def test_int8_state():
-  """state_dtype="int8": Adam's moments (and the Muon family's AdamW side's) as
+def test_int8_moments():
+  """moment_dtype="int8": Adam's moments (and the Muon family's AdamW side's) as
   8-bit codes with fp32 block scales; Muon's momentum stays fp32; optimizers
   without Adam moments refuse it at construction."""
   params = {"w": jnp.ones((4, 256)), "b": jnp.ones((256,))}
   g = jax.tree.map(lambda x: 0.01 * x, params)
   for name in ("adamw", "adam", "muon", "normuon"):
-    cfg = OptimConfig(optimizer=name, learning_rate=1e-3, state_dtype="int8")
+    cfg = OptimConfig(optimizer=name, learning_rate=1e-3, moment_dtype="int8")
     tx = build_optimizer(cfg, 10)
     state = tx.init(params)
     _, state = jax.jit(tx.update)(g, state, params)
@@ -109,45 +109,36 @@ def test_int8_state():
     if name in ("muon", "normuon"):  # the (4, 256) matrix's momentum: fp32
       assert any(x.shape == (4, 256) and x.dtype == jnp.float32 for x in jax.tree.leaves(state))
   for name in ("lamb", "lion", "adafactor"):
-    with pytest.raises(ValueError, match=f"state_dtype='int8'.*{name}"):
-      OptimConfig(optimizer=name, learning_rate=1e-3, state_dtype="int8")
+    with pytest.raises(ValueError, match=f"moment_dtype='int8'.*{name}"):
+      OptimConfig(optimizer=name, learning_rate=1e-3, moment_dtype="int8")
 
 
-def test_two_moment_formats_that_disagree_raise():
-  """Issue 40, 5: ``state_dtype: int8`` with ``optimizer_kwargs: {execution:
-  {adam_moment_dtype: bfloat16}}`` built bf16 AdamW-side moments without a word
-  (the execution's field won). Two formats that disagree raise, naming both
-  settings; the same format given twice is taken."""
-  yaml = """
-optimizer: muon
-learning_rate: 1e-3
-state_dtype: int8
-optimizer_kwargs: {execution: {adam_moment_dtype: bfloat16}}
-"""
-  with pytest.raises(ValueError, match=r"state_dtype='int8' and OptimConfig.optimizer_kwargs"
-                                       r"\['execution'\].adam_moment_dtype='bfloat16' disagree"):
-    OptimConfig.from_yaml(yaml)
-  import fuseopt.optim as fo
-  for name in ("muon", "normuon", "muonclip"):
-    for state_dtype, given in (("int8", "bfloat16"), ("bfloat16", "int8"), ("float32", "int8"),
-                               ("float32", jnp.bfloat16), ("bfloat16", "float32")):
-      for execution in ({"adam_moment_dtype": given}, fo.Execution(adam_moment_dtype=given)):
-        with pytest.raises(ValueError, match=rf"state_dtype='{state_dtype}' and .*disagree"):
-          build_optimizer(dict(optimizer=name, learning_rate=1e-3, state_dtype=state_dtype,
-                               optimizer_kwargs={"execution": execution}), 10)
-  # (moment_dtype in the kwargs names the format a second time too: pointed at state_dtype)
-  with pytest.raises(ValueError, match=r"moment_dtype.*OptimConfig.state_dtype"):
-    OptimConfig(optimizer="adamw", learning_rate=1e-3, state_dtype="int8",
-                optimizer_kwargs={"moment_dtype": "bfloat16"})
-  # The same format twice (and an execution without one) is taken.
+def test_the_moment_format_has_one_name_from_yaml_to_kernel():
+  """The moments' format is ``moment_dtype`` in YAML, in OptimConfig, on
+  adam/adamw and on the Muon family (whose Execution record no longer holds
+  one): what the config names reaches the state. Naming it again in
+  ``optimizer_kwargs`` points at the config field; the old names are gone."""
   params = {"w": jnp.ones((4, 256)), "b": jnp.ones((256,))}
-  for state_dtype, given, codes in (("int8", "int8", True), ("int8", None, True),
-                                    ("bfloat16", jnp.bfloat16, False), ("float32", "float32", False)):
-    tx = build_optimizer(OptimConfig(optimizer="muon", learning_rate=1e-3, state_dtype=state_dtype,
-                                     optimizer_kwargs={"execution": {"adam_moment_dtype": given,
-                                                                     "implementation": "xla"}}), 10)
-    kinds = {str(x.dtype) for x in jax.tree.leaves(tx.init(params))}
-    assert ("int8" in kinds) == codes, (state_dtype, kinds)
+  for name in ("adamw", "muon"):
+    for moment_dtype, kinds in (("int8", {"int8", "uint8"}), ("bfloat16", {"bfloat16"}),
+                                ("float32", {"float32"})):
+      cfg = OptimConfig.from_yaml(f"optimizer: {name}\nlearning_rate: 1e-3\n"
+                                  f"moment_dtype: {moment_dtype}\n")
+      state = build_optimizer(cfg, 10).init(params)
+      adam = [x for x in jax.tree.leaves(state) if x.shape in ((256,), (1,))]
+      assert {str(x.dtype) for x in adam} <= kinds | {"float32"}, (name, moment_dtype)
+      assert kinds <= {str(x.dtype) for x in jax.tree.leaves(state)}, (name, moment_dtype)
+  with pytest.raises(ValueError, match=r"moment_dtype.*OptimConfig.moment_dtype"):
+    OptimConfig(optimizer="adamw", learning_rate=1e-3, moment_dtype="int8",
+                optimizer_kwargs={"moment_dtype": "bfloat16"})
+  with pytest.raises(TypeError, match="state_dtype"):
+    OptimConfig(optimizer="adamw", learning_rate=1e-3, state_dtype="int8")
+  with pytest.raises(ValueError, match=r"moment_dtype must be one of \('float32', 'bfloat16', "
+                                       r"'int8'\), got 'int4'"):
+    OptimConfig(optimizer="adamw", learning_rate=1e-3, moment_dtype="int4")
+  with pytest.raises(ValueError, match=r"execution has unknown fields \['adam_moment_dtype'\]"):
+    build_optimizer(dict(optimizer="muon", learning_rate=1e-3,
+                         optimizer_kwargs={"execution": {"adam_moment_dtype": "int8"}}), 10)
 
 
 def test_groups_get_their_rate_and_decay():
@@ -283,7 +274,7 @@ def test_muonclip_gets_qk_stats_through_every_layer():
 
 def test_yaml_and_dict_round_trip():
   cfg = OptimConfig(
-      optimizer="muon", weight_decay=0.1, b1=0.9, b2=0.95, state_dtype="bfloat16",
+      optimizer="muon", weight_decay=0.1, b1=0.9, b2=0.95, moment_dtype="bfloat16",
       schedule=S.Power(peak=0.02, warmup_steps=100, a=0.1, tail=S.PowerTail(start=800, end=1e-5)),
       param_groups=mup_param_groups(4.0), clip_norm=1.0, accumulate_steps=4, skip_nonfinite=True,
       frozen=("*frozen*",), trainable=("*lora_*",), optimizer_kwargs={"beta": 0.9, "ns_steps": 5})
@@ -333,14 +324,14 @@ def test_bad_configs_raise(d, match):
 
 @pytest.mark.parametrize("name", ["adamw", "muon"])
 def test_a_skipped_fused_step_leaves_8bit_moments_untouched(name):
-  """Issue 40, 4: ``skip_nonfinite`` with ``state_dtype: int8``, the fused
+  """Issue 40, 4: ``skip_nonfinite`` with ``moment_dtype: int8``, the fused
   step: a NaN gradient keeps the parameters and every moment array -- the
   codes and the scales -- bit for bit, so the run goes on as if the step had
   not come."""
   from fuseopt.kernels.adam import quantized
   from fuseopt.optim.step import step
   cfg = OptimConfig(optimizer=name, schedule=S.Linear(peak=1e-2, warmup_steps=4), weight_decay=0.1,
-                    skip_nonfinite=True, state_dtype="int8")
+                    skip_nonfinite=True, moment_dtype="int8")
   tx = build_optimizer(cfg, 10)
   shapes = {"embed_tokens": {"embedding": (8, 256)},
             "layers_0": {"q_proj": {"kernel": (32, 256), "bias": (256,)}, "norm": {"scale": (256,)}}}
@@ -375,5 +366,5 @@ def test_each_optimizer_is_declared_once_and_built():
   from fuseopt.optim import builder, config
   assert tuple(builder.OPTIMIZER_MAP) == config.OPTIMIZERS == tuple(config.CAPABILITIES)
   caps = config.CAPABILITIES
-  assert config.INT8_STATE_OPTIMIZERS == tuple(n for n in caps if caps[n].int8_state)
+  assert config.INT8_MOMENT_OPTIMIZERS == tuple(n for n in caps if caps[n].int8_moments)
   assert set(config.MUON_OPTIMIZERS) <= set(config.CAUTIOUS_OPTIMIZERS)

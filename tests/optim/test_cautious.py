@@ -38,10 +38,9 @@ def test_piece_decays_only_where_signs_agree_and_keeps_optaxs_state():
 def test_adamw_cautious_unfused_is_the_formula():
   params, grads = _tree(0), _tree(1)
   lr, wd = 1e-2, 0.5
-  plain = fo.adamw(lr, weight_decay=wd, moment_dtype=jnp.float32, implementation="xla")
-  cautious = fo.adamw(lr, weight_decay=fo.cautious(wd), moment_dtype=jnp.float32,
-                      implementation="xla")
-  adam = fo.adam(lr, moment_dtype=jnp.float32, implementation="xla")
+  plain = fo.adamw(lr, weight_decay=wd, moment_dtype=jnp.float32, execution=fo.Execution(implementation="xla"))
+  cautious = fo.adamw(lr, weight_decay=fo.cautious(wd), moment_dtype=jnp.float32, execution=fo.Execution(implementation="xla"))
+  adam = fo.adam(lr, moment_dtype=jnp.float32, execution=fo.Execution(implementation="xla"))
   ua, _ = adam.update(grads, adam.init(params), params)
   uc, _ = cautious.update(grads, cautious.init(params), params)
   up, _ = plain.update(grads, plain.init(params), params)

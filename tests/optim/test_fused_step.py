@@ -47,12 +47,12 @@ def _config(optimizer, **extra):
 
 WRAPPERS = {
     "plain": {},
-    "bf16_state": {"state_dtype": "bfloat16"},
+    "bf16_state": {"moment_dtype": "bfloat16"},
     "skip_nonfinite": {"skip_nonfinite": True},
     "freeze": {"frozen": ["embed"]},
     "accumulate": {"accumulate_steps": 2},
     "all": {"skip_nonfinite": True, "frozen": ["embed"], "accumulate_steps": 2,
-            "state_dtype": "bfloat16"},
+            "moment_dtype": "bfloat16"},
 }
 
 
@@ -142,7 +142,7 @@ def test_fused_step_equals_update_then_apply(optimizer, wrapper):
 
 def test_skipped_step_keeps_params_and_state_bitwise():
   params = _params()
-  tx = build_optimizer(_config("adamw", skip_nonfinite=True, state_dtype="bfloat16"), 10)
+  tx = build_optimizer(_config("adamw", skip_nonfinite=True, moment_dtype="bfloat16"), 10)
   state = tx.init(params)
   step = jax.jit(lambda g, s, p: fo.step(tx, g, s, p))
   p1, s1 = step(_grads(params, 0), state, params)

@@ -28,11 +28,9 @@ FACTORIES = {
 
 
 def _exact_bf16(name):
-  """The optimizer ``name`` on exact bf16 parameters: Adam's own
-  ``bf16_params``, the Muon family's composition with track_mantissa."""
-  if name in ("muon", "normuon"):
-    return fo.track_mantissa(FACTORIES[name](), owner=name)
-  return FACTORIES[name](bf16_params="mantissa")
+  """The optimizer ``name`` on exact bf16 parameters: composed with
+  track_mantissa, one way for Adam and the Muon family."""
+  return fo.track_mantissa(FACTORIES[name](), owner=name)
 
 
 def _tree(seed, scale=1.0):
@@ -106,7 +104,7 @@ def test_updates_of_tracked_leaves_are_fp32_and_land_on_the_new_half(apply):
   """With bf16 gradients the update of a tracked leaf is fp32 (a bf16 one
   would round the step), and either apply_updates lands exactly on the
   new bf16 half (fuseopt's stochastic rounding leaves a bf16 value alone)."""
-  tx = fo.adamw(1e-3, weight_decay=0.1, bf16_params="mantissa")
+  tx = fo.track_mantissa(fo.adamw(1e-3, weight_decay=0.1))
   p16, _ = _bf16_start()
   kw = {"seed": 7} if apply is fo.apply_updates else {}
   unfused, fused = _runner(tx, False, lambda p, u: apply(p, u, **kw)), _runner(tx, True)
@@ -125,7 +123,7 @@ def test_updates_of_tracked_leaves_are_fp32_and_land_on_the_new_half(apply):
 
 def test_state_holds_a_uint16_companion_shaped_like_the_params():
   p16, _ = _bf16_start()
-  state = fo.adamw(1e-3, bf16_params="mantissa").init(p16)
+  state = fo.track_mantissa(fo.adamw(1e-3)).init(p16)
   assert isinstance(state, fo.MantissaState)
   assert jax.tree.map(lambda x: (x.shape, x.dtype), state.companion) == \
       jax.tree.map(lambda x: (x.shape, jnp.dtype(jnp.uint16)), p16)
@@ -164,15 +162,12 @@ def test_builder_skipped_step_keeps_params_and_companion():
 
 @pytest.mark.parametrize("factory", [fo.adam, fo.adamw, fo.muon, fo.normuon])
 def test_bad_input_is_refused_by_name(factory):
-  if factory in (fo.muon, fo.normuon):   # exact bf16 parameters by composition
-    with pytest.raises(TypeError, match="bf16_params"):
-      factory(1e-3, bf16_params="mantissa")
-    tx = fo.track_mantissa(factory(1e-3))
-  else:
-    with pytest.raises(ValueError, match="bf16_params must be one of"):
-      factory(1e-3, bf16_params="exact")
-    tx = factory(1e-3, bf16_params="mantissa")
-  with pytest.raises(ValueError, match="bf16_params='mantissa' needs bfloat16 parameters.*'w'.*float32"):
+  # Exact bf16 parameters are one composition for every optimizer: no flag.
+  with pytest.raises(TypeError, match="bf16_params"):
+    factory(1e-3, bf16_params="mantissa")
+  tx = fo.track_mantissa(factory(1e-3))
+  with pytest.raises(ValueError, match="exact bf16 parameters .* need bfloat16 parameters.*'w'"
+                                       ".*float32"):
     tx.init({"w": jnp.ones((8, 8), jnp.float32)})
 
 
@@ -192,20 +187,19 @@ def _composed(kind):
   mode, the same on fp32 params without it, the leaves a companion covers)."""
   adamw = lambda **kw: fo.adamw(3e-3, weight_decay=0.1, **kw)
   if kind == "optax.partition":
-    return (optax.partition({"tracked": adamw(bf16_params="mantissa"), "plain": optax.sgd(1e-2)},
+    return (optax.partition({"tracked": fo.track_mantissa(adamw()), "plain": optax.sgd(1e-2)},
                             _LABELS),
             optax.partition({"tracked": adamw(), "plain": optax.sgd(1e-2)}, _LABELS),
             ("stack", "w"))
   if kind == "fusion.partition":
-    make = lambda **kw: fusion.partition(
-        {"tracked": adamw(**kw), "plain": fo.adam(1e-3, **kw)}, _LABELS)
-    return make(bf16_params="mantissa"), make(), ("b", "stack", "w")
+    make = lambda: fusion.partition({"tracked": adamw(), "plain": fo.adam(1e-3)}, _LABELS)
+    return fo.track_mantissa(make()), make(), ("b", "stack", "w")
   if kind == "optax.masked":
     mask = {"b": False, "stack": True, "w": True}
-    return (optax.masked(adamw(bf16_params="mantissa"), mask), optax.masked(adamw(), mask),
+    return (optax.masked(fo.track_mantissa(adamw()), mask), optax.masked(adamw(), mask),
             ("stack", "w"))
   if kind == "optax.chain":
-    return (optax.chain(optax.scale_by_schedule(lambda c: 1.0), adamw(bf16_params="mantissa")),
+    return (optax.chain(optax.scale_by_schedule(lambda c: 1.0), fo.track_mantissa(adamw())),
             optax.chain(optax.scale_by_schedule(lambda c: 1.0), adamw()), ("b", "stack", "w"))
   config = {"frozen": dict(frozen=("b",)),
             "trainable": dict(trainable=("w", "stack")),
@@ -246,7 +240,7 @@ def test_composes_and_master_params_reads_every_recipe(kind, fused):
 
 def test_master_params_names_what_does_not_match():
   p16, _ = _bf16_start()
-  state = fo.adamw(1e-3, bf16_params="mantissa").init(p16)
+  state = fo.track_mantissa(fo.adamw(1e-3)).init(p16)
   with pytest.raises(ValueError, match=r"params have \['extra'\] that the state lacks"):
     fo.master_params({**p16, "extra": p16["b"]}, state)
   with pytest.raises(ValueError, match=r"the state has \['w'\] that params lack"):

@@ -9,7 +9,8 @@ import pytest
 import fuseopt.optim as fo
 from fuseopt.optim.matrix_views import MatrixViews, mla_kv_b_proj_views
 from fuseopt.optim.muon_transforms import MuonDimensionNumbers as MDN
-from fuseopt.optim.muon_settings import Execution, NewtonSchulz
+from fuseopt.optim.execution import Execution
+from fuseopt.optim.muon_settings import NewtonSchulz
 from fuseopt.optim.muon_transforms import muon, scale_by_muon
 from fuseopt.optim.normuon_transforms import normuon
 

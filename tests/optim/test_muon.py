@@ -10,7 +10,8 @@ import pytest
 
 from fuseopt.optim.muon_transforms import MuonDimensionNumbers as MDN
 from fuseopt.optim.muon_transforms import muon, scale_by_muon
-from fuseopt.optim.muon_settings import Execution, NewtonSchulz
+from fuseopt.optim.execution import Execution
+from fuseopt.optim.muon_settings import NewtonSchulz
 from tests.optim import _muon_trees as T
 
 JORDAN = (3.4445, -4.7750, 2.0315)
@@ -54,7 +55,9 @@ def test_matches_optax_fp32_jordan(variant):
     mine_dims = lambda p: T.optax_dims(T.llama_dims(p))
   else:
     mine_dims = dims
-  mine = muon(muon_weight_dimension_numbers=mine_dims, **kw, newton_schulz=NewtonSchulz(dtype=jnp.float32), execution=Execution(implementation='xla'))
+  # (optax's moment dtypes on the AdamW side: moment_dtype=None)
+  mine = muon(muon_weight_dimension_numbers=mine_dims, **kw, moment_dtype=None,
+              newton_schulz=NewtonSchulz(dtype=jnp.float32), execution=Execution(implementation='xla'))
   worst, sr, sm = _run_both(ref, mine)
   assert worst < 1e-4
   # Same state layout as optax: one momentum leaf per Muon parameter.
@@ -68,7 +71,8 @@ def test_default_2d_rule_matches_optax():
   p = {"w1": jax.random.normal(k[0], (24, 40)), "w2": jax.random.normal(k[1], (40, 24)),
        "b": jax.random.normal(k[2], (40,))}
   ref = optax.contrib.muon(learning_rate=0.1)
-  mine = muon(learning_rate=0.1, ns_coeffs="jordan", newton_schulz=NewtonSchulz(dtype=jnp.float32))
+  mine = muon(learning_rate=0.1, ns_coeffs="jordan", moment_dtype=None,
+              newton_schulz=NewtonSchulz(dtype=jnp.float32))
   sr, sm = ref.init(p), mine.init(p)
   ref_up, mine_up = jax.jit(ref.update), jax.jit(mine.update)
   for t in range(2):
@@ -157,10 +161,11 @@ def test_nan_grad_gives_nan_not_crash():
   assert bool(jnp.all(jnp.isnan(u["w"])))
 
 
-def test_adam_side_bf16_moments():
+def test_adam_side_bf16_moments_by_default():
+  """The AdamW side keeps bf16 moments by default, as fo.adamw does (one
+  default for one setting); Muon's momentum keeps mu_dtype's."""
   p = _small_tree()
-  tx = muon(learning_rate=0.1, muon_weight_dimension_numbers=_SMALL_DIMS,
-            execution=Execution(adam_moment_dtype=jnp.bfloat16))
+  tx = muon(learning_rate=0.1, muon_weight_dimension_numbers=_SMALL_DIMS)
   u, s = jax.jit(tx.update)(p, tx.init(p), p)
   adam_state = s.inner_states["adam"].inner_state[0]
   assert adam_state.mu["b"].dtype == jnp.bfloat16 and adam_state.nu["b"].dtype == jnp.bfloat16

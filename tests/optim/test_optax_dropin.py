@@ -103,7 +103,7 @@ def test_fp32_adam_is_optax_bitwise_jitted():
     (fo.adam, optax.adam, {}, {"moment_dtype": None}),
     (fo.adamw, optax.adamw, {"weight_decay": 0.1}, {"moment_dtype": None}),
     (fo.muon, optax.contrib.muon, {"ns_coeffs": JORDAN},
-     {"newton_schulz": fo.NewtonSchulz(dtype="float32")}),
+     {"newton_schulz": fo.NewtonSchulz(dtype="float32"), "moment_dtype": None}),
 ])
 def test_inject_hyperparams_injects_what_optax_injects(factory, optax_factory, kwargs, fp32):
   """fuseopt's extra arguments (moment_dtype, seed, the newton_schulz and
@@ -280,10 +280,11 @@ def test_muon_state_is_optax_muon_state(ns_coeffs):
   if optax_coeffs is not None:
     theirs = optax.contrib.scale_by_muon(ns_coeffs=optax_coeffs).init(params)
     _assert_bitwise(ours, theirs)
-  # The hybrid's whole state has optax.contrib.muon's structure and dtypes
-  # (fp32 AdamW moments by default), so a checkpoint of one restores into the other.
+  # The hybrid's whole state has optax.contrib.muon's structure, and with
+  # moment_dtype=None (optax's: the AdamW moments in the parameters' dtype) its
+  # dtypes, so a checkpoint of one restores into the other.
   if optax_coeffs is not None:
-    ours = fo.muon(0.02, ns_coeffs=optax_coeffs, weight_decay=0.1).init(params)
+    ours = fo.muon(0.02, ns_coeffs=optax_coeffs, weight_decay=0.1, moment_dtype=None).init(params)
     theirs = optax.contrib.muon(0.02, ns_coeffs=optax_coeffs, weight_decay=0.1).init(params)
     _assert_bitwise(ours, theirs)
 
@@ -319,11 +320,12 @@ def test_inject_hyperparams_injects_the_numbers_and_keeps_the_records(factory):
   assert all(bool(jnp.all(x == 0)) for x in jax.tree.leaves(u))
 
 
-def test_muon_signature_is_optaxs_then_the_two_records():
-  """fo.muon takes optax.contrib.muon's arguments, in its order, then the two
-  settings records; every variant is a piece of a value (Experts specs, a
-  cautious rate, Execution's AdamW moments), not a parameter."""
+def test_muon_signature_is_optaxs_then_the_moment_format_and_the_two_records():
+  """fo.muon takes optax.contrib.muon's arguments, in its order, then the
+  AdamW side's moment format (adamw's name for it) and the two settings
+  records; every variant is a piece of a value (Experts specs, a cautious
+  rate), not a parameter."""
   import inspect
   ours = list(inspect.signature(fo.muon).parameters)
   theirs = list(inspect.signature(optax.contrib.muon).parameters)
-  assert ours == theirs + ["newton_schulz", "execution"]
+  assert ours == theirs + ["moment_dtype", "newton_schulz", "execution"]

@@ -157,8 +157,8 @@ TYPO = {"w": P(), "b": P(), "zzz": P()}
 
 @pytest.mark.parametrize("how", ["step", "update"])
 @pytest.mark.parametrize("make,owner", [
-    (lambda sh: fo.adamw(1e-2, shardings=sh), "(adamw|scale_by_adam)"),
-    (lambda sh: fo.adam(1e-2, shardings=sh), "(adam|scale_by_adam)"),
+    (lambda sh: fo.adamw(1e-2, execution=fo.Execution(shardings=sh)), "(adamw|scale_by_adam)"),
+    (lambda sh: fo.adam(1e-2, execution=fo.Execution(shardings=sh)), "(adam|scale_by_adam)"),
     (lambda sh: fo.muon(1e-2, execution=fo.Execution(shardings=sh)), "scale_by_muon"),
     (lambda sh: fo.scale_by_muon(weight_dimension_numbers={"w": MDN(), "b": None}, execution=fo.Execution(shardings=sh)),
      "scale_by_muon"),
@@ -183,9 +183,9 @@ def test_a_shardings_entry_for_a_leaf_another_transform_owns_is_accepted(how):
   nothing."""
   labels = {"w": "frozen", "b": "adam"}
   def make(sh):
-    return fusion.partition({"adam": fo.adamw(1e-2, shardings=sh), "frozen": optax.set_to_zero()},
+    return fusion.partition({"adam": fo.adamw(1e-2, execution=fo.Execution(shardings=sh)), "frozen": optax.set_to_zero()},
                                labels) if how == "step" else optax.partition(
-        {"adam": fo.adamw(1e-2, shardings=sh), "frozen": optax.set_to_zero()}, labels)
+        {"adam": fo.adamw(1e-2, execution=fo.Execution(shardings=sh)), "frozen": optax.set_to_zero()}, labels)
   got = _run_step(make({"w": P(), "b": P()}), how)
   want = _run_step(make(None), how)
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got, want)
@@ -200,10 +200,10 @@ def test_a_shardings_entry_under_a_masked_subtree_is_accepted():
   subtree was: entries below it name parameters of the model."""
   params = {"enc": {"w": jnp.ones((4, 4)), "b": jnp.ones(4)}, "head": jnp.ones((4, 2))}
   sh = {"enc": {"w": P(), "b": P()}, "head": P()}
-  tx = optax.masked(fo.adamw(1e-2, shardings=sh), {"enc": False, "head": True})
+  tx = optax.masked(fo.adamw(1e-2, execution=fo.Execution(shardings=sh)), {"enc": False, "head": True})
   _run_step(tx, "update", params)
   with pytest.raises(ValueError, match=r"shardings\['hed'\] matches no parameter leaf"):
-    _run_step(optax.masked(fo.adamw(1e-2, shardings={"enc": P(), "head": P(), "hed": P()}),
+    _run_step(optax.masked(fo.adamw(1e-2, execution=fo.Execution(shardings={"enc": P(), "head": P(), "hed": P()})),
                            {"enc": False, "head": True}), "update", params)
 
 
@@ -357,19 +357,23 @@ def test_a_backend_named_by_the_environment_says_so(monkeypatch):
   assert "environment" not in str(info.value)
 
 
-@pytest.mark.parametrize("value,error,match", [
-    ("int4", ValueError, "Execution: adam_moment_dtype"),
-    ("eighth", TypeError, "Execution: adam_moment_dtype"),
-    (jnp.float16, ValueError, "Execution: adam_moment_dtype"),
-])
-def test_execution_refuses_a_moment_format_the_adam_kernel_has_not(value, error, match):
-  with pytest.raises(error, match=match):
-    fo.Execution(adam_moment_dtype=value)
-
-
-def test_execution_names_int8_once():
-  assert fo.Execution(adam_moment_dtype=jnp.int8).adam_moment_dtype == "int8"
-  assert fo.Execution(adam_moment_dtype="bfloat16").adam_moment_dtype == jnp.bfloat16
+def test_execution_is_one_record_for_adam_and_muon():
+  """Adam used to take implementation / interpret / shardings as flat
+  arguments and Muon in an Execution record: one record now, and the flat
+  arguments are gone."""
+  for factory in (fo.adam, fo.adamw, fo.scale_by_adam):
+    for flat in ("implementation", "interpret", "shardings"):
+      with pytest.raises(TypeError, match=flat):
+        factory(**({} if factory is fo.scale_by_adam else {"learning_rate": 1e-3}),
+                **{flat: None})
+  with pytest.raises(TypeError, match="adam_moment_dtype"):
+    fo.Execution(adam_moment_dtype="int8")
+  with pytest.raises(ValueError, match=r"execution has unknown fields \['adam_moment_dtype'\]"):
+    fo.adamw(1e-3, execution={"adam_moment_dtype": "int8"})
+  with pytest.raises(TypeError, match="adamw: execution must be a fuseopt.optim.Execution"):
+    fo.adamw(1e-3, execution="xla")
+  with pytest.raises(ValueError, match="Execution: interpret must be True or False"):
+    fo.Execution(interpret="yes")
 
 
 # Every reader of a moment format, with the owner and argument its errors name.
@@ -377,7 +381,10 @@ _MOMENT_FORMAT_READERS = {
     "adam": (lambda v: fo.adam(1e-3, moment_dtype=v), "adam: moment_dtype"),
     "adamw": (lambda v: fo.adamw(1e-3, moment_dtype=v), "adamw: moment_dtype"),
     "scale_by_adam": (lambda v: fo.scale_by_adam(moment_dtype=v), "scale_by_adam: moment_dtype"),
-    "Execution": (lambda v: fo.Execution(adam_moment_dtype=v), "Execution: adam_moment_dtype"),
+    "muon": (lambda v: fo.muon(1e-3, moment_dtype=v), "muon: moment_dtype"),
+    "normuon": (lambda v: fo.normuon(1e-3, moment_dtype=v), "normuon: moment_dtype"),
+    "muonclip": (lambda v: fo.muonclip(1e-3, moment_dtype=v), "muonclip: moment_dtype"),
+    "convert_moments": (lambda v: fo.convert_moments((), v), "convert_moments: moment_dtype"),
 }
 
 
@@ -402,7 +409,9 @@ def test_a_refused_moment_format_lists_every_accepted_one(reader, value, error):
 @pytest.mark.parametrize("reader", sorted(_MOMENT_FORMAT_READERS))
 def test_every_reader_takes_the_same_moment_formats(reader):
   make, _ = _MOMENT_FORMAT_READERS[reader]
-  for value in ("float32", jnp.float32, "bfloat16", jnp.bfloat16, "int8", jnp.int8, None):
+  # (a conversion needs a target: None, optax's dtypes, is one only for the optimizers)
+  optax_dtypes = () if reader == "convert_moments" else (None,)
+  for value in ("float32", jnp.float32, "bfloat16", jnp.bfloat16, "int8", jnp.int8) + optax_dtypes:
     make(value)
 
 
@@ -428,7 +437,7 @@ def test_an_integer_mu_dtype_is_refused_and_points_at_8_bit_moments(factory, mu_
   with pytest.raises(ValueError, match=r"mu_dtype must be a floating dtype .* or None, got") as info:
     _MU_DTYPE_FACTORIES[factory](mu_dtype)
   assert "moment_dtype='int8'" in str(info.value)
-  assert "Execution(adam_moment_dtype='int8')" in str(info.value)
+  assert "AdamW side of muon" in str(info.value)
 
 
 @pytest.mark.parametrize("factory", sorted(_MU_DTYPE_FACTORIES))
@@ -441,14 +450,14 @@ def test_a_floating_mu_dtype_is_taken(factory):
 def test_int8_mu_dtype_with_int8_moments_stays_accepted():
   # (Muon's AdamW side passes its moment format as both; documented as "None (or int8)")
   fo.adamw(1e-3, mu_dtype="int8", moment_dtype="int8")
-  fo.muon(1e-3, mu_dtype=jnp.bfloat16, execution=fo.Execution(adam_moment_dtype="int8"))
+  fo.muon(1e-3, mu_dtype=jnp.bfloat16, moment_dtype="int8")
 
 
 @pytest.mark.parametrize("factory", [fo.scale_by_muon, fo.scale_by_normuon])
-def test_a_direction_refuses_the_adamw_sides_moments(factory):
-  # Muon's direction has no AdamW side: the field would be silently dropped.
-  with pytest.raises(ValueError, match="adam_moment_dtype.*AdamW side"):
-    factory(execution=fo.Execution(adam_moment_dtype=jnp.bfloat16))
+def test_a_direction_has_no_adamw_side_moments(factory):
+  # Muon's direction has no AdamW side: a moment_dtype would be dropped.
+  with pytest.raises(TypeError, match="moment_dtype"):
+    factory(moment_dtype=jnp.bfloat16)
 
 
 def test_experts_around_something_else_is_refused_by_name():

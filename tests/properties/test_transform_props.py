@@ -50,7 +50,7 @@ def _solvers():
       "adamw_param_dtype": lambda: fo.adamw(1e-3, moment_dtype=None),
       "scale_by_adam_nesterov": lambda: fo.scale_by_adam(nesterov=True),
       "muon": lambda: fo.muon(0.02, weight_decay=0.1),
-      "muon_bf16_momentum": lambda: fo.muon(0.02, mu_dtype=jnp.bfloat16, execution=fo.Execution(adam_moment_dtype=jnp.bfloat16)),
+      "muon_bf16_momentum": lambda: fo.muon(0.02, mu_dtype=jnp.bfloat16, moment_dtype=jnp.bfloat16),
       "scale_by_muon": lambda: fo.scale_by_muon(weight_dimension_numbers=mdn),
       "skip_nonfinite": lambda: fo.skip_nonfinite(fo.adamw(1e-3), 3),
   }
@@ -92,7 +92,7 @@ def test_built_solvers_keep_their_state_avals(tree, clip, skip, accumulate, opti
   bf16 = bf16 and optimizer not in ("lamb", "adafactor")  # fp32 state only
   cfg = OptimConfig(optimizer=optimizer, schedule=S.Cosine(peak=1e-3, warmup_steps=2),
                     weight_decay=0.1, clip_norm=clip, skip_nonfinite=skip,
-                    accumulate_steps=accumulate, state_dtype="bfloat16" if bf16 else "float32",
+                    accumulate_steps=accumulate, moment_dtype="bfloat16" if bf16 else "float32",
                     param_groups=mup_param_groups(2.0) if groups else ())
   _two_steps_keep_avals(build_optimizer(cfg, 10), params, grads, cfg)
 

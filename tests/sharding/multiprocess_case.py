@@ -23,7 +23,7 @@ def inputs():
 
 
 def adamw_steps(params, grads):
-  tx = fo.adamw(1e-2, weight_decay=0.1, seed=5, implementation="xla")
+  tx = fo.adamw(1e-2, weight_decay=0.1, seed=5, execution=fo.Execution(implementation="xla"))
   state = tx.init(params)
   update = jax.jit(lambda p, s, g: fo.step(tx, g, s, p))
   for g in grads:
@@ -32,7 +32,7 @@ def adamw_steps(params, grads):
 
 
 def muon_steps(params, grads):
-  tx = fo.muon(1e-2, muon_weight_dimension_numbers=DIMS, execution=fo.Execution(implementation='xla', adam_moment_dtype=jnp.bfloat16))
+  tx = fo.muon(1e-2, muon_weight_dimension_numbers=DIMS, moment_dtype=jnp.bfloat16, execution=fo.Execution(implementation='xla'))
   state = tx.init(params)
   update = jax.jit(lambda p, s, g: fo.step(tx, g, s, p))
   for g in grads:

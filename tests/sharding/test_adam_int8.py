@@ -85,8 +85,7 @@ _STEP_ARGS = {"triton": {"group": True}}
 def test_sharded_int8_step_is_bitwise(impl, interp, case, kind):
   params = _tree(0)
   grads_seq = [_tree(10 + t) for t in range(2)]   # the second reads the first's codes
-  tx = fo.adamw(1e-2, weight_decay=0.1, seed=3, moment_dtype="int8", implementation=impl,
-                interpret=interp)
+  tx = fo.adamw(1e-2, weight_decay=0.1, seed=3, moment_dtype="int8", execution=fo.Execution(implementation=impl, interpret=interp))
   step_args = _STEP_ARGS.get(impl, {})
   want_p, want_s = _run(tx, params, grads_seq, **step_args)
 

@@ -121,7 +121,7 @@ def test_fused_adamw_step_sharded_is_bitwise(impl, interp, case, param_dtype, ki
   params = _tree(0, param_dtype)
   grads_seq = [jax.tree.map(lambda a: a.astype(param_dtype), _tree(10 + t, jnp.float32))
                for t in range(3)]
-  tx = fo.adamw(1e-2, weight_decay=0.1, seed=3, implementation=impl, interpret=interp)
+  tx = fo.adamw(1e-2, weight_decay=0.1, seed=3, execution=fo.Execution(implementation=impl, interpret=interp))
   # In interpret mode XLA:CPU compiles the kernel body, and rewrites its fp32
   # arithmetic by the program around it (a division by a broadcast scalar
   # becomes a product in some programs, a leaf of one block loses its loop):
@@ -196,7 +196,7 @@ def test_fused_step_lowers_with_local_operands_for_8_devices(target, kind):
             for n, s in shapes.items()}
   sh = None if kind == AxisType.Explicit else jax.tree.map(lambda s: NamedSharding(mesh, s),
                                                            specs)
-  tx = fo.adamw(1e-3, weight_decay=0.1, shardings=sh)
+  tx = fo.adamw(1e-3, weight_decay=0.1, execution=fo.Execution(shardings=sh))
   with use_abstract_mesh(mesh):
     state = jax.eval_shape(tx.init, params)
     text = jax.jit(lambda p, s, g: fo.step(tx, g, s, p)).trace(params, state, params).lower(
@@ -218,7 +218,7 @@ def test_sharded_fused_step_temp_memory_is_tiny(param_dtype, kind):
   shapes = {f"w{i}": (1024, 1024) for i in range(4)} | {"norm": (1024,)}
   sh = {k: NamedSharding(mesh, P("fsdp") if len(s) == 2 else P()) for k, s in shapes.items()}
   params = {k: jax.device_put(jnp.zeros(s, param_dtype), sh[k]) for k, s in shapes.items()}
-  tx = fo.adamw(1e-3, shardings=None if kind == AxisType.Explicit else sh)
+  tx = fo.adamw(1e-3, execution=fo.Execution(shardings=None if kind == AxisType.Explicit else sh))
   state = tx.init(params)
   compiled = jax.jit(lambda p, s, g: fo.step(tx, g, s, p), donate_argnums=(0, 1)).lower(
       params, state, params).compile()

@@ -15,7 +15,8 @@ DIMS = {"w": fo.MuonDimensionNumbers(0, 1), "stack": fo.MuonDimensionNumbers(1, 
 _STEPS = 3
 
 FACTORIES = {
-    "adamw": lambda **kw: fo.adamw(3e-3, weight_decay=0.1, bf16_params="mantissa", **kw),
+    "adamw": lambda shardings=None: fo.track_mantissa(fo.adamw(
+        3e-3, weight_decay=0.1, execution=fo.Execution(shardings=shardings))),
     "muon": lambda shardings=None: fo.track_mantissa(fo.muon(
         2e-2, weight_decay=0.1, adam_weight_decay=0.1, muon_weight_dimension_numbers=DIMS,
         execution=fo.Execution(shardings=shardings)), owner="muon"),

@@ -23,7 +23,7 @@ step's minimal traffic: read p, g 4+4, mu, nu 2+2, write p 4, mu, nu 2+2):
   ``step(..., group=True)`` (leaves of one dtype signature share launches)
   and ``group=False`` (one launch per leaf); one of them is the default's
   own program, recorded as ``same_program_as`` and not timed twice;
-- ``fuseopt_step[xla]`` (accelerators): ``fo.adamw(..., implementation="xla")``,
+- ``fuseopt_step[xla]`` (accelerators): ``fo.adamw(..., execution=fo.Execution(implementation="xla"))``,
   the plain-jnp reference as a step;
 - ``fuseopt_adamw[drop_in]``: ``tx.update`` + ``optax.apply_updates``;
 - ``fuseopt_step[int8]``: the default call with 8-bit moments
@@ -138,8 +138,9 @@ def optimizers(platform: str) -> dict[str, Variant]:
                             wd + ")"))
   if _accel(platform):
     out["fuseopt_step[xla]"] = Variant(
-        fo.adamw(LR, weight_decay=WD, implementation="xla"), "step", F32, bf16, 8, 20,
-        f"fo.step(tx, grads, state, params); tx = {wd}, implementation='xla')")
+        fo.adamw(LR, weight_decay=WD, execution=fo.Execution(implementation="xla")), "step", F32,
+        bf16, 8, 20, f"fo.step(tx, grads, state, params); tx = {wd}, "
+        f"execution=fo.Execution(implementation='xla'))")
   out["fuseopt_adamw[drop_in]"] = Variant(
       fo.adamw(LR, weight_decay=WD), "update", F32, bf16, 8, 20,
       f"tx.update + optax.apply_updates; tx = {wd})")
@@ -165,8 +166,9 @@ def bf16_optimizers(platform: str) -> dict[str, Variant]:
                             wd + ")"))
   if _accel(platform):
     out["fuseopt_step[xla]"] = Variant(
-        fo.adamw(LR, weight_decay=WD, implementation="xla"), "step", BF16, stores, 6, 14,
-        f"fo.step(tx, grads, state, params); tx = {wd}, implementation='xla')")
+        fo.adamw(LR, weight_decay=WD, execution=fo.Execution(implementation="xla")), "step",
+        BF16, stores, 6, 14, f"fo.step(tx, grads, state, params); tx = {wd}, "
+        f"execution=fo.Execution(implementation='xla'))")
   if platform == "gpu":
     out.update({k: v for k, v in flashoptim_optimizers().items() if v.params == BF16})
   return out

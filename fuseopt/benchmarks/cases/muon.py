@@ -30,8 +30,8 @@ steps, which are also fuseopt's default):
   default call;
 - ``fuseopt_muon[calls<=2^25]``: ``NewtonSchulz(max_elements=2**25)`` (two
   of the 2048x8192 matrices a call);
-- ``fuseopt_muon[bf16_adam]``: ``execution=Execution(adam_moment_dtype=bf16)``,
-  bf16 AdamW moments.
+- ``fuseopt_muon[fp32_adam]``: ``moment_dtype="float32"``, fp32 AdamW
+  moments (the default keeps them in bf16, as :func:`fuseopt.optim.adamw`).
 
 The figure that matters besides time is ``temp_bytes`` (XLA's temporary
 memory from ``memory_analysis``; target <= 1 GB on the 1.20 B tree). The
@@ -91,8 +91,7 @@ def optimizers(platform: str = "cpu") -> dict:
       jnp.float32)
   out["fuseopt_muon[calls<=2^25]"] = (
       fmuon.muon(**common, newton_schulz=fmuon.NewtonSchulz(max_elements=1 << 25)), jnp.float32)
-  out["fuseopt_muon[bf16_adam]"] = (
-      fmuon.muon(**common, execution=fmuon.Execution(adam_moment_dtype=jnp.bfloat16)), jnp.float32)
+  out["fuseopt_muon[fp32_adam]"] = (fmuon.muon(**common, moment_dtype="float32"), jnp.float32)
   return out
 
 
@@ -104,7 +103,7 @@ CALLS = {
     "fuseopt_muon[no_gram]": "fo.muon(..., newton_schulz=fo.NewtonSchulz(gram=False))",
     "fuseopt_muon[gram,jordan]": "fo.muon(..., ns_coeffs='jordan', newton_schulz=fo.NewtonSchulz(gram='auto'))",
     "fuseopt_muon[calls<=2^25]": "fo.muon(..., newton_schulz=fo.NewtonSchulz(max_elements=2**25))",
-    "fuseopt_muon[bf16_adam]": "fo.muon(..., execution=fo.Execution(adam_moment_dtype=bf16))",
+    "fuseopt_muon[fp32_adam]": "fo.muon(..., moment_dtype='float32')",
 }
 
 

@@ -73,7 +73,6 @@ def recipes() -> dict:
   fuse_hybrid = fusion.chain(
       safeguards.clip_by_global_norm(CLIP),
       fo.muon(muon_lr, weight_decay=WD, adam_weight_decay=WD, ns_coeffs="jordan",
-              execution=fo.Execution(adam_moment_dtype=BF16),
               muon_weight_dimension_numbers=muon_cases.muon_dims))
   optax_hybrid = optax.chain(
       optax.clip_by_global_norm(CLIP),
