@@ -325,9 +325,9 @@ def _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, nu_dtype, seed,
 
 def _check_int8(nu_dtype, mu_dtype, owner):
   """The ``mu_dtype`` to use: with ``moment_dtype="int8"`` None (it may be
-  given as None or int8 too: Muon's AdamW side passes its moment dtype as
-  both; any other is a ValueError naming it), else ``mu_dtype``, a floating
-  dtype or None (:func:`fuseopt.optim._checks.check_mu_dtype`)."""
+  given as None or int8 too; any other is a ValueError naming it), else
+  ``mu_dtype``, a floating dtype or None
+  (:func:`fuseopt.optim._checks.check_mu_dtype`)."""
   if nu_dtype != INT8:
     return _checks.check_mu_dtype(owner, mu_dtype)
   if mu_dtype is not None and not _is_int8(mu_dtype):

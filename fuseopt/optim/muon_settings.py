@@ -51,9 +51,8 @@ class NewtonSchulz:
     matmul: how the Pallas backends compute ``X' = a·X + B·X``: ``"xla"``
       (default: XLA's GEMM with a fused add) or ``"pallas"`` (the update
       kernel, ``a·X`` in its epilogue, bf16 out only). On a GPU ``"pallas"``
-      needs less memory (the 1.2 B tree's hybrid step on an H200 at 2^25
-      elements a call: 0.25 GiB of temporaries against 0.52 GiB); on a TPU
-      v6e more (1.25 against 0.97 GiB). It accumulates in its own order, so
+      needs less temporary memory, on a TPU more (the compiled figures:
+      docs/scaling.md). It accumulates in its own order, so
       results on hardware differ from the default's by bf16 rounding. No
       effect on the CPU.
   """

@@ -247,10 +247,14 @@ def _add_decayed_weights(weight_decay, weight_decay_mask, dims_fn,
 
 def _adamw(learning_rate, b1, b2, eps, eps_root, weight_decay, mu_dtype, moment_dtype, nesterov,
            execution):
-  """fuseopt's AdamW; ``moment_dtype=None`` keeps optax's dtypes (mu in
-  ``mu_dtype`` or the parameter's, nu in the parameter's)."""
-  if moment_dtype is not None:
-    mu_dtype = moment_dtype
+  """fuseopt's AdamW, as :func:`fuseopt.optim.adamw` keeps it: ``moment_dtype=None``
+  keeps optax's dtypes (mu in ``mu_dtype`` or the parameter's, nu in the
+  parameter's); a leaf the kernel cannot take (float16, say) runs optax's
+  arithmetic with ``mu_dtype``, so its update keeps the parameter's dtype.
+  With 8-bit moments both of the AdamW side's moments are 8-bit: ``mu_dtype``
+  is then Muon's momentum's alone."""
+  if moment_dtype == _checks.INT8:
+    mu_dtype = None
   return adam_transforms.adamw(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                                mu_dtype=mu_dtype, weight_decay=weight_decay, nesterov=nesterov,
                                moment_dtype=moment_dtype, execution=execution)

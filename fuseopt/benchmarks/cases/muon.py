@@ -11,10 +11,9 @@ Variants (lr 0.02, weight decay 0.1; optax with Jordan's coefficients, 5
 steps, which are also fuseopt's default):
 
 - ``optax_muon`` (baseline): ``optax.contrib.muon``, fp32 grads and
-  momentum, so NS in fp32 (194.7 ms, 8.67 GB temp on an H200,
-  docs/measurements.md);
+  momentum, so NS in fp32 (its time and temporaries: docs/measurements.md);
 - ``optax_muon_bf16``: optax's best configuration, bf16 grads and
-  ``mu_dtype=bf16`` so NS in bf16 (100.1 ms, 4.41 GB);
+  ``mu_dtype=bf16`` so NS in bf16;
 - ``fuseopt_muon``: the default call, :func:`fuseopt.optim.muon` with the
   workload's arguments only (learning rate, weight decay, which leaves are
   matrices) through ``tx.update`` + ``optax.apply_updates``, fp32 grads and

@@ -95,9 +95,8 @@ def update_flat(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, in
 
 
 # ---------------------------------------------------------- triton, grouped --
-# One launch over a list of leaves (docs/measurements.md: 147 per-leaf launches
-# cost about 15% of the step on the 1.2 B tree, each kernel's ramp-up and
-# drain repeated). The leaves stay where they are: each is its own operand and
+# One launch over a list of leaves (per-leaf launches repeat each kernel's
+# ramp-up and drain; docs/measurements.md has what they cost on the 1.2 B tree). The leaves stay where they are: each is its own operand and
 # in-place output, the 1-D grid runs over the sum of their block counts, and
 # program ``i`` works on leaf ``k`` where ``starts[k] <= i < starts[k + 1]``.
 @dataclasses.dataclass(frozen=True)

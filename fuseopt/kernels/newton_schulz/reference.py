@@ -119,8 +119,7 @@ def normalise(x32, scale, eps, dtype):
   """
   # The input may be the bf16 NS input: the largest magnitude is exact in its
   # own dtype, and every fp32 use widens it on the fly, so no fp32 copy of
-  # the stack is made (on an H200 that copy was 512 MiB of a 128 Mi-element
-  # call).
+  # the stack is made (a call's whole stack in fp32 more).
   amax = jnp.max(jnp.abs(x32), axis=(-2, -1), keepdims=True).astype(jnp.float32)
   x32 = x32.astype(jnp.float32)
   c = 1.0 / jnp.clip(amax, 2.0**-126, 2.0**126)

@@ -1,8 +1,8 @@
 """The whole Newton–Schulz iteration in one kernel, for matrices that fit on chip.
 
 A small NS spends most of its time in launches (15 GEMMs and their
-epilogues; docs/measurements.md: optax takes 0.36 ms for 1024² where the FLOP
-floor is 0.03 ms). Here one program holds a whole (normalised) matrix and runs every
+epilogues; docs/measurements.md has optax's time for 1024² against the FLOP
+floor). Here one program holds a whole (normalised) matrix and runs every
 step — ``A = X Xᵀ``, ``B = b·A + c·A A``, ``X = a·X + B X`` — in on-chip
 memory; the grid runs over the batch, one matrix per program.
 
