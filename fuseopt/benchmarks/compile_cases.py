@@ -139,13 +139,14 @@ def _adam_cases(impl: str) -> list[Case]:
   out += [case("pf32-gf32-mbf16", _ADAM_SHAPE, F32, F32, BF16, cfg=c, full_only=True)
           for c in space]
   # The variants: cautious weight decay (one more runtime scalar, the same
-  # kernel's operands) and mantissa-tracked bf16 params (a uint16 companion
-  # read and written in place: two more streams).
+  # kernel's operands) and mantissa-tracked bf16 params (an int16 companion
+  # read and written in place: two more streams; an int8 one: a 24-bit master).
   out.append(case("cautious-pf32-gf32-mbf16", _ADAM_SHAPE, F32, F32, BF16,
                   cautious_weight_decay=True))
-  out += [_adam_mantissa_case(impl, tag, shape)
-          for tag, shape in (("mantissa-pbf16-gf32-mbf16", _ADAM_SHAPE),
-                             ("mantissa-ragged-pbf16-gf32-mbf16", _ADAM_RAGGED))]
+  out += [_adam_mantissa_case(impl, tag, shape, lo)
+          for tag, shape, lo in (("mantissa-pbf16-gf32-mbf16", _ADAM_SHAPE, jnp.int16),
+                                 ("mantissa-ragged-pbf16-gf32-mbf16", _ADAM_RAGGED, jnp.int16),
+                                 ("mantissa24-pbf16-gf32-mbf16", _ADAM_SHAPE, jnp.int8))]
   if impl in ("triton", "mosaic_gpu"):
     out += _adam_group_cases(impl)
   if impl == "triton":
@@ -193,8 +194,8 @@ def _adam_int8_case(impl: str, cfg=None) -> Case:
               full_only=cfg is not None, **_on(impl))
 
 
-def _adam_mantissa_case(impl: str, tag: str, shape) -> Case:
-  """A mantissa-tracked leaf (bf16 p, uint16 companion), the heuristic config."""
+def _adam_mantissa_case(impl: str, tag: str, shape, companion) -> Case:
+  """A mantissa-tracked leaf (bf16 p, an int16 or int8 companion), the heuristic config."""
   from fuseopt.kernels import adam
 
   def build(t):
@@ -202,7 +203,7 @@ def _adam_mantissa_case(impl: str, tag: str, shape) -> Case:
       return adam.adam_update(p, g, mu, nu, count=3, learning_rate=1e-3, weight_decay=0.1,
                               implementation=impl, params_lo=lo)
     return fn, (_S(shape, BF16), _S(shape, F32), _S(shape, BF16), _S(shape, BF16),
-                _S(shape, jnp.uint16)), (0, 2, 3, 4)
+                _S(shape, companion)), (0, 2, 3, 4)
   return Case(f"kernel/adam_update/{impl}/{tag}/heuristic", build, **_on(impl))
 
 
@@ -215,7 +216,7 @@ def _adam_group_mantissa_case(impl: str = "triton") -> Case:
     leaves = _llama_leaves(BF16)
     gs = [_S(x.shape, F32) for x in leaves]
     mom = [_S(x.shape, BF16) for x in leaves]
-    los = [_S(x.shape, jnp.uint16) if len(x.shape) > 1 else None for x in leaves]
+    los = [_S(x.shape, jnp.int16) if len(x.shape) > 1 else None for x in leaves]
 
     def fn(ps, gs, mus, nus, los):
       return adam.adam_update_tree(ps, gs, mus, nus, count=3, learning_rate=1e-3,
@@ -394,7 +395,7 @@ def _variant_recipes():
   return {
       "normuon_recipe": (hybrid(fo.normuon), F32),
       "cautious_hybrid_recipe": (hybrid(fo.muon, cautious=True), F32),
-      # bf16 parameters (and gradients) with their uint16 companions: the
+      # bf16 parameters (and gradients) with their int16 companions: the
       # mantissa wrapper inside the clip, as the builder places it.
       "mantissa_adamw_recipe": (fusion.chain(
           safeguards.clip_by_global_norm(1.0),

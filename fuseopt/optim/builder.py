@@ -7,7 +7,7 @@ The solver a config describes is, from the outside in::
         MultiSteps(                           # mean over accumulate_steps micro-steps
           chain(
             clip_by_global_norm(clip_norm),   # every trainable gradient, all groups
-            track_mantissa(                   # bf16_params="mantissa": exact bf16 params
+            track_mantissa(                   # bf16_params="mantissa"/"mantissa24": a master
               partition({group: optimizer(schedule * multiplier, group decay)})),
           ))))
 
@@ -37,7 +37,7 @@ from fuseopt.optim import normuon_transforms
 from fuseopt.optim import qk_clip
 from fuseopt.optim import safeguards
 from fuseopt.optim import weight_decay as weight_decay_lib
-from fuseopt.optim.config import OptimConfig
+from fuseopt.optim.config import BF16_PARAMS, OptimConfig
 
 __all__ = ["OPTIMIZER_MAP", "build_optimizer", "learning_rate_schedule"]
 
@@ -227,10 +227,11 @@ def build_optimizer(config: OptimConfig | dict, steps: int) -> optax.GradientTra
                           name="param_groups")
   else:
     tx = solver(1.0, config.weight_decay)
-  if config.bf16_params == "mantissa":
+  master_bits = BF16_PARAMS[config.bf16_params]
+  if master_bits is not None:
     # One companion tree for the whole solver (every group), inside the
     # clip and the safeguards so that they see the bf16 parameters.
-    tx = mantissa.track_mantissa(tx, owner="build_optimizer")
+    tx = mantissa.track_mantissa(tx, master_bits, owner="build_optimizer")
 
   tx = fusion.chain(safeguards.clip_by_global_norm(config.clip_norm), tx)
   if config.accumulate_steps > 1:

@@ -55,7 +55,8 @@ OPTIMIZERS = tuple(CAPABILITIES)
 BF16_MOMENT_OPTIMIZERS = _having("bf16_moments")
 MUON_OPTIMIZERS = _having("muon_family")
 CAUTIOUS_OPTIMIZERS = _having("cautious")
-BF16_PARAMS = ("stochastic", "mantissa")
+# ``bf16_params`` -> the master bits of its companion (None: stochastic rounding, no master).
+BF16_PARAMS = {"stochastic": None, "mantissa": 32, "mantissa24": 24}
 # The moment formats a config names (fuseopt.optim.adamw's moment_dtype, by name).
 MOMENT_DTYPES = ("float32", "bfloat16", "int8")
 INT8_MOMENT_OPTIMIZERS = _having("int8_moments")
@@ -166,10 +167,11 @@ class OptimConfig:
       have the same sign (Chen et al. 2025, arXiv 2510.12402), for
       :data:`CAUTIOUS_OPTIMIZERS`.
     bf16_params: how bf16 parameters are stored: ``"stochastic"`` (rounded
-      stochastically) or ``"mantissa"`` (exact, with a uint16 companion per
-      parameter in the state: :mod:`fuseopt.optim.mantissa`; every
-      parameter must be bfloat16). ``"mantissa"`` wraps the whole solver
-      (all groups), inside the clip and the safeguards.
+      stochastically), ``"mantissa"`` (an fp32 master: an int16 companion
+      per parameter in the state) or ``"mantissa24"`` (a 24-bit master: an
+      int8 companion); :mod:`fuseopt.optim.mantissa`, every parameter must
+      be bfloat16. A companion wraps the whole solver (all groups), inside
+      the clip and the safeguards.
     adam_learning_rate, adam_schedule: the AdamW side of ``muon`` /
       ``muonclip``: its own constant rate or schedule (at most one; neither:
       it shares ``learning_rate`` / ``schedule``). A group's
@@ -264,10 +266,11 @@ class OptimConfig:
       raise ValueError(f"OptimConfig.cautious_weight_decay: optimizer {self.optimizer!r} has no "
                        f"cautious weight decay; use one of {CAUTIOUS_OPTIMIZERS}")
     if self.bf16_params not in BF16_PARAMS:
-      raise ValueError(f"OptimConfig.bf16_params must be one of {BF16_PARAMS}, got "
-                       f"{self.bf16_params!r}" + _suggest(str(self.bf16_params), BF16_PARAMS))
-    if self.bf16_params == "mantissa" and self.optimizer == "muonclip":
-      raise ValueError("OptimConfig.bf16_params='mantissa': not with optimizer 'muonclip' (QK-Clip "
+      raise ValueError(f"OptimConfig.bf16_params must be one of {tuple(BF16_PARAMS)}, got "
+                       f"{self.bf16_params!r}" + _suggest(str(self.bf16_params), tuple(BF16_PARAMS)))
+    if BF16_PARAMS[self.bf16_params] is not None and self.optimizer == "muonclip":
+      raise ValueError(f"OptimConfig.bf16_params={self.bf16_params!r}: not with optimizer 'muonclip' "
+                       "(QK-Clip "
                        "rescales the parameters after the update); use 'stochastic'")
     for name in ("b1", "b2"):
       v = getattr(self, name)

@@ -1,21 +1,26 @@
-"""Exact bf16 parameters: a uint16 companion per parameter in the optimizer state.
+"""bf16 parameters with a master: a companion per parameter in the optimizer state.
 
 :func:`track_mantissa` wraps any of fuseopt's optimizers
-(``track_mantissa(adamw(...))``, ``track_mantissa(muon(...))``; the
-builder's ``bf16_params="mantissa"`` does the same): the bf16 parameters
-the model reads are the top half of an fp32 master, and the bottom half lives in the optimizer state as a uint16 tree shaped like the
-params (:class:`MantissaState`; checkpoints keep it). Every update is computed
-on the fp32 master and split again (:mod:`fuseopt.kernels.mantissa`), so the
-masters follow an fp32 run of the same optimizer bit for bit, at 2 bytes per
-parameter more than bf16 parameters with stochastic rounding
-(the default: :func:`fuseopt.optim.step` writes bf16 parameters with the
-counter-hash stochastic rounding) and 2 less than an fp32 master
-copy. The idea is modded-nanogpt's "mantissa tracking" (speedrun record #57,
-2025).
+(``track_mantissa(adamw(...))``, ``track_mantissa(muon(...), master_bits=24)``;
+the builder's ``bf16_params="mantissa"`` / ``"mantissa24"`` does the same):
+the bf16 parameters the model reads are the value nearest a master, and the
+difference lives in the optimizer state as a companion tree shaped like the
+params (:class:`MantissaState`; checkpoints keep it). Every update is
+computed on the master in fp32 and split again
+(:mod:`fuseopt.kernels.mantissa`):
 
-The visible bf16 half is the master truncated toward zero (within one bf16
-ulp, see :mod:`fuseopt.kernels.mantissa`). :func:`master_params` returns the
-fp32 masters of a state.
+- ``master_bits=32``: an int16 companion; the masters follow an fp32 run of
+  the same optimizer bit for bit, at 2 bytes a parameter more than bf16
+  parameters with stochastic rounding (the default: :func:`fuseopt.optim.step`
+  writes bf16 parameters with the counter-hash stochastic rounding) and 2
+  less than an fp32 master copy ("mantissa tracking", modded-nanogpt speedrun
+  record #57, 2025);
+- ``master_bits=24``: an int8 companion, 1 byte a parameter; each step's
+  master is its fp32 result rounded to 15 mantissa bits (FlashOptim,
+  arXiv 2602.23349, keeps an 8-bit error term beside bf16 weights). With
+  8-bit moments: 3 + 2.03 bytes of parameters and state a parameter.
+
+:func:`master_params` returns the fp32 masters of a state.
 
 Gradients: bf16 parameters have bf16 gradients. Through ``update`` the
 wrapped optimizer gets them widened to fp32 (:func:`widen`), each leaf made
@@ -50,16 +55,11 @@ import optax
 from fuseopt.kernels import mantissa as bits
 from fuseopt.optim import fusion
 
-__all__ = ["BF16_PARAMS", "MantissaState", "Tracked", "check_bf16_params", "master_params",
+__all__ = ["MASTER_BITS", "MantissaState", "Tracked", "check_bf16_params", "master_params",
            "track_mantissa"]
 
-# The builder's ``bf16_params``: stochastically rounded bf16 parameters, or
-# exact ones through track_mantissa.
-BF16_PARAMS = ("stochastic", "mantissa")
-
-
 class MantissaState(NamedTuple):
-  """The wrapped optimizer's state and the params' uint16 companions."""
+  """The wrapped optimizer's state and the params' companions (int16 or int8)."""
   inner_state: Any
   companion: Any
 
@@ -111,10 +111,24 @@ def master_of(x) -> jax.Array:
 
 
 def store(x32, like):
-  """fp32 ``x32`` into the storage of ``like``: a new pair for a pair."""
+  """fp32 ``x32`` into the storage of ``like``: a new pair for a pair (its
+  companion's width kept)."""
   if is_tracked(like):
-    return Tracked(*bits.split_once(x32))
+    return Tracked(*bits.split_once(x32, like.lo.dtype))
   return x32.astype(like.dtype)
+
+
+# ``master_bits`` -> the companion that keeps such a master.
+MASTER_BITS = {32: bits.EXACT, 24: bits.MASTER24}
+
+
+def companion_dtype_of(owner: str, master_bits) -> jnp.dtype:
+  """The companion dtype of ``master_bits`` (32 or 24), checked."""
+  if isinstance(master_bits, bool) or master_bits not in MASTER_BITS:
+    raise ValueError(f"{owner}: master_bits must be one of {tuple(MASTER_BITS)} (32: an fp32 "
+                     f"master, an int16 companion; 24: a 24-bit master, an int8 companion), "
+                     f"got {master_bits!r}")
+  return MASTER_BITS[master_bits]
 
 
 def check_bf16_params(owner: str, params) -> None:
@@ -142,15 +156,28 @@ def widen(grads):
   return jax.tree.map(bits.widen_once, grads)
 
 
-def _split(tree):
+def _split(tree, companion_dtype):
   """fp32 masters as ``(bf16 halves, companions)``, two trees of the same structure."""
-  pairs = jax.tree.map(lambda x: Tracked(*bits.split_once(x)), tree)
+  pairs = jax.tree.map(lambda x: Tracked(*bits.split_once(x, companion_dtype)), tree)
   return (jax.tree.map(lambda t: t.hi, pairs, is_leaf=is_tracked),
           jax.tree.map(lambda t: t.lo, pairs, is_leaf=is_tracked))
 
 
-def track_mantissa(tx, owner: str = "track_mantissa") -> fusion.FusedTransformation:
-  """``tx`` run on fp32 masters of bf16 parameters held as (bf16, uint16) halves.
+def track_mantissa(tx, master_bits: int = 32,
+                   owner: str = "track_mantissa") -> fusion.FusedTransformation:
+  """``tx`` run on fp32-class masters of bf16 parameters held as (bf16, companion) pairs.
+
+  ``master_bits`` sets the companion's width (:mod:`fuseopt.kernels.mantissa`):
+
+  - ``32`` (default): an int16 companion, 2 bytes a parameter; the masters
+    are fp32 and follow an fp32 run of ``tx`` bit for bit;
+  - ``24``: an int8 companion, 1 byte a parameter; each step's master is its
+    fp32 result rounded to nearest (even) at 15 mantissa bits, within
+    :math:`2^{-16}` of it relative (half a bf16 ulp / 256). An update below
+    that is lost (round to nearest needs no seed, so every program that
+    computes the same fp32 value stores the same master).
+
+  The bf16 half the model reads is the value nearest the master.
 
   ``init(params)`` (bf16 params) initialises ``tx`` on the params widened to
   fp32 (so its state is an fp32 run's) and zero companions, each placed like
@@ -171,6 +198,8 @@ def track_mantissa(tx, owner: str = "track_mantissa") -> fusion.FusedTransformat
   pass.
   """
 
+  companion_dtype = companion_dtype_of(owner, master_bits)
+
   def init_fn(params):
     check_bf16_params(owner, params)
     wide = jax.tree.map(lambda p: p.astype(jnp.float32), params)
@@ -178,7 +207,7 @@ def track_mantissa(tx, owner: str = "track_mantissa") -> fusion.FusedTransformat
     # a sharded step finds the companion where its parameter is.
     return MantissaState(inner_state=tx.init(wide),
                          companion=jax.tree.map(
-                             lambda p: jnp.zeros_like(p, dtype=bits.COMPANION_DTYPE), params))
+                             lambda p: jnp.zeros_like(p, dtype=companion_dtype), params))
 
   def update_fn(updates, state, params=None, **extra_args):
     if params is None:
@@ -186,7 +215,7 @@ def track_mantissa(tx, owner: str = "track_mantissa") -> fusion.FusedTransformat
     check_bf16_params(owner, params)
     masters = _masters(params, state.companion)
     u, inner = tx.update(widen(updates), state.inner_state, masters, **extra_args)
-    hi, lo = _split(optax.apply_updates(masters, u))
+    hi, lo = _split(optax.apply_updates(masters, u), companion_dtype)
     # p + (hi - p) in fp32 is hi (both are bf16 values), and apply_updates'
     # cast back to bf16 keeps it.
     diff = jax.tree.map(lambda h, p: h.astype(jnp.float32) - p.astype(jnp.float32), hi, params)

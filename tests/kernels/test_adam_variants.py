@@ -1,5 +1,6 @@
 """adam_update's two variants: cautious weight decay and mantissa-tracked
-bf16 parameters (a bf16 half and a uint16 companion of an fp32 master).
+bf16 parameters (a bf16 half and an int16 companion of an fp32 master, or an int8
+one of a 24-bit master).
 
 Cautious weight decay is one more scalar of the packed vector, read as a
 select: off, the step is bit for bit the plain AdamW step. Mantissa tracking
@@ -25,7 +26,7 @@ from fuseopt.kernels.adam import mosaic_tpu as adam_mosaic_tpu
 from tests.kernels import harness
 from tests.kernels.test_adam_kernel import _compare
 
-F32, BF16, U16 = jnp.float32, jnp.bfloat16, jnp.uint16
+F32, BF16, I16, I8 = jnp.float32, jnp.bfloat16, jnp.int16, jnp.int8
 HYPER = dict(learning_rate=3e-3, b1=0.9, b2=0.999, eps=1e-8, eps_root=1e-12,
              weight_decay=0.1, seed=17)
 STEPS = 5
@@ -149,7 +150,7 @@ def _step_pair(run, p32, lo_state, gs, mu, nu, tracked_grad_dtype=None, **kw):
     p32, mu, nu = run(p32, g, mu, nu, step, None, **kw)
     g_t = g if tracked_grad_dtype is None else g.astype(tracked_grad_dtype)
     hi, mu_t, nu_t, lo = run(hi, g_t, mu_t, nu_t, step, lo, **kw)
-    assert hi.dtype == BF16 and lo.dtype == U16
+    assert hi.dtype == BF16 and lo.dtype == I16
     what = f"{lo_state} step {step}"
     harness.assert_bitwise_equal(mantissa.join(hi, lo), p32, f"{what}: join(hi, lo) vs fp32")
     harness.assert_bitwise_equal(mu_t, mu, f"{what}: mu")
@@ -168,7 +169,7 @@ def _leaf_runner(impl, config=None):
 
 # Ragged: 4773 and 1505 elements are multiples of neither a Triton block nor
 # Mosaic GPU's 128 (a tail in XLA); Mosaic TPU needs a tiling that divides
-# the leaf ((40, 384): 16-row blocks of bf16 and uint16).
+# the leaf ((40, 384): 16-row blocks of bf16 and int16).
 LEAF_CASES = [
     ("xla", (37, 129), BF16, {}),
     ("xla", (5, 301), F32, dict(nesterov=True, cautious=True)),
@@ -219,7 +220,7 @@ def test_tracked_kernels_with_bf16_grads_are_the_reference(request, impl, shape)
   g = g.astype(BF16)
   got = _leaf_runner(impl)(hi, g, mu, nu, 2, lo, cautious=True)
   want = _leaf_runner("xla")(hi, g, mu, nu, 2, lo, cautious=True)
-  assert [x.dtype for x in got] == [BF16, mu.dtype, mu.dtype, U16]
+  assert [x.dtype for x in got] == [BF16, mu.dtype, mu.dtype, I16]
   _compare([mantissa.join(got[0], got[3])] + list(got[1:3]),
            [mantissa.join(want[0], want[3])] + list(want[1:3]), f"{impl} tracked, bf16 grads")
 
@@ -228,7 +229,7 @@ def test_mosaic_tpu_runs_the_tracked_leaf_in_its_kernel():
   """The cases above are not the reference in disguise: Mosaic TPU tiles
   the tracked leaf (no fallback), with the companion's 2 bytes counted."""
   p = jnp.zeros((40, 384), BF16)
-  lo = jnp.zeros((40, 384), U16)
+  lo = jnp.zeros((40, 384), I16)
   m = jnp.zeros((40, 384), BF16)
   config = adam_mosaic_tpu.heuristic(p.size)
   assert adam_mosaic_tpu.leaf_reason(p, p, m, m, BF16, config, None, lo) is None
@@ -247,15 +248,37 @@ def test_tracked_step_can_be_skipped_bitwise():
       harness.assert_bitwise_equal(a, b, f"{impl} apply=False {what}")
 
 
-def test_bf16_half_is_truncated_not_rounded():
+def test_bf16_half_is_the_bf16_value_nearest_the_master():
   p, g, mu, nu = _leaf(jax.random.key(12), (4096,))
   hi, lo = mantissa.split(p)
   new_hi, _, _, new_lo = adam_update(hi, g, mu, nu, count=1, params_lo=lo, **HYPER)
-  master = mantissa.join(new_hi, new_lo)
-  # The visible half is the master with its low 16 bits cleared: toward zero.
-  want = harness.bits(master) & np.uint32(0xFFFF0000)
-  assert (harness.bits(new_hi.astype(F32)) == want).all()
-  assert np.all(np.abs(np.asarray(new_hi, F32)) <= np.abs(np.asarray(master)))
+  master = np.asarray(mantissa.join(new_hi, new_lo), np.float64)
+  nearest = np.asarray(mantissa.join(new_hi, new_lo).astype(BF16), np.float64)
+  assert (np.abs(np.asarray(new_hi, np.float64) - master) <= np.abs(nearest - master)).all()
+
+
+# Mosaic TPU tiles an int8 companion in 32-row blocks.
+MASTER24_CASES = [("xla", (37, 129)), ("triton", (37, 129)), ("mosaic_tpu", (64, 256)),
+                  ("mosaic_gpu", (5, 301))]
+
+
+@pytest.mark.parametrize("impl,shape", MASTER24_CASES, ids=lambda x: str(x))
+def test_24_bit_masters_are_the_fp32_step_rounded(request, impl, shape):
+  """With an int8 companion every backend's step stores the master the fp32
+  step of the previous master makes, rounded to 15 mantissa bits
+  (``mantissa.master``), and the fp32 step's moments."""
+  key = harness.fresh_key(request)
+  p, _, mu, nu = _leaf(key, shape, BF16)
+  run = _leaf_runner(impl)
+  hi, lo = mantissa.split(p, I8)
+  for step, g in enumerate(_grads(jax.random.fold_in(key, 1), shape), start=1):
+    want_p, want_mu, want_nu = run(mantissa.join(hi, lo), g, mu, nu, step, None)
+    hi, mu, nu, lo = run(hi, g, mu, nu, step, lo)
+    assert hi.dtype == BF16 and lo.dtype == I8
+    harness.assert_bitwise_equal(mantissa.join(hi, lo), mantissa.master(want_p, I8),
+                                 f"{impl} step {step}: 24-bit master")
+    harness.assert_bitwise_equal(mu, want_mu, f"{impl} step {step}: mu")
+    harness.assert_bitwise_equal(nu, want_nu, f"{impl} step {step}: nu")
 
 
 # A grouped launch mixing tracked and untracked leaves (and dtypes), ragged
@@ -368,7 +391,7 @@ def test_grouped_launches_split_tracked_from_untracked_leaves(monkeypatch):
   s = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt)
   shapes = [(256,), (512,), (128,)]
   ps = [s(x, BF16) for x in shapes]
-  los = [s(shapes[0], U16), None, s(shapes[2], U16)]
+  los = [s(shapes[0], I16), None, s(shapes[2], I16)]
   jax.eval_shape(lambda ps, los: adam_update_tree(ps, ps, ps, ps, count=1, params_lo=los,
                                                   group=True, implementation="triton",
                                                   interpret=True),
@@ -421,8 +444,8 @@ def test_companion_errors_name_the_parameter():
     adam_update(p, g, mu, nu, count=1, params_lo=lo)
   with pytest.raises(ValueError, match="params_lo needs params"):
     adam_update(None, g, mu, nu, count=1, params_lo=lo)
-  with pytest.raises(TypeError, match="params_lo must be uint16"):
-    adam_update(hi, g, mu, nu, count=1, params_lo=lo.astype(jnp.int16))
+  with pytest.raises(TypeError, match="params_lo must be int16.*or int8.*got uint16"):
+    adam_update(hi, g, mu, nu, count=1, params_lo=lo.astype(jnp.uint16))
   with pytest.raises(ValueError, match="params_lo has shape"):
     adam_update(hi, g, mu, nu, count=1, params_lo=lo[:4])
   with pytest.raises(ValueError, match="params_lo has 2 entries"):
@@ -458,7 +481,7 @@ def test_cost_counts_the_companion(estimates, impl):
   s = lambda dt: jax.ShapeDtypeStruct((16, n // 16), dt)
   jax.eval_shape(lambda p, g, m, lo: adam_update(p, g, m, m, count=1, params_lo=lo,
                                                  implementation=impl, interpret=True),
-                 s(BF16), s(F32), s(BF16), s(U16))
+                 s(BF16), s(F32), s(BF16), s(I16))
   jax.eval_shape(lambda p, g, m: adam_update(p, g, m, m, count=1, implementation=impl,
                                              interpret=True), s(BF16), s(F32), s(BF16))
   tracked, plain = estimates
@@ -470,7 +493,7 @@ def test_grouped_cost_counts_every_leaf_and_companion(estimates):
   shapes = [(64, 32), (128,), (32, 8)]
   ps = [jax.ShapeDtypeStruct(s, BF16) for s in shapes]
   gs = [jax.ShapeDtypeStruct(s, F32) for s in shapes]
-  los = [jax.ShapeDtypeStruct(s, U16) for s in shapes]
+  los = [jax.ShapeDtypeStruct(s, I16) for s in shapes]
   jax.eval_shape(lambda ps, gs, los: adam_update_tree(
       ps, gs, ps, ps, count=1, params_lo=los, implementation="triton", interpret=True,
       group=True), ps, gs, los)
@@ -487,7 +510,7 @@ def test_tracked_and_cautious_kernels_lower_in_place(target):
       p, g, mu, nu, count=3, learning_rate=1e-3, weight_decay=0.1, params_lo=lo,
       cautious_weight_decay=c, implementation=target.implementation)
   text = harness.lower_for(target, fn, s(shape, BF16), s(shape, F32), s(shape, BF16),
-                           s(shape, BF16), s(shape, U16), s((), jnp.bool_))
+                           s(shape, BF16), s(shape, I16), s((), jnp.bool_))
   # Four in-place outputs: p, mu, nu and the companion.
   assert text.count("output_operand_aliases") or text.count("input_output_alias")
   assert "ui16" in text or "i16" in text

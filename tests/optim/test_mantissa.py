@@ -1,4 +1,5 @@
-"""Exact bf16 parameters: a uint16 companion keeps the fp32 master in the state."""
+"""bf16 parameters with a master: an int16 companion keeps the fp32 master in the
+state, an int8 companion a 24-bit master."""
 
 import jax
 import jax.numpy as jnp
@@ -93,9 +94,40 @@ def test_masters_follow_an_fp32_run_bit_for_bit(name, fused, grad_dtype):
     masters = fo.master_params(p16, s16)
     _assert_bitwise(masters, p32, f"{name} step {t} params")
     _assert_bitwise(s16.inner_state, s32, f"{name} step {t} state")
-    # The visible half is the master truncated toward zero.
+    # The visible half is the bf16 value nearest the master.
     for m, h in zip(jax.tree.leaves(p32), jax.tree.leaves(p16)):
-      assert bool(jnp.all(jnp.abs(h.astype(jnp.float32)) <= jnp.abs(m)))
+      nearest = m.astype(jnp.bfloat16).astype(jnp.float32)
+      assert bool(jnp.all(jnp.abs(h.astype(jnp.float32) - m) <= jnp.abs(nearest - m)))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["step", "update"])
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_24_bit_masters_are_each_steps_fp32_result_rounded(name, fused):
+  """With an int8 companion each step's master is what the wrapped fp32
+  optimizer makes of the previous master, rounded to 15 mantissa bits
+  (``bits.master``), and its state the fp32 optimizer's, bit for bit."""
+  tx24, tx32 = fo.track_mantissa(FACTORIES[name](), master_bits=24), FACTORIES[name]()
+  p16, _ = _bf16_start()
+  s24 = tx24.init(p16)
+  step24, step32 = _runner(tx24, fused), _runner(tx32, fused)
+  for t in range(_STEPS):
+    g = _grads(t + 1)
+    p32, s32 = step32(g, s24.inner_state, fo.master_params(p16, s24))
+    p16, s24 = step24(jax.tree.map(lambda x: x.astype(jnp.bfloat16), g), s24, p16)
+    want = jax.tree.map(lambda x: bits.master(x, jnp.int8), p32)
+    _assert_bitwise(fo.master_params(p16, s24), want, f"{name} step {t} masters")
+    _assert_bitwise(s24.inner_state, s32, f"{name} step {t} state")
+
+
+def test_master_bits_are_checked_by_name():
+  for bad in (16, 23, "24", True):
+    with pytest.raises(ValueError, match=r"master_bits must be one of \(32, 24\).*got"):
+      fo.track_mantissa(fo.adamw(1e-3), master_bits=bad)
+  cfg = fo.OptimConfig(optimizer="adamw", learning_rate=1e-3, bf16_params="mantissa24")
+  state = fo.build_optimizer(cfg, steps=10).init(_bf16_start()[0])
+  (mantissa_state,) = [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, fo.MantissaState))
+                       if isinstance(s, fo.MantissaState)]
+  assert {x.dtype for x in jax.tree.leaves(mantissa_state.companion)} == {jnp.dtype(jnp.int8)}
 
 
 @pytest.mark.parametrize("apply", [optax.apply_updates, fo.apply_updates],
@@ -121,26 +153,57 @@ def test_updates_of_tracked_leaves_are_fp32_and_land_on_the_new_half(apply):
   _assert_bitwise(new, want, "applied update vs fused step")
 
 
-def test_state_holds_a_uint16_companion_shaped_like_the_params():
+@pytest.mark.parametrize("master_bits, dtype", [(32, jnp.int16), (24, jnp.int8)])
+def test_state_holds_a_companion_shaped_like_the_params(master_bits, dtype):
   p16, _ = _bf16_start()
-  state = fo.track_mantissa(fo.adamw(1e-3)).init(p16)
+  state = fo.track_mantissa(fo.adamw(1e-3), master_bits=master_bits).init(p16)
   assert isinstance(state, fo.MantissaState)
   assert jax.tree.map(lambda x: (x.shape, x.dtype), state.companion) == \
-      jax.tree.map(lambda x: (x.shape, jnp.dtype(jnp.uint16)), p16)
+      jax.tree.map(lambda x: (x.shape, jnp.dtype(dtype)), p16)
   # master_params without a companion: the params widened.
   plain = fo.adamw(1e-3).init(p16)
   _assert_bitwise(fo.master_params(p16, plain), jax.tree.map(lambda x: x.astype(jnp.float32), p16),
                   "no companion")
 
 
-def test_the_join_is_exact_and_the_split_truncates():
-  x = jnp.concatenate([jax.random.normal(jax.random.key(0), (4096,)) * 100,
-                       jnp.array([0.0, -0.0, jnp.inf, -jnp.inf, 1e-40, -3e38])])
-  hi, lo = bits.split(x)
-  assert hi.dtype == jnp.bfloat16 and lo.dtype == jnp.uint16
-  np.testing.assert_array_equal(np.asarray(bits.join(hi, lo)).view(np.uint32),
-                                np.asarray(x).view(np.uint32))
-  assert bool(jnp.all(jnp.abs(hi.astype(jnp.float32)) <= jnp.abs(x)))
+def _bit_patterns():
+  """fp32 values of every exponent: random bit patterns (NaN payloads
+  included), the specials, ties of both roundings and the bf16 overflow edge."""
+  x = np.random.default_rng(0).integers(0, 2**32, 1 << 16, dtype=np.uint64).astype(np.uint32)
+  edges = np.array([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 1, 0x80000001,
+                    0x3F808000, 0x3F818000, 0xBF808000, 0x3F800080, 0x3F800180, 0x3F7FFF80,
+                    0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF, 0xFF7FFFFF], np.uint32)
+  return np.concatenate([x, edges]).view(np.float32)
+
+
+def test_the_split_is_nearest_and_the_join_exact_with_an_int16_companion():
+  x = _bit_patterns()
+  hi, lo = bits.split(jnp.asarray(x))
+  assert hi.dtype == jnp.bfloat16 and lo.dtype == jnp.int16
+  back = np.asarray(bits.join(hi, lo))
+  nan = np.isnan(x)
+  np.testing.assert_array_equal(back[~nan].view(np.uint32), x[~nan].view(np.uint32))
+  assert np.isnan(back[nan]).all() and np.isnan(np.asarray(hi, np.float32)[nan]).all()
+  # hi is as near the master as bf16's own round to nearest even (ties away
+  # from zero instead of to even).
+  h, cast = np.asarray(hi, np.float64), np.asarray(jnp.asarray(x).astype(jnp.bfloat16), np.float64)
+  ok = np.isfinite(x) & np.isfinite(cast)
+  assert (np.abs(h[ok] - x[ok]) <= np.abs(cast[ok] - x[ok])).all()
+
+
+def test_the_24_bit_master_is_fp32_rounded_to_15_mantissa_bits():
+  x = _bit_patterns()
+  hi, lo = bits.split(jnp.asarray(x), jnp.int8)
+  assert hi.dtype == jnp.bfloat16 and lo.dtype == jnp.int8
+  master = np.asarray(bits.join(hi, lo))
+  np.testing.assert_array_equal(master.view(np.uint32), np.asarray(bits.master(jnp.asarray(x), jnp.int8)).view(np.uint32))
+  fin = np.isfinite(x) & np.isfinite(master) & (np.abs(x) >= np.finfo(np.float32).tiny)
+  assert ((master.view(np.uint32) & 0xFF) == 0)[~np.isnan(x)].all()
+  # Round to nearest at 15 mantissa bits: within half its last place, 2**-16 relative.
+  assert (np.abs(master[fin].astype(np.float64) - x[fin]) <= 2.0**-16 * np.abs(x[fin])).all()
+  # A 24-bit value is its own master: splitting it again changes nothing.
+  again = np.asarray(bits.join(*bits.split(jnp.asarray(master), jnp.int8)))
+  np.testing.assert_array_equal(again[~np.isnan(x)].view(np.uint32), master[~np.isnan(x)].view(np.uint32))
 
 
 def test_builder_skipped_step_keeps_params_and_companion():

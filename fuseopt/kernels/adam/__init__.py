@@ -135,13 +135,14 @@ def adam_update(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0
       kernel): decay only the elements where the Adam direction and the
       parameter agree in sign (:math:`c_t` above). False is bit for bit the
       plain AdamW step.
-    params_lo: ``None``, or the uint16 companion of bfloat16 ``params``
-      (same shape): the low 16 bits of an fp32 master whose high 16 bits are
-      ``params`` (:mod:`fuseopt.kernels.mantissa`, "mantissa tracking"). The
-      step reads ``join(params, params_lo)``, runs the fp32 math, and writes
-      the new master split: ``params`` its truncation to bf16 (not rounded),
-      ``params_lo`` its low bits, so the pair follows an fp32 run bit for
-      bit. Both are written in place.
+    params_lo: ``None``, or the companion of bfloat16 ``params`` (same
+      shape; :mod:`fuseopt.kernels.mantissa`): int16 for an fp32 master,
+      int8 for a 24-bit one. The step reads the master ``join(params,
+      params_lo)``, runs the fp32 math, and writes the new master split:
+      ``params`` the bf16 value nearest it, ``params_lo`` the difference, so
+      with int16 the pair follows an fp32 run bit for bit ("mantissa
+      tracking") and with int8 the master is the fp32 result rounded to 15
+      mantissa bits. Both are written in place.
 
   Returns:
     ``(new_params or update, new_mu, new_nu)`` in the dtypes of
@@ -202,7 +203,7 @@ def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9,
   ``weight_decay`` a scalar or a list with one value per leaf (0 where masked).
   ``grad_scale``, ``apply`` and ``cautious_weight_decay`` (see
   :func:`adam_update`) hold for every leaf. ``params_lo`` is ``None`` or a
-  list with one entry per leaf: the uint16 companion of a bfloat16 leaf
+  list with one entry per leaf: the int16 or int8 companion of a bfloat16 leaf
   (mantissa tracking, see :func:`adam_update`), or ``None`` for a leaf
   stored as it is. Leaf ``i`` rounds with ``adam_seeds(seed, count, i)``.
 
@@ -293,11 +294,11 @@ def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9,
 
 
 def _companions(params_lo, ps, n):
-  """``params_lo`` checked: None, or one uint16 companion (or None) per leaf."""
+  """``params_lo`` checked: None, or one int16 or int8 companion (or None) per leaf."""
   if params_lo is None:
     return None
   if not isinstance(params_lo, (list, tuple)):
-    raise TypeError(f"adam_update: params_lo must be None or a list with one uint16 array "
+    raise TypeError(f"adam_update: params_lo must be None or a list with one int16 or int8 array "
                     f"(or None) per leaf, got {type(params_lo).__name__}")
   if len(params_lo) != n:
     raise ValueError(f"adam_update: params_lo has {len(params_lo)} entries, grads has {n} leaves")

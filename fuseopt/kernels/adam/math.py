@@ -37,7 +37,6 @@ N_SEEDS = 4      # uint32s: the param, mu and nu seeds, then the leaf's global i
 SEED_BASE = 3    # (sharding: the shard's first element's global flat index)
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-COMPANION_DTYPE = mantissa.COMPANION_DTYPE   # the low half of a mantissa-tracked master
 
 # Per-element work of the kernels, for their cost estimates (XLA's cost
 # analysis, and a TPU's optimal_seconds, count a Pallas kernel only by what
@@ -121,8 +120,8 @@ def decayed_param(s, u, p32):
 
 
 def load_param(p, lo):
-  """The fp32 parameter: ``p`` widened, or with a uint16 companion ``lo``
-  the fp32 master ``join(p, lo)`` (:mod:`fuseopt.kernels.mantissa`)."""
+  """The fp32 parameter: ``p`` widened, or with a companion ``lo`` (int16 or
+  int8) the master ``join(p, lo)`` (:mod:`fuseopt.kernels.mantissa`)."""
   return p.astype(jnp.float32) if lo is None else mantissa.join(p, lo)
 
 
@@ -157,7 +156,7 @@ def store_outputs(out_refs, out, mu_new, nu_new, index, seed, *, tracked=False):
   written split (no rounding), bf16 moments rounded stochastically."""
   o_ref, mu_out, nu_out = out_refs[:3]
   if tracked:
-    o_ref[...], out_refs[3][...] = mantissa.split(out)
+    o_ref[...], out_refs[3][...] = mantissa.split(out, out_refs[3].dtype)
   else:
     o_ref[...] = store(out, o_ref.dtype, index, seed(0))
   mu_out[...] = store(mu_new, mu_out.dtype, index, seed(1))
@@ -182,7 +181,7 @@ def adam_cost(arrays, out_shape, *, n=None):
   """Adam's work per element (:data:`ADAM_FLOPS_PER_ELEMENT`, one square
   root) and its compulsory traffic: every stream read once, p, mu, nu
   (and a tracked parameter's companion) written once (20 B per parameter
-  for fp32 p/g with bf16 moments; 4 more with a uint16 companion, read and
+  for fp32 p/g with bf16 moments; 4 more with an int16 companion (2 with int8), read and
   written). ``n``: the elements updated (default: a third of the outputs')."""
   if n is None:
     n = sum(o.size for o in out_shape) // 3
@@ -308,17 +307,18 @@ def check_leaf(p, g, mu, nu):
 
 
 def check_companion(p, lo, name="params_lo"):
-  """A mantissa-tracked leaf: ``p`` bfloat16 and ``lo`` uint16 of its shape."""
+  """A mantissa-tracked leaf: ``p`` bfloat16 and ``lo`` a companion (int16:
+  an fp32 master; int8: a 24-bit one) of its shape."""
   if p is None:
     raise ValueError(f"adam_update: {name} needs params (the bf16 half of the fp32 master); "
                      f"the direction-only mode (params=None) has no parameter to track")
   lo = jnp.asarray(lo)
   if p.dtype != jnp.bfloat16:
-    raise TypeError(f"adam_update: {name} is the uint16 companion of bfloat16 params, but "
+    raise TypeError(f"adam_update: {name} is the companion of bfloat16 params, but "
                     f"params are {p.dtype}")
-  if lo.dtype != COMPANION_DTYPE:
-    raise TypeError(f"adam_update: {name} must be uint16 (the low 16 bits of the fp32 master), "
-                    f"got {lo.dtype}")
+  if lo.dtype not in mantissa.COMPANION_DTYPES:
+    raise TypeError(f"adam_update: {name} must be int16 (an fp32 master) or int8 (a 24-bit "
+                    f"master), got {lo.dtype}")
   if lo.shape != p.shape:
     raise ValueError(f"adam_update: {name} has shape {lo.shape}, expected the params' {p.shape}")
   return lo

@@ -122,7 +122,7 @@ def _leaf(scalar, seed, g_ref, mu_ref, nu_ref, o_ref, p_ref, *, main, block, nes
     index = sharding_lib.global_index(elementwise_tiling.mosaic_gpu_flat_index(start, size),
                                       index_map, seeds[adam_lib.SEED_BASE])
     if lo_ref is not None:
-      o_ref.at[rows][...], lo_ref.at[rows][...] = mantissa.split(out)
+      o_ref.at[rows][...], lo_ref.at[rows][...] = mantissa.split(out, lo_ref.dtype)
     else:
       o_ref.at[rows][...] = adam_lib.store(out, o_ref.dtype, index, seeds[0])
     mu_ref.at[rows][...] = adam_lib.store(mu_new, mu_ref.dtype, index, seeds[1])
@@ -191,7 +191,7 @@ def _tail(scalars, seeds, p, g, mu, nu, *, main, nesterov, out_dtype, index_map,
   local = jax.lax.iota(jnp.uint32, g.shape[0] - main) + jnp.uint32(main)
   index = lambda: sharding_lib.global_index(local, index_map, seeds[adam_lib.SEED_BASE])
   if lo is not None:
-    out, new_lo = mantissa.split(out)
+    out, new_lo = mantissa.split(out, lo.dtype)
   else:
     out, new_lo = adam_lib.store(out, out_dtype, index(), seeds[0]), None
   res = (out,

@@ -27,7 +27,7 @@ supports = dispatch.supports_every_call
 def update(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, order_for_in_place=False,
            index_map=None, lo=None):
   """One leaf in its own shape; ``p`` None: the direction. Returns ``(out, mu, nu)``,
-  and with ``lo`` (a bf16 ``p``'s uint16 companion) ``(out, mu, nu, lo)``:
+  and with ``lo`` (a bf16 ``p``'s int16 or int8 companion) ``(out, mu, nu, lo)``:
   the new fp32 master split, not rounded."""
   s = lambda k: scalars[k]
   apply = p is not None
@@ -44,7 +44,7 @@ def update(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, order_for_in_pl
   # direction, as the kernels do.
   if lo is not None:
     # One fp32 master for both halves (mantissa.split_once).
-    out, new_lo = mantissa.split_once(out)
+    out, new_lo = mantissa.split_once(out, lo.dtype)
   else:
     out, new_lo = store(out, out_dtype, idx(), seeds[0]), None
   if order_for_in_place:

@@ -254,7 +254,7 @@ def update_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config, interpre
 
   ``scalars``: ``(K, N_SCALARS)`` fp32 rows, ``seeds``: ``(K, N_SEEDS)``
   uint32 rows, one per leaf; ``ps`` is ``None`` for the direction-only mode;
-  ``los`` (every leaf tracked) their uint16 companions, or ``None``.
+  ``los`` (every leaf tracked) their companions (int16 or int8), or ``None``.
   Returns ``[(out, mu, nu)]`` (``[(out, mu, nu, lo)]`` with ``los``).
   """
   from jax.experimental.pallas import triton as plgpu
