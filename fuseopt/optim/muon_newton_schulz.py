@@ -11,7 +11,7 @@ import numpy as np
 
 from fuseopt import kernels
 from fuseopt.optim import _checks
-from fuseopt.optim import adam_transforms
+from fuseopt.optim.dtypes import KERNEL_DTYPES
 
 
 # Most matrix elements per Newton-Schulz call (see scale_by_muon), by the
@@ -86,7 +86,7 @@ def _optax_newton_schulz(x, table, preconditioning, eps):
 def newton_schulz_stack(x, *, coeffs, steps, ns_dtype, eps, preconditioning, gram, implementation, interpret,
                         ns_matmul="xla"):
   """Newton-Schulz on a ``(batch, rows, cols)`` array."""
-  if preconditioning == "frobenius" and jnp.dtype(x.dtype) in adam_transforms.KERNEL_DTYPES:
+  if preconditioning == "frobenius" and jnp.dtype(x.dtype) in KERNEL_DTYPES:
     config = None if ns_matmul == "xla" else kernels.TiledConfig(matmul=ns_matmul)
     return kernels.newton_schulz(x, coeffs=coeffs, steps=steps, ns_dtype=ns_dtype, eps=eps,
                                  gram=gram, implementation=implementation, interpret=interpret,
@@ -97,7 +97,7 @@ def newton_schulz_stack(x, *, coeffs, steps, ns_dtype, eps, preconditioning, gra
   if isinstance(coeffs, str):
     raise ValueError(f"muon: preconditioning={preconditioning!r} and {x.dtype} matrices need a "
                      f"numeric coefficient table, got coeffs={coeffs!r}")
-  if jnp.dtype(x.dtype) in adam_transforms.KERNEL_DTYPES:
+  if jnp.dtype(x.dtype) in KERNEL_DTYPES:
     x = x.astype(ns_dtype)
   table = jnp.asarray(coeffs)
   return jax.vmap(lambda m: _optax_newton_schulz(m, table, preconditioning, eps))(x)

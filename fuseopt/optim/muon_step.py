@@ -18,9 +18,9 @@ from fuseopt import kernels
 from fuseopt.kernels import counter_hash
 from fuseopt.kernels import fp_contract
 from fuseopt.kernels.newton_schulz import layout as ns_layout
-from fuseopt.optim import adam_transforms
 from fuseopt.optim import groups as groups_lib
 from fuseopt.optim import mantissa
+from fuseopt.optim.dtypes import KERNEL_DTYPES
 from fuseopt.optim import matrix_views
 from fuseopt.optim.matrix_views import (DIMENSION_NUMBER_TYPES, Experts, MatrixViews,
                                        MuonDimensionNumbers, unwrap_experts)
@@ -218,7 +218,7 @@ class _MuonStep:
     a = None if e is None else _active(g, e)
     # fp32 math for fp32/bf16 (bf16 momentum is stored stochastically
     # rounded); other dtypes keep optax's arithmetic in their own dtype.
-    wide = (jnp.float32 if {jnp.result_type(g), jnp.result_type(m)} <= set(adam_transforms.KERNEL_DTYPES)
+    wide = (jnp.float32 if {jnp.result_type(g), jnp.result_type(m)} <= set(KERNEL_DTYPES)
             else jnp.promote_types(jnp.result_type(g), jnp.result_type(m)))
     g32, m32 = g.astype(wide), m.astype(wide)
     # Every product that meets an add is rounded first (fp_contract): the

@@ -185,7 +185,7 @@ def _direction_transform(args, piece=None) -> optax.GradientTransformation:
                      f"got {ns_steps!r}")
   kernel_coeffs, kernel_steps, state_coeffs = ns_coefficients.muon_coefficients(
       args["ns_coeffs"], ns_steps)
-  mu_dtype = adam_transforms._optax_dtype(args["mu_dtype"])
+  mu_dtype = _checks.canonical_mu_dtype("scale_by_muon", args["mu_dtype"])
   ns = _checks.as_record("scale_by_muon", "newton_schulz", args["newton_schulz"], NewtonSchulz)
   execution = _checks.as_record("scale_by_muon", "execution", args["execution"], Execution)
   dims = args["weight_dimension_numbers"]
