@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 from typing import Any, Optional, Protocol
 
-import jax
 import jax.numpy as jnp
 
 from fuseopt.kernels import fp_contract

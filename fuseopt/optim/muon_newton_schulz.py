@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from fuseopt import kernels
 from fuseopt.kernels import sharding as kernel_sharding

@@ -156,44 +156,56 @@ def run(direction: Direction, updates, state, *, store=None, shardings=None, gra
           direction.shardings if shardings is None else shardings, state.mu,
           owner="scale_by_muon", strict=True),
       max_elements=direction.ns_max_elements, matrices_only=direction.matrices_only)
-  m_old = treedef.flatten_up_to(state.mu)
   piece = direction.piece
-  piece_old = None if piece is None else treedef.flatten_up_to(getattr(state, piece.state_field))
-  piece_new = None if piece is None else list(piece_old)
-  correction = muon_momentum.bias_correction(direction.beta, state.count)
-  batched_ns = muon_newton_schulz.replicated(direction.ns)
-
-  n = len(g_leaves)
-  mu_new, out = [None] * n, [None] * n
-  moved, held, cut, parts, results, done = {}, {}, {}, {}, {}, []
-
-  def join(finishing):
-    """The results of the ``finishing`` leaves' pieces, each joined from
-    the calls it took part in."""
-    for key in [key for key in parts if key[0] in finishing]:
-      results[key] = muon_newton_schulz.concat(parts.pop(key))
-
-  def cut_ns_input(i):
-    """A batched leaf's NS input cut into its matrix families."""
-    leaf = plan.leaves[i]
-    if leaf.placement == muon_plan.BATCHED:
-      cut[i] = matrix_views.split(moved[i].ns_input, leaf.cut, leaf.path)
-
+  walk = _Walk(direction, plan, g_leaves, treedef.flatten_up_to(state.mu), p_leaves,
+               None if piece is None else treedef.flatten_up_to(getattr(state, piece.state_field)),
+               muon_momentum.bias_correction(direction.beta, state.count), grad_fn, store)
   for rnd in rounds(plan, sequenced):
-    inputs = [(g_leaves[i], m_old[i], p_leaves[i]) for i in rnd.starting]
+    walk.start(rnd)
+    walk.call(rnd)
+    walk.finish(rnd)
+  new_state = state._replace(count=walk.correction.count, mu=treedef.unflatten(walk.mu))
+  if piece is not None:
+    new_state = new_state._replace(**{piece.state_field: treedef.unflatten(walk.piece_state)})
+  return walk.out, treedef, new_state
+
+
+class _Walk:
+  """The values in flight through :func:`run`'s rounds: each leaf's momentum
+  pass (:class:`~fuseopt.optim.muon_momentum.Moved`), its NS input cut into
+  matrices, the calls' results, and what is finished (``out``: updates or new
+  parameters; ``mu`` and ``piece_state``: the new state's leaves)."""
+
+  def __init__(self, direction, plan, g_leaves, m_old, p_leaves, piece_old, correction, grad_fn,
+               store):
+    self.direction, self.plan, self.correction = direction, plan, correction
+    self.g_leaves, self.m_old, self.p_leaves, self.piece_old = g_leaves, m_old, p_leaves, piece_old
+    self.grad_fn, self.store = grad_fn, store
+    self.batched_ns = muon_newton_schulz.replicated(direction.ns)
+    n = len(g_leaves)
+    self.out, self.mu = [None] * n, [None] * n
+    self.piece_state = None if piece_old is None else list(piece_old)
+    self.moved, self.held, self.cut, self.parts, self.results = {}, {}, {}, {}, {}
+    self.done = []   # the leaves the previous round's calls finished
+
+  def start(self, rnd: Round):
+    """The momentum pass of the round's starting leaves, their NS inputs cut."""
+    inputs = [(self.g_leaves[i], self.m_old[i], self.p_leaves[i]) for i in rnd.starting]
     if rnd.fenced:
       # Whatever the compiler makes of the inputs (a TPU re-lays out a tall
       # matrix for its transposed NS input) is made within the round; the
       # finished parameters are taken from the barrier too, or the compiler
       # drops that half.
-      inputs, finished = jax.lax.optimization_barrier((inputs, [out[i] for i in done]))
-      for i, p in zip(done, finished):
-        out[i] = p
+      inputs, finished = jax.lax.optimization_barrier(
+          (inputs, [self.out[i] for i in self.done]))
+      for i, p in zip(self.done, finished):
+        self.out[i] = p
+    direction = self.direction
     for i, (g, m, p) in zip(rnd.starting, inputs):
-      leaf = plan.leaves[i]
+      leaf = self.plan.leaves[i]
       mv = muon_momentum.momentum(
-          g if grad_fn is None else grad_fn(g), m, beta=direction.beta,
-          nesterov=direction.nesterov, correction=correction, leaf_index=i,
+          g if self.grad_fn is None else self.grad_fn(g), m, beta=direction.beta,
+          nesterov=direction.nesterov, correction=self.correction, leaf_index=i,
           ns_dtype=leaf.ns_dtype, experts=leaf.experts)
       if rnd.pinned:
         # The NS input materialised in the leaf's layout, in the pass that
@@ -202,47 +214,60 @@ def run(direction: Direction, updates, state, *, store=None, shardings=None, gra
         # old momentum cost a copy of it (docs/fused_step.md).
         stored, h = jax.lax.optimization_barrier((mv.stored, mv.ns_input))
         mv = mv._replace(stored=stored, ns_input=h)
-      moved[i], held[i], mu_new[i] = mv, p, mv.stored
+      self.moved[i], self.held[i], self.mu[i] = mv, p, mv.stored
       if rnd.pinned:
-        cut_ns_input(i)
+        self._cut(i)
     if not rnd.pinned:
       # (unpinned, the inputs are cut after every pass of the round: the
       # order update's program has always had)
       for i in rnd.starting:
-        cut_ns_input(i)
+        self._cut(i)
+
+  def _cut(self, i):
+    leaf = self.plan.leaves[i]
+    if leaf.placement == muon_plan.BATCHED:
+      self.cut[i] = matrix_views.split(self.moved[i].ns_input, leaf.cut, leaf.path)
+
+  def call(self, rnd: Round):
+    """The round's Newton-Schulz calls, where the plan placed them."""
     for k in rnd.calls:
-      call = plan.calls[k]
-      ns_input = (lambda i, j: moved[i].ns_input) if call.across_mesh else (
-          lambda i, j: cut[i][0][j].matrix)
-      for key, y in muon_newton_schulz.run_call(
-          plan, call, direction.ns if call.across_mesh else batched_ns, ns_input):
-        parts.setdefault(key, []).append(y)
+      call = self.plan.calls[k]
+      if call.across_mesh:
+        ns, ns_input = self.direction.ns, lambda i, j: self.moved[i].ns_input
+      else:
+        ns, ns_input = self.batched_ns, lambda i, j: self.cut[i][0][j].matrix
+      for key, y in muon_newton_schulz.run_call(self.plan, call, ns, ns_input):
+        self.parts.setdefault(key, []).append(y)
+
+  def _join(self, finishing):
+    """The ``finishing`` leaves' results, each piece's joined from its calls."""
+    for key in [key for key in self.parts if key[0] in finishing]:
+      self.results[key] = muon_newton_schulz.concat(self.parts.pop(key))
+
+  def finish(self, rnd: Round):
+    """The round's finishing leaves: the finish arithmetic, then the store."""
     if not rnd.pinned:
-      join(set(rnd.finishing))
+      self._join(set(rnd.finishing))
+    direction, store = self.direction, self.store
     for i in rnd.finishing:
-      leaf, mv = plan.leaves[i], moved[i]
+      leaf, mv = self.plan.leaves[i], self.moved[i]
       if leaf.cut is None:
-        out[i] = mv.ns_input if store is None else store(i, mv.ns_input, held[i], leaf)
+        self.out[i] = mv.ns_input if store is None else store(i, mv.ns_input, self.held[i], leaf)
         continue
       if rnd.pinned:
-        join({i})
+        self._join({i})
       u, new = muon_finish.finish(
-          _result(leaf, mv, cut.get(i), results, i), dtype=leaf.out_dtype,
+          _result(leaf, mv, self.cut.get(i), self.results, i), dtype=leaf.out_dtype,
           active=mv.active, adaptive=direction.adaptive, shape_scaling=direction.shape_scaling,
-          consistent_rms=direction.consistent_rms, piece=piece,
-          piece_state=None if piece is None else piece_old[i], count=correction.count,
-          leaf_index=i)
-      if piece is not None:
-        piece_new[i] = new
-      out[i] = muon_store.in_leaf_layout(u if store is None else store(i, u, held[i], leaf),
-                                         plan.platform)
+          consistent_rms=direction.consistent_rms, piece=direction.piece,
+          piece_state=None if self.piece_old is None else self.piece_old[i],
+          count=self.correction.count, leaf_index=i)
+      if self.piece_state is not None:
+        self.piece_state[i] = new
+      self.out[i] = muon_store.in_leaf_layout(
+          u if store is None else store(i, u, self.held[i], leaf), self.plan.platform)
     if rnd.calls:
-      done = list(rnd.finishing)
-
-  new_state = state._replace(count=correction.count, mu=treedef.unflatten(mu_new))
-  if piece is not None:
-    new_state = new_state._replace(**{piece.state_field: treedef.unflatten(piece_new)})
-  return out, treedef, new_state
+      self.done = list(rnd.finishing)
 
 
 def _result(leaf, mv, cut, results, i):

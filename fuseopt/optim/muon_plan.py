@@ -306,7 +306,8 @@ def plan(declared, leaves, paths, *, out_dtypes, ns_input_dtype, shardings, max_
   if mesh_plan is not None:
     leaf_of = {k: i for i, k in slots.items()}
     for members in mesh_plan.rounds():
-      for i in (called := tuple(leaf_of[k] for k in members)):
+      called = tuple(leaf_of[k] for k in members)
+      for i in called:
         first[i] = last[i] = len(calls)
       calls.append(NSCall(ALL_TO_ALL, called, slots=tuple(members)))
   families: dict[tuple, list[tuple[int, int, int]]] = {}

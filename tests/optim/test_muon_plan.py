@@ -6,7 +6,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
