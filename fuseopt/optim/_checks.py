@@ -193,6 +193,15 @@ def check_mu_dtype(owner: str, value):
   return value
 
 
+def canonical_mu_dtype(owner: str, value):
+  """``mu_dtype`` as optax reads it: :func:`check_mu_dtype`'s floating dtype,
+  canonical for the x64 setting (``float64`` is ``float32`` without x64), or
+  None. The one reading of optax's ``mu_dtype``, for Adam's moments and
+  Muon's momentum alike."""
+  dtype = check_mu_dtype(owner, value)
+  return None if dtype is None else jax.dtypes.canonicalize_dtype(dtype)
+
+
 def check_state(owner: str, tx, state, params) -> None:
   """Raises a ``ValueError`` naming the first difference between ``state``
   and what ``tx.init(params)`` builds (its tree structure, then each leaf's

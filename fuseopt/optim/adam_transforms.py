@@ -33,6 +33,7 @@ from fuseopt import kernels
 from fuseopt.kernels import sharding as kernel_sharding
 from fuseopt.kernels.adam import quantized
 from fuseopt.optim import _checks
+from fuseopt.optim.dtypes import KERNEL_DTYPES
 from fuseopt.optim import fusion
 from fuseopt.optim.execution import Execution
 from fuseopt.optim import learning_rate as learning_rate_lib
@@ -66,12 +67,6 @@ class FusedAdamTransformation(fusion.FusedTransformation):
   inspection; :func:`fuseopt.optim.step` runs the fused kernel through its
   in-place rule (``fuseopt_in_place``), not through this attribute.
   """
-
-
-# The dtypes the Adam kernel reads and writes; a leaf whose gradient or moments
-# have another dtype (float16, float64 under x64, complex, integer) runs
-# optax's own expressions in its own dtypes instead (see _optax_adam).
-KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 # ``moment_dtype="int8"``: both moments in 8 bits (fuseopt.kernels.adam.quantized).
@@ -144,16 +139,6 @@ def _int8_moments(params):
     mu.append(jnp.zeros(shape, moment))
     nu.append(jnp.zeros(shape, moment))
   return treedef.unflatten(mu), treedef.unflatten(nu), fallback
-
-
-def _optax_dtype(dtype, owner="scale_by_muon"):
-  """``mu_dtype`` as optax reads it: a floating dtype, canonical for the x64
-  setting (an integer one is refused, :func:`fuseopt.optim._checks.check_mu_dtype`).
-  ``owner`` names the caller in the error: Muon's direction, which reads its
-  ``mu_dtype`` here, for :func:`~fuseopt.optim.muon`, ``normuon`` and
-  ``muonclip`` alike, passes none."""
-  dtype = _checks.check_mu_dtype(owner, dtype)
-  return None if dtype is None else jax.dtypes.canonicalize_dtype(dtype)
 
 
 def _moment_dtypes(param, mu_dtype, nu_dtype):
@@ -266,7 +251,7 @@ def _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, nu_dtype, seed,
   format as :func:`fuseopt.optim._checks.moment_format` returns it, read once
   by the public function), its errors at ``update`` naming ``owner`` (the
   function the user called: ``adam``, ``adamw``)."""
-  mu_dtype = _optax_dtype(mu_dtype, owner)
+  mu_dtype = _checks.canonical_mu_dtype(owner, mu_dtype)
   seed = 0 if seed is None else seed
   warned = []
 
@@ -450,7 +435,7 @@ def adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9
       learning_rate_lib.scale_by_learning_rate(learning_rate))
   return _fused(chain, AdamHyperparams(
       learning_rate, b1, b2, eps, eps_root, None, None, nesterov,
-      _optax_dtype(mu_dtype, "adam") or nu_dtype, nu_dtype, 0 if seed is None else seed,
+      _checks.canonical_mu_dtype("adam", mu_dtype) or nu_dtype, nu_dtype, 0 if seed is None else seed,
       execution))
 
 
@@ -495,5 +480,5 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
       learning_rate_lib.scale_by_learning_rate(learning_rate))
   return _fused(chain, AdamHyperparams(
       learning_rate, b1, b2, eps, eps_root, weight_decay, mask, nesterov,
-      _optax_dtype(mu_dtype, "adamw") or nu_dtype, nu_dtype, 0 if seed is None else seed,
+      _checks.canonical_mu_dtype("adamw", mu_dtype) or nu_dtype, nu_dtype, 0 if seed is None else seed,
       execution, cautious), decay_at=1, lr_at=2)

@@ -198,3 +198,12 @@ def unwrap_experts(spec):
 def base_dimension_numbers(spec):
   """The dimension numbers under a spec (views or not)."""
   return spec.dimension_numbers if isinstance(spec, MatrixViews) else spec
+
+
+def active(x: jax.Array, spec) -> jax.Array:
+  """For each matrix of ``x`` (each index of its batch axes under ``spec``),
+  True where its entries are not all zero; the matrix axes kept at size 1.
+  On a gradient: the experts of an :class:`Experts` leaf that a token
+  reached this step; on an update: those that moved."""
+  red, out = normalize_dimension_numbers(base_dimension_numbers(spec), (1,) * x.ndim)
+  return jnp.any(x != 0, axis=red + out, keepdims=True)

@@ -1,46 +1,37 @@
-"""How Muon orthogonalises one ``(batch, rows, cols)`` stack: the platform's
-default call size, the kernel, and optax's iteration for what the kernel
-does not cover (the coefficients come resolved from
-:func:`fuseopt.kernels.newton_schulz.coefficients.muon_coefficients`)."""
+"""The Newton-Schulz stage of Muon's step: a plan's calls run, and the
+iteration on one ``(batch, rows, cols)`` stack.
+
+:func:`run_call` runs one call of a :class:`~fuseopt.optim.muon_plan.MuonPlan`
+where the plan placed it: a batched call joins its ranges of same-shaped
+matrices along the batch (the one batching loop) and cuts the result back;
+an all-to-all call hands its leaves to the plan's distributed placement.
+:func:`newton_schulz_stack` is the iteration itself: the kernel, and optax's
+iteration for what the kernel does not cover (the coefficients come
+resolved from :func:`fuseopt.kernels.newton_schulz.coefficients.muon_coefficients`).
+"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from fuseopt import kernels
+from fuseopt.kernels import sharding as kernel_sharding
 from fuseopt.optim import _checks
-from fuseopt.optim import adam_transforms
+from fuseopt.optim.dtypes import KERNEL_DTYPES
 
 
-# Most matrix elements per Newton-Schulz call (see scale_by_muon), by the
-# platform the step runs on. The fused step holds one call's working set.
-# GPU and TPU: 2^23 (8 Mi elements, 16 MiB of bf16 input: two 2048 x 2048
-# matrices a call; a 2048 x 8192 matrix, larger, runs alone, one a device a
-# round when sharded). Temporaries of the 1.2 B tree's hybrid step
-# (docs/fused_step.md): H200 0.16 GiB, 8 x H200 0.13 GiB a device; v6e
-# 0.07 GiB, 8 x v5e 0.06 GiB a device. A TPU at 2^25 held 0.97 GiB on a
-# v6e and 0.71 GiB a device on 8 x v5e (two 2048 x 8192 matrices a device:
-# four fp32 products of the NS live at once); smaller calls on a TPU need
-# the new parameter's layout pinned (_MuonStep.in_leaf_layout).
-# Elsewhere (the CPU) 2^25.
-DEFAULT_NS_MAX_ELEMENTS = {"gpu": 1 << 23, "cuda": 1 << 23, "rocm": 1 << 23, "tpu": 1 << 23}
-DEFAULT_NS_MAX_ELEMENTS_ELSEWHERE = 1 << 25
+__all__ = ["NS_STEPS", "PRECONDITIONINGS", "concat", "newton_schulz_stack", "optax_newton_schulz",
+           "replicated", "run_call"]
 
-
-def default_ns_max_elements(platform: str) -> int:
-  """The default ``ns_max_elements`` for a step running on ``platform``."""
-  return DEFAULT_NS_MAX_ELEMENTS.get(platform, DEFAULT_NS_MAX_ELEMENTS_ELSEWHERE)
-
-
-_PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten")
+# optax's preconditionings of the iteration; the kernels take "frobenius".
+PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten")
 # The default of ns_steps (5, optax's): not an int, so that
 # optax.inject_hyperparams leaves it static (see _checks.StaticDefault).
-_NS_STEPS = _checks.StaticDefault(5)
+NS_STEPS = _checks.StaticDefault(5)
 
 
-def _optax_newton_schulz(x, table, preconditioning, eps):
+def optax_newton_schulz(x, table, preconditioning, eps):
   """optax.contrib's Newton-Schulz iteration on one ``(rows, cols)`` matrix,
   in ``x``'s dtype (Jordan 2024; AOL preconditioning: Boissin et al. 2025,
   arXiv 2512.04632; Schatten-4 rescaling: Grishina et al. 2025, arXiv
@@ -86,7 +77,7 @@ def _optax_newton_schulz(x, table, preconditioning, eps):
 def newton_schulz_stack(x, *, coeffs, steps, ns_dtype, eps, preconditioning, gram, implementation, interpret,
                         ns_matmul="xla"):
   """Newton-Schulz on a ``(batch, rows, cols)`` array."""
-  if preconditioning == "frobenius" and jnp.dtype(x.dtype) in adam_transforms.KERNEL_DTYPES:
+  if preconditioning == "frobenius" and jnp.dtype(x.dtype) in KERNEL_DTYPES:
     config = None if ns_matmul == "xla" else kernels.TiledConfig(matmul=ns_matmul)
     return kernels.newton_schulz(x, coeffs=coeffs, steps=steps, ns_dtype=ns_dtype, eps=eps,
                                  gram=gram, implementation=implementation, interpret=interpret,
@@ -97,7 +88,63 @@ def newton_schulz_stack(x, *, coeffs, steps, ns_dtype, eps, preconditioning, gra
   if isinstance(coeffs, str):
     raise ValueError(f"muon: preconditioning={preconditioning!r} and {x.dtype} matrices need a "
                      f"numeric coefficient table, got coeffs={coeffs!r}")
-  if jnp.dtype(x.dtype) in adam_transforms.KERNEL_DTYPES:
+  if jnp.dtype(x.dtype) in KERNEL_DTYPES:
     x = x.astype(ns_dtype)
   table = jnp.asarray(coeffs)
-  return jax.vmap(lambda m: _optax_newton_schulz(m, table, preconditioning, eps))(x)
+  return jax.vmap(lambda m: optax_newton_schulz(m, table, preconditioning, eps))(x)
+
+
+def run_call(plan, call, ns, ns_input):
+  """One Newton-Schulz call of ``plan`` (a :class:`~fuseopt.optim.muon_plan.MuonPlan`),
+  run where the plan placed it; returns ``[((leaf, piece), result)]``.
+
+  ``ns`` orthogonalises a ``(batch, rows, cols)`` stack (a batched call
+  passes it through :func:`replicated`); ``ns_input(leaf, piece)`` is that
+  piece's matrices for a batched call, the leaf's whole Newton-Schulz input
+  for an all-to-all call (whose results are in the leaf's layout, ``piece``
+  0). A result is what ``ns`` returns: an array, or a tuple of arrays with
+  the batch first (NorMuon's column sums beside it).
+  """
+  if call.across_mesh:
+    ys = plan.all_to_all.run([ns_input(i, 0) for i in call.leaves], ns, call.slots)
+    return [((i, 0), y) for i, y in zip(call.leaves, ys)]
+  xs = []
+  for k, a, b in call.ranges:
+    i, j, batch = call.family[k]
+    x = ns_input(i, j)
+    xs.append(x if (a, b) == (0, batch) else jax.lax.slice_in_dim(x, a, b))
+  y = ns(xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=0))
+  out, offset = [], 0
+  for k, a, b in call.ranges:
+    i, j, _ = call.family[k]
+    out.append(((i, j), y if len(call.ranges) == 1 else _slice(y, offset, offset + b - a)))
+    offset += b - a
+  return out
+
+
+def _slice(y, a, b):
+  """Batch rows ``[a, b)`` of a call's result (or of each array of it)."""
+  return jax.tree.map(lambda t: jax.lax.slice_in_dim(t, a, b), y)
+
+
+def concat(parts):
+  """A piece's results from several calls joined along the batch."""
+  if len(parts) == 1:
+    return parts[0]
+  return jax.tree.map(lambda *t: jnp.concatenate(t, axis=0), *parts)
+
+
+def replicated(ns):
+  """``ns`` for a stack that may live on a multi-device mesh: gathered, then
+  run whole on every device (a batched call of leaves the all-to-all does not
+  take; a Pallas kernel must never see a sharded operand)."""
+  def run(x):
+    where = kernel_sharding.placement_of(x)
+    if not isinstance(where, kernel_sharding.Placement):
+      return ns(x)
+    whole = kernel_sharding.Placement(where.mesh, jax.sharding.PartitionSpec(*[None] * x.ndim))
+    out_specs = jax.tree.map(lambda t: jax.sharding.PartitionSpec(*[None] * t.ndim),
+                             jax.eval_shape(ns, x))
+    return kernel_sharding.shard_local(ns, where.mesh, whole.spec, out_specs)(
+        kernel_sharding.to_spec(x, whole))
+  return run

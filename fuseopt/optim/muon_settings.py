@@ -42,7 +42,7 @@ class NewtonSchulz:
       (:func:`fuseopt.kernels.newton_schulz`): ``"auto"`` on a GPU, ``False``
       (optax's iteration) on a TPU and the CPU.
     max_elements: the most matrix elements one NS call takes (``None``: the
-      platform's default, :func:`~fuseopt.optim.muon_newton_schulz.default_ns_max_elements`:
+      platform's default, :func:`~fuseopt.optim.muon_plan.default_ns_max_elements`:
       2^23 = 16 MiB of bf16 input on a GPU or a TPU, 2^25 on the CPU).
       Same-shaped matrices beyond it go into several calls, each still
       batched (never one lone matrix of a larger family); in

@@ -37,12 +37,13 @@ its AdamW leaves go through the fused Adam kernel.
 The rooms: this module holds the public transforms, the in-place rule and
 the Muon family's one signature (:func:`bind_arguments`,
 :func:`variant_signature`: NorMuon and MuonClip take muon's arguments through
-it); :mod:`fuseopt.optim.muon_settings` the two settings records;
-:mod:`fuseopt.optim.muon_step` a leaf's way through one update (momentum ->
-Newton-Schulz input, result -> update); :mod:`fuseopt.optim.muon_calls` the
-planning and order of the Newton-Schulz calls; and
-:mod:`fuseopt.optim.muon_newton_schulz` the iteration on one stack (the
-platform's call size, optax's iteration).
+it, and :func:`muon_direction`, :func:`direction_transform` and
+:func:`build_muon` build them); :mod:`fuseopt.optim.muon_settings` the
+Newton-Schulz record; :mod:`fuseopt.optim.muon_pipeline` the step, one loop
+over its stages: :mod:`~fuseopt.optim.muon_plan` (each leaf's spec,
+placement and calls, decided once), :mod:`~fuseopt.optim.muon_momentum`,
+:mod:`~fuseopt.optim.muon_newton_schulz` (the calls and the iteration),
+:mod:`~fuseopt.optim.muon_finish` and :mod:`~fuseopt.optim.muon_store`.
 """
 
 # No `from __future__ import annotations`: optax's tests (and tools) read
@@ -65,18 +66,20 @@ from fuseopt.optim import adam_transforms
 from fuseopt.optim import fusion
 from fuseopt.optim import learning_rate as learning_rate_lib
 from fuseopt.optim import mantissa
+from fuseopt.optim import matrix_views
 from fuseopt.optim import muon_axes
+from fuseopt.optim import muon_pipeline
+from fuseopt.optim import muon_plan
+from fuseopt.optim import muon_store
 from fuseopt.optim import weight_decay as weight_decay_lib
 from fuseopt.optim.matrix_views import Experts, MatrixViews, MuonDimensionNumbers
-from fuseopt.optim.muon_calls import _direction
-from fuseopt.optim.muon_newton_schulz import _NS_STEPS, _PRECONDITIONINGS, newton_schulz_stack
+from fuseopt.optim.muon_newton_schulz import NS_STEPS, PRECONDITIONINGS, newton_schulz_stack
 from fuseopt.optim.execution import Execution
 from fuseopt.optim.muon_settings import NewtonSchulz
-from fuseopt.optim.muon_step import (_MuonConfig, _active, _broadcast_specs, _expert_specs,
-                                     _is_spec, _is_spec_or_none, _store)
 
 __all__ = ["Execution", "Experts", "MuonDimensionNumbers", "MatrixViews", "MuonState", "NewtonSchulz",
-           "scale_by_muon", "muon"]
+           "bind_arguments", "build_muon", "direction_transform", "muon", "muon_direction",
+           "scale_by_muon", "variant_signature"]
 
 
 # The state of scale_by_muon is optax's own class, with optax's fields:
@@ -88,7 +91,7 @@ MuonState = optax.contrib.MuonState
 
 def scale_by_muon(
     ns_coeffs=ns_coefficients.JORDAN,
-    ns_steps: int = _NS_STEPS,
+    ns_steps: int = NS_STEPS,
     beta: float = 0.95,
     eps: float = 1e-8,
     mu_dtype: Optional[Any] = None,
@@ -153,17 +156,20 @@ def scale_by_muon(
   sizes the kernel); a number passed for ``ns_steps`` is injected, and
   refused under ``jit`` unless listed in ``static_args``.
   """
-  return _direction_transform(dict(locals()))
+  return direction_transform(muon_direction(dict(locals())))
 
 
-def _direction_transform(args, piece=None) -> optax.GradientTransformation:
-  """:func:`scale_by_muon` of ``args`` (its arguments by name), with
-  ``piece`` (:class:`fuseopt.optim.muon_step.UpdatePiece`, e.g. NorMuon's)
-  acting on the orthogonalised update."""
+def muon_direction(args, piece=None) -> muon_pipeline.Direction:
+  """:func:`scale_by_muon`'s arguments (by name), checked, as the value the
+  pipeline runs (:class:`fuseopt.optim.muon_pipeline.Direction`), with
+  ``piece`` (an :class:`~fuseopt.optim.muon_finish.UpdatePiece`, e.g.
+  NorMuon's) acting on the orthogonalised update. ``weight_dimension_numbers``
+  may be a :class:`~fuseopt.optim.muon_plan.SpecReader` already (:func:`muon`'s,
+  shared with its labels)."""
   preconditioning, beta, eps = args["preconditioning"], args["beta"], args["eps"]
-  if preconditioning not in _PRECONDITIONINGS:
+  if preconditioning not in PRECONDITIONINGS:
     raise ValueError(f"scale_by_muon: unknown preconditioning {preconditioning!r}; "
-                     f"expected one of {_PRECONDITIONINGS}")
+                     f"expected one of {PRECONDITIONINGS}")
   # beta = 1 makes the bias corrections 1 - beta**t zero (NaN updates);
   # ns_steps=2.5 would be truncated to 2 by int().
   _checks.check_decay("scale_by_muon", "beta", beta)
@@ -185,18 +191,12 @@ def _direction_transform(args, piece=None) -> optax.GradientTransformation:
                      f"got {ns_steps!r}")
   kernel_coeffs, kernel_steps, state_coeffs = ns_coefficients.muon_coefficients(
       args["ns_coeffs"], ns_steps)
-  mu_dtype = adam_transforms._optax_dtype(args["mu_dtype"])
+  mu_dtype = _checks.canonical_mu_dtype("scale_by_muon", args["mu_dtype"])
   ns = _checks.as_record("scale_by_muon", "newton_schulz", args["newton_schulz"], NewtonSchulz)
   execution = _checks.as_record("scale_by_muon", "execution", args["execution"], Execution)
   dims = args["weight_dimension_numbers"]
-
-  def init_fn(params):
-    count = jnp.zeros([], jnp.int32)
-    mu = optax.tree.zeros_like(params, dtype=mu_dtype)
-    # optax keeps its ns_coeffs argument as given ((3,) or (steps, 3)).
-    if piece is not None:
-      return piece.init_state(count, mu, jnp.asarray(state_coeffs), dims, params)
-    return MuonState(count=count, mu=mu, ns_coeffs=jnp.asarray(state_coeffs))
+  specs = (dims if isinstance(dims, muon_plan.SpecReader) else
+           muon_plan.SpecReader(functools.partial(muon_plan.declared_specs, dims)))
 
   # The fused step's NS input in the record's dtype (half the bytes in
   # bf16), straight from the momentum pass; optax's other preconditionings
@@ -210,37 +210,51 @@ def _direction_transform(args, piece=None) -> optax.GradientTransformation:
       newton_schulz_stack, coeffs=kernel_coeffs, steps=kernel_steps, ns_dtype=ns.dtype, eps=eps,
       preconditioning=preconditioning, gram=ns.gram, implementation=execution.implementation,
       interpret=execution.interpret, ns_matmul=ns.matmul)
-  config = _MuonConfig(
-      weight_dimension_numbers=dims, beta=beta, nesterov=args["nesterov"],
+  return muon_pipeline.Direction(
+      specs=specs, matrices_only=dims is None, beta=beta, nesterov=args["nesterov"],
       adaptive=args["adaptive"], shape_scaling=args["shape_scaling"],
-      consistent_rms=args["consistent_rms"],
-      ns_max_elements=ns.max_elements, shardings=execution.shardings,
+      consistent_rms=args["consistent_rms"], ns_max_elements=ns.max_elements,
+      shardings=execution.shardings,
       # Jitted: a step's NS calls of one shape (a model's layers repeat a
       # handful) are traced and lowered once, and their kernels compiled once.
       ns=jax.jit(ns_stack if piece is None else piece.wrap_ns(ns_stack)),
+      fused_ns_input_dtype=fused_ns_input, mu_dtype=mu_dtype, state_coeffs=state_coeffs,
       piece=piece)
-  direction = functools.partial(_direction, config)
+
+
+def direction_transform(direction: muon_pipeline.Direction) -> optax.GradientTransformation:
+  """The optax transformation of ``direction`` (:func:`muon_direction`): its
+  state (optax's :class:`MuonState`, or the piece's) and its update, the
+  pipeline without a store. The fused step runs the same pipeline through
+  :func:`muon`'s rule, from the same value."""
+  piece = direction.piece
+
+  def init_fn(params):
+    count = jnp.zeros([], jnp.int32)
+    mu = optax.tree.zeros_like(params, dtype=direction.mu_dtype)
+    # optax keeps its ns_coeffs argument as given ((3,) or (steps, 3)).
+    if piece is not None:
+      return piece.init_state(count, mu, jnp.asarray(direction.state_coeffs), params,
+                              muon_plan.cuts(direction.specs(params)))
+    return MuonState(count=count, mu=mu, ns_coeffs=jnp.asarray(direction.state_coeffs))
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    out, treedef, new_state = direction(updates, state)
+    out, treedef, new_state = muon_pipeline.run(direction, updates, state)
     return treedef.unflatten(out), new_state
 
-  tx = fusion.FusedTransformation(init_fn, update_fn)
-  # Not a rule (the direction alone moves no parameter): what muon()'s rule calls.
-  tx.fuseopt_muon_direction = functools.partial(direction, ns_input_dtype=fused_ns_input)
-  return tx
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _add_decayed_weights(weight_decay, weight_decay_mask, dims_fn,
+def _add_decayed_weights(weight_decay, weight_decay_mask, specs: muon_plan.SpecReader,
                          cautious: bool) -> optax.GradientTransformation:
   """Muon's decay, ``u + wd * p``: :func:`fuseopt.optim.weight_decay.add_decayed_weights`
   (optax's state, the product rounded before its add) gated off the frozen
   matrices of leaves declared :class:`~fuseopt.optim.Experts` (known at the
   update: the specs may come from a callable)."""
   def gate(updates):
-    experts = _expert_specs(dims_fn, updates, jax.tree.structure(updates))
-    return [None if e is None else functools.partial(_active, spec=e) for e in experts]
+    experts = muon_plan.expert_cuts(specs(updates))
+    return [None if e is None else functools.partial(matrix_views.active, spec=e) for e in experts]
   return weight_decay_lib.add_decayed_weights(weight_decay, weight_decay_mask, cautious=cautious,
                                               gate=gate)
 
@@ -260,10 +274,9 @@ def _adamw(learning_rate, b1, b2, eps, eps_root, weight_decay, mu_dtype, moment_
                                moment_dtype=moment_dtype, execution=execution)
 
 
-def _muon_branch(direction_tx, decay, learning_rate, weight_decay, weight_decay_mask, dims_fn,
-                 cautious=False):
+def _muon_branch(direction, decay, learning_rate, weight_decay, weight_decay_mask, cautious=False):
   """``chain(scale_by_muon, decay, scale_by_learning_rate)`` with its in-place
-  rule: after the momentum pass and Newton-Schulz of ``direction_tx``, one
+  rule: after the momentum pass and Newton-Schulz of ``direction``, one
   elementwise pass a leaf computes ``p + (-lr) * (u + wd * p)`` in fp32 (the
   fallback's operation order) and stores it in the parameter's dtype,
   stochastically rounded when bf16 (``derive_seed(MUON_SEED, t, i,
@@ -274,7 +287,7 @@ def _muon_branch(direction_tx, decay, learning_rate, weight_decay, weight_decay_
   # optax.identity() where optax's chain has scale_by_shape (done inside
   # scale_by_muon here): its EmptyState, so the whole state has
   # optax.contrib.muon's structure and checkpoints interoperate.
-  tx = optax.chain(direction_tx, optax.identity(), decay, lr_tx)
+  tx = optax.chain(direction_transform(direction), optax.identity(), decay, lr_tx)
 
   def apply(grads, state, params, ctx):
     muon_state, shape_state, decay_state, lr_state = state  # the chain above
@@ -288,15 +301,14 @@ def _muon_branch(direction_tx, decay, learning_rate, weight_decay, weight_decay_
       decayed = [True] * len(p_leaves)
     else:
       decayed = fusion.per_leaf_mask(weight_decay_mask, grads)
-    specs = _expert_specs(dims_fn, grads, treedef)   # frozen matrices get no decay
 
-    def finish(i, u, p):
-      d, s = decayed[i], specs[i]
+    def store(i, u, p, leaf):
+      d, s = decayed[i], leaf.experts   # frozen matrices get no decay
       # A mantissa-tracked leaf is a (bf16, uint16) pair: its fp32 master.
       p32 = mantissa.master_of(p)
       if d and s is not None:
-        u = u + jnp.where(_active(u, s), weight_decay_lib.decay_term(u, p32, weight_decay, cautious),
-                          0.0)
+        u = u + jnp.where(matrix_views.active(u, s),
+                          weight_decay_lib.decay_term(u, p32, weight_decay, cautious), 0.0)
       elif d:
         u = u + weight_decay_lib.decay_term(u, p32, weight_decay, cautious)
       # (the step rounded before the add: no FMA, the same bits in every program)
@@ -304,16 +316,16 @@ def _muon_branch(direction_tx, decay, learning_rate, weight_decay, weight_decay_
       if mantissa.is_tracked(p):
         new = mantissa.store(p32 + step, p)
       else:
-        new = _store(p32 + step, p.dtype, count_inc, i, counter_hash.STREAM_PARAM)
+        new = muon_store.store(p32 + step, p.dtype, count_inc, i, counter_hash.STREAM_PARAM)
       if ctx.apply is None:
         return new
       return jax.tree.map(lambda n, o: jnp.where(ctx.apply, n, o), new, p)
 
     scale = ctx.grad_scale
-    new_p, _, new_muon = direction_tx.fuseopt_muon_direction(
-        grads, muon_state, placement=ctx.shardings, finish=finish,
+    new_p, _, new_muon = muon_pipeline.run(
+        direction, grads, muon_state, store=store, shardings=ctx.shardings,
         grad_fn=None if scale is None else (lambda g: (g * scale).astype(g.dtype)),
-        param_leaves=p_leaves)
+        params=p_leaves)
     # count, mu (and a piece's state, NorMuon's nu) where the step applies;
     # ns_coeffs, for inspection, as it was.
     muon_state = new_muon._replace(**{f: ctx.keep(getattr(new_muon, f), getattr(muon_state, f))
@@ -331,7 +343,7 @@ def _muon_branch(direction_tx, decay, learning_rate, weight_decay, weight_decay_
 def muon(
     learning_rate: optax.ScalarOrSchedule,
     ns_coeffs=ns_coefficients.JORDAN,
-    ns_steps: int = _NS_STEPS,
+    ns_steps: int = NS_STEPS,
     beta: float = 0.95,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
@@ -390,12 +402,13 @@ def muon(
   gradient and it gets one optimizer state. Two leaves holding the same
   array are two parameters to optax and to fuseopt.
   """
-  return _muon(dict(locals()))
+  return build_muon(dict(locals()))
 
 
-def _muon(args, piece=None, owner="muon") -> optax.GradientTransformation:
+def build_muon(args, piece=None, owner="muon") -> optax.GradientTransformation:
   """:func:`muon` of ``args`` (its arguments by name), with ``piece`` acting
-  on the Muon side's orthogonalised update (see :func:`_direction_transform`)."""
+  on the Muon side's orthogonalised update (see :func:`muon_direction`);
+  ``owner`` names the variant in messages (``normuon``, ``muonclip``)."""
   a = types.SimpleNamespace(**args)
   weight_decay, cautious = weight_decay_lib.split_rate(a.weight_decay)
   adam_weight_decay, _ = weight_decay_lib.split_rate(a.adam_weight_decay)   # adamw reads the piece
@@ -412,19 +425,19 @@ def _muon(args, piece=None, owner="muon") -> optax.GradientTransformation:
   execution = _checks.as_record(owner, "execution", a.execution, Execution)
   adam_learning_rate = a.learning_rate if a.adam_learning_rate is None else a.adam_learning_rate
   weight_decay_mask = a.weight_decay_mask
-  dims_fn, param_labels = _muon_split(a.muon_weight_dimension_numbers)
-  decay = _add_decayed_weights(weight_decay, weight_decay_mask, dims_fn, cautious)
+  specs, param_labels = _muon_split(a.muon_weight_dimension_numbers)
+  decay = _add_decayed_weights(weight_decay, weight_decay_mask, specs, cautious)
 
-  direction = _direction_transform(dict(
+  direction = muon_direction(dict(
       ns_coeffs=a.ns_coeffs, ns_steps=a.ns_steps, beta=a.beta, eps=a.eps, mu_dtype=a.mu_dtype,
       nesterov=a.nesterov, adaptive=a.adaptive, preconditioning=a.preconditioning,
-      weight_dimension_numbers=dims_fn, shape_scaling=True, consistent_rms=a.consistent_rms,
+      weight_dimension_numbers=specs, shape_scaling=True, consistent_rms=a.consistent_rms,
       newton_schulz=a.newton_schulz,
       execution=execution), piece)
   return fusion.partition(
       transforms={
           "muon": _muon_branch(direction, decay, a.learning_rate, weight_decay, weight_decay_mask,
-                               dims_fn, cautious),
+                               cautious),
           "adam": _adamw(adam_learning_rate, a.adam_b1, a.adam_b2, a.eps, a.adam_eps_root,
                          a.adam_weight_decay, a.mu_dtype, moment_dtype, a.nesterov, execution),
       },
@@ -434,31 +447,37 @@ def _muon(args, piece=None, owner="muon") -> optax.GradientTransformation:
 
 
 def _muon_split(muon_weight_dimension_numbers):
-  """``(dims_fn, param_labels)``: the Muon branch's specs over its view of
-  the updates, and the labels that send each leaf to Muon or AdamW."""
+  """``(specs, param_labels)``: the leaves' specs (a
+  :class:`~fuseopt.optim.muon_plan.SpecReader`) and the labels that send each
+  leaf to Muon or AdamW, both from one read of the declaration a tree. The
+  labels read the whole tree and record what the Muon side will be handed
+  (the tree with AdamW's leaves masked), so that the side's plan, its
+  experts' decay gate and NorMuon's state take that same read."""
   if muon_weight_dimension_numbers is None:
-    def param_labels(params):
-      return jax.tree.map(lambda x: "muon" if jnp.ndim(x) == 2 else "adam", params)
-    dims_source = MuonDimensionNumbers()
+    def read(tree):
+      return [MuonDimensionNumbers() if jnp.ndim(x) == 2 else None for x in jax.tree.leaves(tree)]
   else:
-    def param_labels(params):
-      dims = (muon_weight_dimension_numbers(params) if callable(muon_weight_dimension_numbers)
+    def dims_fn(tree):
+      # ``tree`` the whole tree, or the Muon side's view of it (MaskedNode
+      # where AdamW owns a leaf): the specs spread over it, MaskedNode kept.
+      dims = (muon_weight_dimension_numbers(tree) if callable(muon_weight_dimension_numbers)
               else muon_weight_dimension_numbers)
-      dims = muon_axes.align_to(dims, params, _is_spec_or_none)  # a dict on nnx state
-      return jax.tree.map(
-          lambda d, sub: jax.tree.map(lambda _: "adam" if d is None else "muon", sub),
-          dims, params, is_leaf=_is_spec_or_none)
-    dims_source = muon_weight_dimension_numbers
+      if muon_plan.is_spec(dims):
+        return jax.tree.map(lambda _: dims, tree)
+      aligned = muon_axes.align_to(dims, tree, muon_plan.is_spec_or_none)  # a dict on nnx state
+      return muon_plan.broadcast_specs(aligned, tree)
+    read = functools.partial(muon_plan.declared_specs, dims_fn)
+  specs = muon_plan.SpecReader(read)
 
-  def dims_fn(tree):
-    # ``tree`` is the Muon branch's view of the updates (MaskedNode where AdamW
-    # owns a leaf): spread the specs over it, keeping MaskedNode in place.
-    dims = dims_source(tree) if callable(dims_source) else dims_source
-    if _is_spec(dims):
-      return jax.tree.map(lambda _: dims, tree)
-    return _broadcast_specs(muon_axes.align_to(dims, tree, _is_spec_or_none), tree)
+  def param_labels(params):
+    declared = specs(params)
+    leaves, treedef = jax.tree.flatten(params)
+    specs.remember(treedef.unflatten([x if s is not None else optax.MaskedNode()
+                                      for x, s in zip(leaves, declared)]),
+                   [s for s in declared if s is not None])
+    return treedef.unflatten(["adam" if s is None else "muon" for s in declared])
 
-  return dims_fn, param_labels
+  return specs, param_labels
 
 
 def bind_arguments(owner, fn, args, kwargs, refused=()):

@@ -8,7 +8,7 @@ and divides it out after Newton-Schulz, then rescales the update to Muon's
 RMS (:mod:`fuseopt.optim.neuron_norm` has the math and the layouts).
 
 NorMuon is Muon with one piece (:class:`NeuronNorm`, a
-:class:`~fuseopt.optim.muon_step.UpdatePiece`) where the orthogonalised
+:class:`~fuseopt.optim.muon_finish.UpdatePiece`) where the orthogonalised
 update is finished. Everything else is :func:`~fuseopt.optim.muon`'s: the
 same arguments (its one signature, less ``adaptive`` and
 ``preconditioning``, which NorMuon replaces), the same batched and sharded
@@ -32,9 +32,9 @@ from fuseopt.kernels import counter_hash
 from fuseopt.kernels import sharding as kernel_sharding
 from fuseopt.optim import _checks
 from fuseopt.optim import matrix_views
+from fuseopt.optim import muon_store
 from fuseopt.optim import muon_transforms
 from fuseopt.optim import neuron_norm
-from fuseopt.optim.muon_step import UpdatePiece, _leaf_specs, _store
 
 __all__ = ["NeuronNorm", "NorMuonState", "normuon", "scale_by_normuon"]
 
@@ -51,12 +51,15 @@ class NorMuonState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class NeuronNorm(UpdatePiece):
-  """NorMuon's piece: ``b2`` the decay of the per-neuron second moment,
-  ``eps`` added to its square root, ``nu_dtype`` its dtype (None: fp32)."""
+class NeuronNorm:
+  """NorMuon's piece (an :class:`~fuseopt.optim.muon_finish.UpdatePiece`):
+  ``b2`` the decay of the per-neuron second moment, ``eps`` added to its
+  square root, ``nu_dtype`` its dtype (None: fp32). Its state is ``nu``."""
   b2: Any = 0.95
   eps: Any = 1e-8
   nu_dtype: Any = None
+
+  state_field = "nu"
 
   @classmethod
   def checked(cls, owner, b2, normuon_eps, nu_dtype):
@@ -67,7 +70,7 @@ class NeuronNorm(UpdatePiece):
     nu_dtype = _checks.check_dtype(owner, "nu_dtype", nu_dtype, (jnp.float32, jnp.bfloat16))
     return cls(b2, normuon_eps, nu_dtype)
 
-  def init_state(self, count, mu, ns_coeffs, weight_dimension_numbers, params):
+  def init_state(self, count, mu, ns_coeffs, params, cuts):
     """``nu``: per Muon leaf the leaf's shape without its reduction axes (one
     entry per output neuron of each matrix; a view axis on the reduction
     side stays, one entry per view), zeros; an empty array for leaves Muon
@@ -75,21 +78,14 @@ class NeuronNorm(UpdatePiece):
     dtype = self.nu_dtype or jnp.float32
     leaves, treedef = jax.tree.flatten(params)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    specs = _leaf_specs(weight_dimension_numbers, params, treedef)
     nu = []
-    for x, s, path in zip(leaves, specs, paths):
+    for x, s, path in zip(leaves, cuts, paths):
       if s is None:
         nu.append(jnp.zeros((0,), dtype))
         continue
       views = matrix_views.geometry(s, jnp.shape(x), path)
       nu.append(jnp.zeros(neuron_norm.state_shape(jnp.shape(x), views), dtype))
     return NorMuonState(count=count, mu=mu, nu=treedef.unflatten(nu), ns_coeffs=ns_coeffs)
-
-  def state_tree(self, state):
-    return state.nu
-
-  def with_state_tree(self, state, tree):
-    return state._replace(nu=tree)
 
   def wrap_ns(self, ns):
     """``ns``, returning its result's column sums of squares too (computed
@@ -99,15 +95,17 @@ class NeuronNorm(UpdatePiece):
       return y, neuron_norm.column_sums(y)
     return run
 
-  def _scale(self, step, i, stat, views, a, placement=None):
-    """Leaf ``i``'s per-neuron factor from the NS result's column sums, both
-    in the statistic layout of ``views``; records the leaf's new second
-    moment. On a mesh (``placement``) the small per-neuron arithmetic runs
-    replicated, as the unsharded step runs it."""
-    shape = step.g_leaves[i].shape
-    v_old = jnp.reshape(step.piece_old[i], views.statistic_shape(shape))
+  def finish(self, result, state, *, active, count, leaf_index):
+    """The result's parts times each neuron's factor (fp32), and the leaf's
+    new second moment (stored in ``state``'s dtype). On a mesh (the
+    result's placement) the small per-neuron arithmetic runs replicated, as
+    the unsharded step runs it; a frozen matrix keeps its second moment."""
+    views, shape = result.views, result.shape
+    stat = result.statistic()
+    v_old = jnp.reshape(state, views.statistic_shape(shape))
     fn = functools.partial(neuron_norm.normalize_views, views=views, shape=shape, b2=self.b2,
                            eps=self.eps)
+    placement = result.placement
     if isinstance(placement, kernel_sharding.Placement):
       whole = kernel_sharding.Placement(placement.mesh,
                                         jax.sharding.PartitionSpec(*[None] * len(shape)))
@@ -115,28 +113,11 @@ class NeuronNorm(UpdatePiece):
                                        (whole.spec, whole.spec))
       stat, v_old = (kernel_sharding.to_spec(x, whole) for x in (stat, v_old))
     scale, v_new = fn(stat, v_old)
-    if a is not None:   # a frozen matrix keeps its second moment too
-      v_new = jnp.where(jnp.broadcast_to(a, v_new.shape), v_new, v_old)
-    v_leaf = jnp.reshape(v_new, step.piece_old[i].shape)
-    step.piece_new[i] = _store(v_leaf, step.piece_old[i].dtype, step.count_inc, i,
-                               counter_hash.STREAM_NU)
-    return scale
-
-  def finish_grouped(self, step, i, results, a, dtype):
-    views = matrix_views.geometry(step.specs[i], step.g_leaves[i].shape, step.paths[i])
-    sv = views.statistic()
-    red, out = views.piece_axes()
-    stat_shapes = sv.piece_shapes(views.statistic_shape(step.g_leaves[i].shape))
-    stat = sv.merge([neuron_norm.from_matrix(c, shape, red, out, keepdims=True)
-                     for (_, c), shape in zip(results, stat_shapes)])
-    scales = sv.split(self._scale(step, i, stat, views, a))
-    return [(y.astype(jnp.float32) * neuron_norm.to_matrix(f, shape, red, out)[:, None, :]
-             ).astype(dtype) for (y, _), f, shape in zip(results, scales, stat_shapes)]
-
-  def finish_distributed(self, step, i, y, views, a, placement):
-    y, stat = y
-    scale = views.expand(self._scale(step, i, stat, views, a, placement))
-    return y.astype(jnp.float32) * scale
+    if active is not None:
+      v_new = jnp.where(jnp.broadcast_to(active, v_new.shape), v_new, v_old)
+    v_leaf = jnp.reshape(v_new, state.shape)
+    stored = muon_store.store(v_leaf, state.dtype, count, leaf_index, counter_hash.STREAM_NU)
+    return result.per_neuron(scale), stored
 
 
 # What NorMuon replaces of Muon's arguments.
@@ -180,7 +161,7 @@ def scale_by_normuon(*args, b2: float = 0.95, normuon_eps: float = 1e-8,
   piece = NeuronNorm.checked("scale_by_normuon", b2, normuon_eps, nu_dtype)
   arguments = muon_transforms.bind_arguments("scale_by_normuon", muon_transforms.scale_by_muon,
                                              args, kwargs, _REPLACED)
-  return muon_transforms._direction_transform(arguments, piece)
+  return muon_transforms.direction_transform(muon_transforms.muon_direction(arguments, piece))
 
 
 def normuon(*args, b2: float = 0.95, normuon_eps: float = 1e-8, nu_dtype: Any = None,
@@ -204,7 +185,7 @@ def normuon(*args, b2: float = 0.95, normuon_eps: float = 1e-8, nu_dtype: Any = 
   piece = NeuronNorm.checked("normuon", b2, normuon_eps, nu_dtype)
   arguments = muon_transforms.bind_arguments("normuon", muon_transforms.muon, args, kwargs,
                                              _REPLACED)
-  return muon_transforms._muon(arguments, piece, owner="normuon")
+  return muon_transforms.build_muon(arguments, piece, owner="normuon")
 
 
 scale_by_normuon.__signature__ = muon_transforms.variant_signature(

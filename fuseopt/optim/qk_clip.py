@@ -388,7 +388,7 @@ def muonclip(learning_rate, *, tau: float = 100.0,
   clip = scale_by_qk_clip(tau, projections, mla=mla)
   arguments = muon_transforms.bind_arguments("muonclip", muon_transforms.muon, (learning_rate,),
                                              muon_kwargs)
-  return fusion.chain(muon_transforms._muon(arguments, owner="muonclip"), clip)
+  return fusion.chain(muon_transforms.build_muon(arguments, owner="muonclip"), clip)
 
 
 muonclip.__signature__ = muon_transforms.variant_signature(

@@ -238,15 +238,15 @@ def test_pallas_backends_in_interpret_mode_match_xla():
 
 
 def test_call_plan_never_leaves_a_batched_family_a_lone_matrix():
-  from fuseopt.optim.muon_calls import _call_plan
-  sizes = lambda batches, cap: [sum(b - a for _, a, b in call) for call in _call_plan(batches, 1, cap)]
+  from fuseopt.optim.muon_plan import call_plan
+  sizes = lambda batches, cap: [sum(b - a for _, a, b in call) for call in call_plan(batches, 1, cap)]
   assert sizes([3, 3], 5) == [4, 2]         # not [5, 1]
   assert sizes([3], 2) == [3]               # not [2, 1]: two a call can only take three
   assert sizes([2, 2], 2) == [2, 2]
   assert sizes([3], 1) == [1, 1, 1]         # one a call: every call is a lone matrix anyway
   assert sizes([4, 1], None) == [5]
   # Ranges cover every member's batch once, in order.
-  assert _call_plan([3, 3], 1, 5) == [[(0, 0, 3), (1, 0, 1)], [(1, 1, 3)]]
+  assert call_plan([3, 3], 1, 5) == [[(0, 0, 3), (1, 0, 1)], [(1, 1, 3)]]
 
 
 @pytest.mark.parametrize("impl", ["triton", "mosaic_tpu"])

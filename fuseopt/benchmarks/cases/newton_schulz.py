@@ -69,7 +69,7 @@ def optax_ns(x):
   public function for the iteration alone)."""
   from fuseopt.optim import muon_newton_schulz
   table = jnp.tile(jnp.asarray(ns.JORDAN, x.dtype), (STEPS, 1))
-  f = functools.partial(muon_newton_schulz._optax_newton_schulz, table=table,
+  f = functools.partial(muon_newton_schulz.optax_newton_schulz, table=table,
                         preconditioning="frobenius", eps=1e-8)
   for _ in range(x.ndim - 2):
     f = jax.vmap(f)

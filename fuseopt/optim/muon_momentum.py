@@ -1,0 +1,90 @@
+r"""The momentum stage of Muon's step: one elementwise pass a leaf.
+
+.. math::
+  m_t = \beta m_{t-1} + (1-\beta) g_t, \qquad
+  \hat m_t = \beta \frac{m_t}{1-\beta^{t+1}} + (1-\beta)\frac{g_t}{1-\beta^t}
+  \ (\text{Nesterov; else } m_t/(1-\beta^t))
+
+The pass reads the gradient and the old momentum once and writes the new
+momentum (in the state's dtype, ``mu_dtype``: stochastically rounded when
+bf16) and the Newton-Schulz input :math:`\hat m_t` (in the plan's dtype for
+it) from the same fp32 values. A leaf declared
+:class:`~fuseopt.optim.Experts` keeps the momentum of each matrix whose
+gradient is all zero this step.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fuseopt.kernels import counter_hash
+from fuseopt.kernels import fp_contract
+from fuseopt.optim import matrix_views
+from fuseopt.optim import muon_store
+from fuseopt.optim.dtypes import KERNEL_DTYPES
+
+__all__ = ["BiasCorrection", "Moved", "bias_correction", "momentum"]
+
+
+@functools.partial(jax.jit, inline=True)
+def _one_minus_pow(decay, count):
+  return 1 - decay ** count
+
+
+class BiasCorrection(NamedTuple):
+  """A step's count and bias corrections: ``count`` is :math:`t`, ``bc1``
+  :math:`1-\\beta^t`, ``bc2`` :math:`1-\\beta^{t+1}`."""
+  count: jax.Array
+  bc1: jax.Array
+  bc2: jax.Array
+
+
+def bias_correction(beta, count) -> BiasCorrection:
+  """The corrections of the step after ``count``: optax.tree.bias_correction's
+  ``1 - beta**t``, jitted so that an eager call rounds as optax's does (and
+  applied leaf by leaf rather than through optax's tree function, which lets
+  XLA fuse the pass with less temporary memory)."""
+  count_inc = optax.safe_increment(count)
+  return BiasCorrection(count_inc, _one_minus_pow(beta, count_inc),
+                        _one_minus_pow(beta, optax.safe_increment(count_inc)))
+
+
+class Moved(NamedTuple):
+  """One leaf after its momentum pass: ``stored``, the new momentum in the
+  state's dtype; ``ns_input``, :math:`\\hat m_t`; ``active``, for a leaf of
+  experts, True for each matrix whose gradient is not all zero (else None)."""
+  stored: jax.Array
+  ns_input: jax.Array
+  active: jax.Array | None
+
+
+def momentum(g, m, *, beta, nesterov: bool, correction: BiasCorrection, leaf_index: int,
+             ns_dtype, experts=None) -> Moved:
+  """Leaf ``leaf_index``'s momentum pass (the module docstring): gradient
+  ``g``, old momentum ``m``, the Newton-Schulz input in ``ns_dtype``;
+  ``experts``: the leaf's cut where it is a stack of experts."""
+  a = None if experts is None else matrix_views.active(g, experts)
+  # fp32 math for fp32/bf16 (bf16 momentum is stored stochastically
+  # rounded); other dtypes keep optax's arithmetic in their own dtype.
+  wide = (jnp.float32 if {jnp.result_type(g), jnp.result_type(m)} <= set(KERNEL_DTYPES)
+          else jnp.promote_types(jnp.result_type(g), jnp.result_type(m)))
+  g32, m32 = g.astype(wide), m.astype(wide)
+  # Every product that meets an add is rounded first (fp_contract): the
+  # same bits in a sharded and an unsharded program on a CPU with FMA.
+  r = fp_contract.rounded
+  m_new = r((1 - beta) * g32) + r(beta * m32)
+  stored = muon_store.store(m_new, m.dtype, correction.count, leaf_index, counter_hash.STREAM_MU)
+  if a is not None:
+    m_new = jnp.where(a, m_new, m32)
+    stored = jnp.where(a, stored, m)
+  if nesterov:
+    h = (r(beta * (m_new / correction.bc2.astype(wide)))
+         + r((1 - beta) * (g32 / correction.bc1.astype(wide))))
+  else:
+    h = m_new / correction.bc1.astype(wide)
+  return Moved(stored, h.astype(ns_dtype), a)
