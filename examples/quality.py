@@ -37,7 +37,6 @@ seed-to-seed spread of the reference, i.e. within one standard deviation
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import hashlib
 import importlib.util
@@ -48,7 +47,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -110,8 +109,7 @@ def heldout_windows(ids, seq: int, limit: int | None = None):
 # ------------------------------------------------------------------- modes --
 
 
-@dataclasses.dataclass(frozen=True)
-class Optimizer:
+class Optimizer(NamedTuple):
   """``init(params)`` and ``step(grads, state, params) -> (params, state)``."""
   init: Callable[[Any], Any]
   step: Callable[[Any, Any, Any], tuple[Any, Any]]
@@ -128,8 +126,7 @@ def _flashoptim(lr, wd, seed) -> Optimizer:
   return Optimizer(opt.init, lambda g, s, p: opt.step(p, s, g))
 
 
-@dataclasses.dataclass(frozen=True)
-class Mode:
+class Mode(NamedTuple):
   label: str
   params: Any  # the parameters' dtype
   make: Callable[[Any, float, int], Optimizer]  # (learning rate, weight decay, seed)
@@ -246,7 +243,7 @@ def verdict(name: str, r: dict, summary: dict) -> str:
 
 def _git_commit() -> str | None:
   try:
-    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=_HERE, capture_output=True, text=True,
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(fo.__file__).parent, capture_output=True, text=True,
                           check=True).stdout.strip()
   except (OSError, subprocess.CalledProcessError):
     return None
@@ -269,8 +266,8 @@ def parse(argv):
                   help=f"comma-separated, from {', '.join(MODES)} (default: all)")
   ap.add_argument("--seeds", default="0,1,2")
   ap.add_argument("--steps", type=int, default=1000)
-  ap.add_argument("--batch", type=int, default=16)
-  ap.add_argument("--seq", type=int, default=128)
+  ap.add_argument("--batch", type=int, default=8)
+  ap.add_argument("--seq", type=int, default=64)
   ap.add_argument("--d", type=int, default=256)
   ap.add_argument("--layers", type=int, default=2)
   ap.add_argument("--heads", type=int, default=4)
@@ -290,7 +287,7 @@ def parse(argv):
 
 def main(argv=None) -> dict:
   args = parse(argv)
-  t_start = time.perf_counter()
+  t_start, cpu_start = time.perf_counter(), time.process_time()
   text, source = corpus_text()
   train_ids, held_ids, vocab = split(text, args.heldout)
   hx, hy = heldout_windows(held_ids, args.seq, args.eval_windows)
@@ -343,6 +340,7 @@ def main(argv=None) -> dict:
                   | {"parameters": n_params, "vocab_slots": VOCAB_SLOTS, "optimizer": "AdamW",
                      "schedule": "warmup 10 % + cosine to 0", "b1": 0.9, "b2": 0.999, "eps": 1e-8},
       "summary": summary, "modes": runs, "wall_s": time.perf_counter() - t_start,
+      "cpu_s": time.process_time() - cpu_start,
   }
   for name, r in runs.items():
     r["verdict"] = verdict(name, r, summary)
