@@ -56,6 +56,7 @@ import optax
 from flax import nnx
 
 import fuseopt.optim as fo
+from fuseopt.benchmarks import quality_report
 
 _HERE = Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location("char_lm", _HERE / "char_lm.py")
@@ -173,38 +174,31 @@ def _loss(graphdef, params, x, y):
       nnx.merge(graphdef, params)(x).astype(jnp.float32), y).mean()
 
 
-def check(mode: Mode, opt: Optimizer, graphdef, params):
-  """Traces one step (the optimizer's errors raise here, before any training)."""
-  params = jax.tree.map(lambda p: p.astype(mode.params), params)
-  state = jax.eval_shape(opt.init, params)
-  grads = jax.eval_shape(jax.grad(lambda p: _loss(graphdef, p, *(jnp.zeros((1, 2), jnp.int32),) * 2)),
-                         params)
-  jax.eval_shape(opt.step, grads, state, params)
-
-
-def train(mode: Mode, opt: Optimizer, graphdef, params, xs, ys, hx, hy, eval_batch: int):
-  """Held-out loss after training, the mean training loss of the last 10 % of
-  steps, and seconds."""
-  t0 = time.perf_counter()
+def prepare(mode: Mode, opt: Optimizer, graphdef, params, x, y):
+  """The training step compiled for ``mode``, its parameters and state: an
+  optimizer that cannot run here raises, before any training."""
   params = jax.tree.map(lambda p: p.astype(mode.params), params)
   state = opt.init(params)
 
-  @jax.jit
   def step(params, state, x, y):
     loss, grads = jax.value_and_grad(lambda p: _loss(graphdef, p, x, y))(params)
     params, state = opt.step(grads, state, params)
     return params, state, loss
 
+  return jax.jit(step).lower(params, state, x, y).compile(), params, state
+
+
+def train(step, params, state, xs, ys, evaluate, hx, hy, eval_batch: int):
+  """The held-out loss after training and the mean training loss of the last
+  10 % of steps."""
   losses = []
   for x, y in zip(xs, ys):
     params, state, loss = step(params, state, x, y)
     losses.append(loss)
   losses = [float(l) for l in losses]
-  evaluate = jax.jit(lambda p, x, y: _loss(graphdef, p, x, y) * x.size)
   total = sum(float(evaluate(params, hx[i:i + eval_batch], hy[i:i + eval_batch]))
               for i in range(0, len(hx), eval_batch))
-  tail = losses[-max(1, len(losses) // 10):]
-  return total / hx.size, statistics.mean(tail), time.perf_counter() - t0
+  return total / hx.size, statistics.mean(losses[-max(1, len(losses) // 10):])
 
 
 def summarise(runs: dict, reference: str = REFERENCE) -> dict:
@@ -228,17 +222,6 @@ def summarise(runs: dict, reference: str = REFERENCE) -> dict:
     if ref_std is not None:
       r["within_reference_spread"] = abs(r["delta"]) <= ref_std
   return {"reference": reference, "reference_mean": ref_mean, "reference_std": ref_std}
-
-
-def verdict(name: str, r: dict, summary: dict) -> str:
-  if not r.get("available"):
-    return "not available in this build"
-  if name == summary["reference"]:
-    return "reference"
-  if "within_reference_spread" not in r:
-    return "no verdict (needs the reference on two seeds or more)"
-  word = "within" if r["within_reference_spread"] else "OUTSIDE"
-  return f"{word} the reference's seed spread (|{r['delta']:+.4f}| vs {summary['reference_std']:.4f})"
 
 
 def _git_commit() -> str | None:
@@ -293,42 +276,51 @@ def main(argv=None) -> dict:
   hx, hy = heldout_windows(held_ids, args.seq, args.eval_windows)
   lr = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10),
                                           max(args.steps, args.steps // 10 + 1))
-  graphdef, p0 = make_model(args, VOCAB_SLOTS, args.seed_list[0])
-  n_params = sum(x.size for x in jax.tree.leaves(p0))
+  models = {seed: make_model(args, VOCAB_SLOTS, seed) for seed in args.seed_list}
+  graphdef = models[args.seed_list[0]][0]
+  n_params = sum(x.size for x in jax.tree.leaves(models[args.seed_list[0]][1]))
   print(f"{source['source']}, Python {source['python']}: {len(train_ids):,} training and "
         f"{len(held_ids):,} held-out characters, {vocab} ids; model d={args.d}, {args.layers} layers, "
         f"{n_params:,} parameters; {args.steps} steps of {args.batch} x {args.seq}; "
         f"seeds {args.seed_list}; {jax.devices()[0].device_kind}")
+  data = {seed: tuple(map(jnp.asarray, batches(train_ids, args.batch, args.seq, args.steps, seed)))
+          for seed in args.seed_list}
+  hx, hy = jnp.asarray(hx), jnp.asarray(hy)
+  evaluate = jax.jit(lambda p, x, y: _loss(graphdef, p, x, y) * x.size)
   runs = {}
   for name in args.mode_list:
     mode = MODES[name]
-    try:
-      check(mode, mode.make(lr, args.weight_decay, args.seed_list[0]), graphdef, p0)
-    except Exception as e:  # pylint: disable=broad-except
-      why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-      runs[name] = {"label": mode.label, "available": False, "reason": why}
-      print(f"{name:14s} {mode.label}: not available in this build ({why})")
-      continue
     r = runs[name] = {"label": mode.label, "available": True, "heldout": {}, "train_last10": {},
                       "seconds": {}}
     for seed in args.seed_list:
-      graphdef, params = make_model(args, VOCAB_SLOTS, seed)
-      xs, ys = batches(train_ids, args.batch, args.seq, args.steps, seed)
-      held, tail, secs = train(mode, mode.make(lr, args.weight_decay, seed), graphdef, params,
-                               jnp.asarray(xs), jnp.asarray(ys), jnp.asarray(hx), jnp.asarray(hy),
-                               args.eval_batch)
+      t0 = time.perf_counter()
+      xs, ys = data[seed]
+      try:
+        step, params, state = prepare(mode, mode.make(lr, args.weight_decay, seed), *models[seed],
+                                      xs[0], ys[0])
+      except Exception as e:  # pylint: disable=broad-except
+        if r["heldout"]:
+          raise  # it ran on an earlier seed: a failure, not a missing format
+        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        runs[name] = {"label": mode.label, "available": False, "reason": why}
+        print(f"{name:14s} {mode.label}: not available in this build ({why})", flush=True)
+        break
+      held, tail = train(step, params, state, xs, ys, evaluate, hx, hy, args.eval_batch)
+      secs = time.perf_counter() - t0
       r["heldout"][str(seed)], r["train_last10"][str(seed)], r["seconds"][str(seed)] = held, tail, secs
       print(f"{name:14s} seed {seed}: held-out {held:.4f}  train (last 10 %) {tail:.4f}  {secs:.0f} s",
             flush=True)
   summary = summarise(runs)
+  for name, r in runs.items():
+    r["verdict"] = quality_report.verdict(name, r, summary, markdown=False)
   print(f"\nheld-out loss (nats/char), mean ± std over seeds {args.seed_list}:")
   for name, r in runs.items():
     if r["available"]:
       std = "" if r["std"] is None else f" ± {r['std']:.4f}"
       seeds = ", ".join(f"{v:.4f}" for v in r["heldout"].values())
-      print(f"{name:14s} {r['mean']:.4f}{std}  [{seeds}]  {verdict(name, r, summary)}")
+      print(f"{name:14s} {r['mean']:.4f}{std}  [{seeds}]  {r['verdict']}")
     else:
-      print(f"{name:14s} not available in this build")
+      print(f"{name:14s} {r['verdict']}")
   result = {
       "command": "python examples/quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
       "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
@@ -342,12 +334,10 @@ def main(argv=None) -> dict:
       "summary": summary, "modes": runs, "wall_s": time.perf_counter() - t_start,
       "cpu_s": time.process_time() - cpu_start,
   }
-  for name, r in runs.items():
-    r["verdict"] = verdict(name, r, summary)
   if args.json is not None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.json}")
+    print(f"wrote {args.json} (python -m fuseopt.cli report renders it into docs/adam.md)")
   return result
 
 
