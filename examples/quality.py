@@ -270,7 +270,7 @@ def parse(argv):
 
 def main(argv=None) -> dict:
   args = parse(argv)
-  t_start, cpu_start = time.perf_counter(), time.process_time()
+  t_start, cpu_start, commit = time.perf_counter(), time.process_time(), _git_commit()
   text, source = corpus_text()
   train_ids, held_ids, vocab = split(text, args.heldout)
   hx, hy = heldout_windows(held_ids, args.seq, args.eval_windows)
@@ -324,7 +324,7 @@ def main(argv=None) -> dict:
   result = {
       "command": "python examples/quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
       "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-      "versions": _versions(), "fuseopt_commit": _git_commit(),
+      "versions": _versions(), "fuseopt_commit": commit,
       "device": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform,
       "corpus": dict(source, train_chars=len(train_ids), heldout_chars=len(held_ids), ids=vocab,
                      heldout_windows=len(hx)),

@@ -57,3 +57,9 @@ def test_fuseopt_report_renders_it_into_docs_adam(tmp_path, capsys):
   assert page.read_text() == f"a\n{quality_report.QUALITY_START}\n{table}{quality_report.QUALITY_END}\nb\n"
   assert quality_report.render(page, results / quality_report.RESULTS) is False
 
+
+def test_docs_adam_shows_the_committed_results():
+  data = json.loads((ROOT / "bench" / "results" / quality_report.RESULTS).read_text())
+  page = (ROOT / "docs" / "adam.md").read_text()
+  body = page.split(quality_report.QUALITY_START + "\n", 1)[1].split(quality_report.QUALITY_END, 1)[0]
+  assert body == quality_report.markdown(data)
