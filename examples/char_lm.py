@@ -97,13 +97,19 @@ _INIT = nnx.initializers.lecun_normal()
 
 class Block(nnx.Module):
 
-  def __init__(self, d: int, heads: int, rngs: nnx.Rngs):
+  def __init__(self, d: int, heads: int, rngs: nnx.Rngs, flat_heads: bool = False):
     hd = d // heads
-    qkv = lambda: nnx.LinearGeneral(d, (heads, hd), use_bias=False, rngs=rngs,
-                                    kernel_init=_P(_INIT, ("embed", "heads", "head_dim")))
-    self.q_proj, self.k_proj, self.v_proj = qkv(), qkv(), qkv()
-    self.o_proj = nnx.LinearGeneral((heads, hd), d, axis=(-2, -1), use_bias=False, rngs=rngs,
-                                    kernel_init=_P(_INIT, ("heads", "head_dim", "embed")))
+    self.heads, self.flat_heads = heads, flat_heads
+    if flat_heads:  # (d, d) projections, the heads split in the forward pass
+      proj = lambda names: nnx.Linear(d, d, use_bias=False, rngs=rngs, kernel_init=_P(_INIT, names))
+      self.q_proj, self.k_proj, self.v_proj = (proj(("embed", "heads")) for _ in range(3))
+      self.o_proj = proj(("heads", "embed"))
+    else:
+      qkv = lambda: nnx.LinearGeneral(d, (heads, hd), use_bias=False, rngs=rngs,
+                                      kernel_init=_P(_INIT, ("embed", "heads", "head_dim")))
+      self.q_proj, self.k_proj, self.v_proj = qkv(), qkv(), qkv()
+      self.o_proj = nnx.LinearGeneral((heads, hd), d, axis=(-2, -1), use_bias=False, rngs=rngs,
+                                      kernel_init=_P(_INIT, ("heads", "head_dim", "embed")))
     self.norm1 = nnx.RMSNorm(d, rngs=rngs)
     self.norm2 = nnx.RMSNorm(d, rngs=rngs)
     self.up = nnx.Linear(d, 4 * d, rngs=rngs, kernel_init=_P(_INIT, ("embed", "mlp")))
@@ -111,17 +117,23 @@ class Block(nnx.Module):
 
   def __call__(self, x):
     h = self.norm1(x)
-    a = jax.nn.dot_product_attention(self.q_proj(h), self.k_proj(h), self.v_proj(h), is_causal=True)
+    q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+    if self.flat_heads:
+      q, k, v = (t.reshape(*t.shape[:-1], self.heads, -1) for t in (q, k, v))
+    a = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    if self.flat_heads:
+      a = a.reshape(*a.shape[:-2], -1)
     x = x + self.o_proj(a)
     return x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
 
 
 class CharLM(nnx.Module):
 
-  def __init__(self, vocab: int, d: int, layers: int, heads: int, seq: int, rngs: nnx.Rngs):
+  def __init__(self, vocab: int, d: int, layers: int, heads: int, seq: int, rngs: nnx.Rngs,
+               flat_heads: bool = False):
     self.embed = nnx.Embed(vocab, d, rngs=rngs, embedding_init=_P(nnx.initializers.normal(0.02), ("vocab", "embed")))
     self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (seq, d)))
-    self.blocks = nnx.List([Block(d, heads, rngs) for _ in range(layers)])
+    self.blocks = nnx.List([Block(d, heads, rngs, flat_heads) for _ in range(layers)])
     self.norm = nnx.RMSNorm(d, rngs=rngs)
     self.head = nnx.Linear(d, vocab, use_bias=False, rngs=rngs, kernel_init=_P(_INIT, ("embed", "vocab")))
 

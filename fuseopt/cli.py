@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
   _add_selection(r)
 
   p = sub.add_parser("report", help="render the README performance table from bench/results/**.json, the compiled "
-                     "tables of docs/compile_tier.md and the scale table of docs/scaling.md")
+                     "tables of docs/compile_tier.md, the scale table of docs/scaling.md and the "
+                     "quality table of docs/adam.md")
   p.add_argument("--results", type=Path, default=Path("bench/results"))
   p.add_argument("--readme", type=Path, default=Path("README.md"))
   p.add_argument("--include-cpu", action="store_true", help="also render CPU results")
@@ -258,6 +259,12 @@ def cmd_report(args, out=print) -> int:
     changed = scale_report.render(scaling, args.results / "compiled")
     if changed is not None:
       out(f"{scaling}: measured-at-scale table {'updated' if changed else 'unchanged'}")
+  from fuseopt.benchmarks import quality_report
+  adam_page, quality = args.readme.parent / "docs" / "adam.md", args.results / quality_report.RESULTS
+  if adam_page.exists() and quality.exists():
+    changed = quality_report.render(adam_page, quality)
+    if changed is not None:
+      out(f"{adam_page}: quality table {'updated' if changed else 'unchanged'}")
   return 0
 
 

@@ -52,3 +52,25 @@ def test_char_lm_moments_smoke():
   for losses, _ in results.values():
     assert len(losses) == 3 and all(math.isfinite(l) for l in losses)
   assert results["fuseopt AdamW, fp32 moments"][0][0] == results["fuseopt AdamW, int8 moments"][0][0]
+
+
+def test_quality_smoke(capsys, monkeypatch):
+  spec = importlib.util.spec_from_file_location("quality", ROOT / "examples" / "quality.py")
+  quality = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(quality)
+  assert quality.parse([]).mode_list == list(quality.MODES)  # the study runs every mode
+
+  def broken(lr, wd, seed):
+    raise ValueError("a format this build lacks")
+  monkeypatch.setitem(quality.MODES, "broken", quality.Mode("a format to come", quality.jnp.float32, broken))
+  modes = ["fp32", "master24", "flashoptim", "broken"]
+  out = quality.main(["--modes", ",".join(modes), "--steps", "2", "--layers", "1", "--heads", "2",
+                      "--seq", "8", "--batch", "2", "--seeds", "0", "--eval-windows", "2"])
+  printed = capsys.readouterr().out
+  assert list(out["modes"]) == modes and out["summary"]["reference"] == "fp32"
+  assert not out["modes"]["broken"]["available"]
+  assert "broken" in printed and "not available in this build (ValueError: a format this build lacks)" in printed
+  for name in ("fp32", "master24"):
+    assert math.isfinite(out["modes"][name]["heldout"]["0"])
+  peer = out["modes"]["flashoptim"]  # flashoptim-jax is the bench extra's, maybe not installed here
+  assert math.isfinite(peer["heldout"]["0"]) if peer["available"] else "not available" in peer["verdict"]
