@@ -146,11 +146,17 @@ def _wide_params():
   return {"w": n(8, 512), "e": n(4, 256), "norm": n(8)}
 
 
-def test_int8_moments_restore_and_continue_is_bitwise(tmp_path):
+_INT8 = {"adamw": lambda: fo.adamw(1e-2, weight_decay=0.1, moment_dtype="int8"),
+         # Muon's momentum in 8 bits (w, e), the AdamW side's moments bf16 (norm)
+         "muon": lambda: fo.muon(1e-2, weight_decay=0.1, mu_dtype="int8")}
+
+
+@pytest.mark.parametrize("name", sorted(_INT8))
+def test_int8_moments_restore_and_continue_is_bitwise(name, tmp_path):
   """8-bit moments (codes and scales, a NamedTuple in the state) through
   orbax: the resumed run is bitwise the uninterrupted one."""
   import warnings  # pylint: disable=g-import-not-at-top
-  tx = fo.adamw(1e-2, weight_decay=0.1, moment_dtype="int8")
+  tx = _INT8[name]()
   update = _updater(tx, True)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")   # "norm" keeps bf16 moments
@@ -163,9 +169,13 @@ def test_int8_moments_restore_and_continue_is_bitwise(tmp_path):
       target = jax.tree.map(ocp.utils.to_shape_dtype_struct, (_wide_params(), init()))
       restored = ckptr.restore(tmp_path / "ckpt", target)
   assert jax.tree.structure(restored) == jax.tree.structure(half)
-  assert isinstance(restored[1][0].mu["w"], type(half[1][0].mu["w"]))
-  assert restored[1][0].mu["w"].codes.dtype == jnp.int8
-  assert restored[1][0].nu["w"].codes.dtype == jnp.uint8
+  if name == "muon":
+    mu = restored[1].inner_states["muon"].inner_state[0].mu
+    assert mu["w"].codes.dtype == jnp.int8 and mu["e"].scales.shape == (4, 1)
+  else:
+    assert isinstance(restored[1][0].mu["w"], type(half[1][0].mu["w"]))
+    assert restored[1][0].mu["w"].codes.dtype == jnp.int8
+    assert restored[1][0].nu["w"].codes.dtype == jnp.uint8
   resumed = _run(update, *restored, range(2, 4))
   for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight)):
     assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))

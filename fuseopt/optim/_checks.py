@@ -182,7 +182,8 @@ def check_mu_dtype(owner: str, value):
   what = ("a floating dtype (e.g. float32 or bfloat16; complex for complex parameters: a dtype, "
           "its name or its scalar type) or None")
   int8 = (f"; for 8-bit moments pass moment_dtype={INT8!r} (adam, adamw, scale_by_adam, and "
-          f"the AdamW side of muon, normuon, muonclip; Muon's momentum has no 8-bit format)")
+          f"the AdamW side of muon, normuon, muonclip; Muon's momentum: mu_dtype={INT8!r} of "
+          f"muon, normuon, muonclip, scale_by_muon)")
   try:
     dtype = jnp.dtype(value)
   except TypeError:
@@ -200,6 +201,30 @@ def canonical_mu_dtype(owner: str, value):
   Muon's momentum alike."""
   dtype = check_mu_dtype(owner, value)
   return None if dtype is None else jax.dtypes.canonicalize_dtype(dtype)
+
+
+# Every format of Muon's momentum, as the messages list them.
+_MUON_MU_FORMATS = (f"a floating dtype (e.g. float32 or bfloat16: a dtype, its name or its scalar "
+                    f"type), {INT8!r} (8-bit codes, a scale per block of {quantized.BLOCK}) or None")
+
+
+def muon_mu_dtype(owner: str, value):
+  """Muon's ``mu_dtype`` (the momentum's format): :data:`INT8` (the name, or
+  ``jnp.int8``: blockwise 8-bit, :mod:`fuseopt.kernels.adam.quantized`'s
+  ``mu``), else :func:`canonical_mu_dtype`'s floating dtype or None. Any other
+  integer or bool dtype is refused with every accepted value listed."""
+  if value is None:
+    return None
+  try:
+    dtype = jnp.dtype(value)
+  except TypeError:
+    raise TypeError(f"{owner}: mu_dtype must be {_MUON_MU_FORMATS}, got {value!r}") from None
+  if dtype == jnp.int8:
+    return INT8
+  if not jnp.issubdtype(dtype, jnp.inexact):
+    raise ValueError(f"{owner}: mu_dtype must be {_MUON_MU_FORMATS}, got {dtype} (a plain "
+                     f"{dtype} cast of the momentum rounds small gradients to 0)")
+  return jax.dtypes.canonicalize_dtype(dtype)
 
 
 def check_state(owner: str, tx, state, params) -> None:

@@ -7,7 +7,8 @@ r"""The momentum stage of Muon's step: one elementwise pass a leaf.
 
 The pass reads the gradient and the old momentum once and writes the new
 momentum (in the state's dtype, ``mu_dtype``: stochastically rounded when
-bf16) and the Newton-Schulz input :math:`\hat m_t` (in the plan's dtype for
+bf16; with ``mu_dtype="int8"`` decoded from and written back as 8-bit codes
+and block scales, :func:`fuseopt.optim.muon_store.store_int8`) and the Newton-Schulz input :math:`\hat m_t` (in the plan's dtype for
 it) from the same fp32 values. A leaf declared
 :class:`~fuseopt.optim.Experts` keeps the momentum of each matrix whose
 gradient is all zero this step.
@@ -16,7 +17,7 @@ gradient is all zero this step.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,7 @@ import optax
 
 from fuseopt.kernels import counter_hash
 from fuseopt.kernels import fp_contract
+from fuseopt.kernels.adam import quantized
 from fuseopt.optim import matrix_views
 from fuseopt.optim import muon_store
 from fuseopt.optim.dtypes import KERNEL_DTYPES
@@ -56,9 +58,9 @@ def bias_correction(beta, count) -> BiasCorrection:
 
 class Moved(NamedTuple):
   """One leaf after its momentum pass: ``stored``, the new momentum in the
-  state's dtype; ``ns_input``, :math:`\\hat m_t`; ``active``, for a leaf of
+  state's format (a ``QuantizedMoment`` where 8-bit); ``ns_input``, :math:`\\hat m_t`; ``active``, for a leaf of
   experts, True for each matrix whose gradient is not all zero (else None)."""
-  stored: jax.Array
+  stored: Any
   ns_input: jax.Array
   active: jax.Array | None
 
@@ -69,17 +71,25 @@ def momentum(g, m, *, beta, nesterov: bool, correction: BiasCorrection, leaf_ind
   ``g``, old momentum ``m``, the Newton-Schulz input in ``ns_dtype``;
   ``experts``: the leaf's cut where it is a stack of experts."""
   a = None if experts is None else matrix_views.active(g, experts)
-  # fp32 math for fp32/bf16 (bf16 momentum is stored stochastically
+  int8 = quantized.is_quantized(m)
+  # fp32 math for fp32/bf16/8-bit (bf16 momentum is stored stochastically
   # rounded); other dtypes keep optax's arithmetic in their own dtype.
-  wide = (jnp.float32 if {jnp.result_type(g), jnp.result_type(m)} <= set(KERNEL_DTYPES)
+  m_value = muon_store.load(m)
+  wide = (jnp.float32 if int8 or {jnp.result_type(g), jnp.result_type(m)} <= set(KERNEL_DTYPES)
           else jnp.promote_types(jnp.result_type(g), jnp.result_type(m)))
-  g32, m32 = g.astype(wide), m.astype(wide)
+  g32, m32 = g.astype(wide), m_value.astype(wide)
   # Every product that meets an add is rounded first (fp_contract): the
   # same bits in a sharded and an unsharded program on a CPU with FMA.
   r = fp_contract.rounded
   m_new = r((1 - beta) * g32) + r(beta * m32)
-  stored = muon_store.store(m_new, m.dtype, correction.count, leaf_index, counter_hash.STREAM_MU)
-  if a is not None:
+  if int8:
+    if a is not None:
+      m_new = jnp.where(a, m_new, m32)
+    stored = muon_store.store_int8(m_new, correction.count, leaf_index, counter_hash.STREAM_MU,
+                                   keep=None if a is None else ~a, old=m)
+  else:
+    stored = muon_store.store(m_new, m.dtype, correction.count, leaf_index, counter_hash.STREAM_MU)
+  if a is not None and not int8:
     m_new = jnp.where(a, m_new, m32)
     stored = jnp.where(a, stored, m)
   if nesterov:

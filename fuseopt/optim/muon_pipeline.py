@@ -62,7 +62,8 @@ class Direction:
       wrapper included).
     fused_ns_input_dtype: the fused step's Newton-Schulz input dtype (None:
       each leaf's own).
-    mu_dtype: the momentum's dtype (None: the parameter's).
+    mu_dtype: the momentum's dtype (None: the parameter's), or ``"int8"``
+      (8-bit codes and block scales where the last axis divides by 256).
     state_coeffs: ``ns_coeffs`` as the state keeps it.
     piece: an :class:`~fuseopt.optim.muon_finish.UpdatePiece`, or None.
   """
@@ -153,7 +154,8 @@ def run(direction: Direction, updates, state, *, store=None, shardings=None, gra
       direction.specs(updates), g_leaves, paths, out_dtypes=out_dtypes,
       ns_input_dtype=direction.fused_ns_input_dtype if sequenced else None,
       shardings=kernel_sharding.flatten_shardings(
-          direction.shardings if shardings is None else shardings, state.mu,
+          direction.shardings if shardings is None else shardings,
+          muon_store.leaf_shaped(state.mu),
           owner="scale_by_muon", strict=True),
       max_elements=direction.ns_max_elements, matrices_only=direction.matrices_only)
   piece = direction.piece

@@ -5,7 +5,11 @@ layout a finished leaf is pinned to.
 bf16 values are stochastically rounded with the counter hash, seeded by the
 step, the leaf and the stream (:data:`MUON_SEED`, ``STREAM_MU``,
 ``STREAM_NU``, ``STREAM_PARAM``), so a value's rounding does not depend on
-where or how often the step runs (sharded, unsharded, fused or not).
+where or how often the step runs (sharded, unsharded, fused or not). An
+8-bit momentum (``mu_dtype="int8"``) is Adam's 8-bit ``mu``
+(:mod:`fuseopt.kernels.adam.quantized`: int8 codes, an fp32 scale per block
+of 256 along the last axis) written with the same hash and Muon's
+``STREAM_MU`` seeds: :func:`store_int8`, :func:`load`.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from jax.experimental import layout as jax_layout
 
 from fuseopt import kernels
 from fuseopt.kernels import counter_hash
+from fuseopt.kernels.adam import quantized
 
-__all__ = ["MUON_SEED", "in_leaf_layout", "store"]
+__all__ = ["MUON_SEED", "in_leaf_layout", "init_momentum", "leaf_shaped", "load", "store", "store_int8"]
 
 # Seed of Muon's stochastic roundings (momentum and, in the fused step,
 # bf16 parameters), apart from the Adam side's default seed 0: "Muon".
@@ -33,6 +38,52 @@ def store(x32, dtype, count, leaf_index, stream):
     seed = counter_hash.derive_seed(MUON_SEED, count, leaf_index, stream)
     return kernels.stochastic_round_bf16(x32, seed, implementation="xla")
   return x32.astype(dtype)
+
+
+def load(m):
+  """A stored momentum leaf as a value to compute with: an 8-bit one
+  (:class:`~fuseopt.kernels.adam.quantized.QuantizedMoment`) decoded to fp32
+  (plain jnp, fused by XLA into the pass that reads it), any other as it is."""
+  return quantized.dequantize(m, signed=True) if quantized.is_quantized(m) else m
+
+
+def store_int8(x32, count, leaf_index, stream, keep=None, old=None):
+  """fp32 ``x32`` as an 8-bit momentum: :func:`~fuseopt.kernels.adam.quantized.quantize_mu`
+  over blocks of 256 along the last axis, element ``i`` (its flat index in
+  the whole leaf) rounded with ``hash_bits(i, derive_seed(MUON_SEED, count,
+  leaf_index, stream))``, so the codes do not depend on sharding or fusion.
+  ``keep`` (broadcastable to ``x32``, or None): where true the ``old``
+  :class:`~fuseopt.kernels.adam.quantized.QuantizedMoment` is kept, a whole
+  block at a time where every element of the block is kept (a block that
+  mixes both is quantised again from ``x32``, which holds the old values
+  there)."""
+  shape = x32.shape
+  bshape = quantized.scales_shape(shape) + (quantized.BLOCK,)
+  seed = counter_hash.derive_seed(MUON_SEED, count, leaf_index, stream)
+  index = jax.lax.iota(jnp.uint32, x32.size).reshape(bshape)
+  codes, scale = quantized.quantize_mu(x32.reshape(bshape), counter_hash.hash_bits(index, seed))
+  new = quantized.QuantizedMoment(codes.reshape(shape), scale[..., 0])
+  if keep is None:
+    return new
+  kept = jnp.all(jnp.broadcast_to(keep, shape).reshape(bshape), axis=-1)
+  return quantized.QuantizedMoment(
+      quantized.kept_on_skip(jnp.repeat(kept, quantized.BLOCK, axis=-1), new.codes, old.codes),
+      quantized.kept_on_skip(kept, new.scales, old.scales))
+
+
+def leaf_shaped(mu):
+  """The momentum tree with each 8-bit leaf as its codes: one array a
+  parameter, in the parameter's shape (what per-leaf readers key on)."""
+  return jax.tree.map(lambda m: m.codes if quantized.is_quantized(m) else m, mu,
+                      is_leaf=quantized.is_quantized)
+
+
+def init_momentum(p, mu_dtype, int8: bool):
+  """A zero momentum for parameter ``p``: 8-bit where ``int8`` (placed like
+  ``p``), else ``mu_dtype`` (None: ``p``'s)."""
+  if int8:
+    return quantized.zeros_like(p, signed=True)
+  return jnp.zeros_like(p, dtype=mu_dtype)
 
 
 def in_leaf_layout(x, platform: str):

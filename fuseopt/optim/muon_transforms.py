@@ -51,6 +51,7 @@ placement and calls, decided once), :mod:`~fuseopt.optim.muon_momentum`,
 import functools
 import inspect
 import types
+import warnings
 from typing import Any, Optional
 
 import jax
@@ -60,6 +61,7 @@ import optax
 
 from fuseopt.kernels import counter_hash
 from fuseopt.kernels import fp_contract
+from fuseopt.kernels.adam import quantized
 from fuseopt.kernels.newton_schulz import coefficients as ns_coefficients
 from fuseopt.optim import _checks
 from fuseopt.optim import adam_transforms
@@ -147,6 +149,15 @@ def scale_by_muon(
       ``None``: its defaults): a forced backend, interpret mode, and the
       parameters' shardings on an Auto mesh.
 
+  ``mu_dtype="int8"`` (or ``jnp.int8``) stores the momentum in 8 bits: each
+  leaf a :class:`~fuseopt.kernels.adam.quantized.QuantizedMoment` (int8
+  ``codes`` in the leaf's shape, fp32 ``scales`` one per block of 256 along
+  the last axis; 1 + 4/256 bytes a parameter), Adam's 8-bit ``mu`` format,
+  written with counter-hash stochastic rounding (seeds ``derive_seed(MUON_SEED,
+  t, i, STREAM_MU)``); the step decodes it, updates in fp32 and feeds the NS
+  input from the fp32 value. A leaf whose last axis does not divide by 256
+  keeps bf16 momentum (one warning at ``init`` names it).
+
   Dtypes: float32 and bfloat16 matrices (frobenius preconditioning) go
   through the kernel; float16, float64 (x64) and complex matrices, and
   optax's other preconditionings, run optax's iteration (in the matrix's
@@ -191,7 +202,7 @@ def muon_direction(args, piece=None) -> muon_pipeline.Direction:
                      f"got {ns_steps!r}")
   kernel_coeffs, kernel_steps, state_coeffs = ns_coefficients.muon_coefficients(
       args["ns_coeffs"], ns_steps)
-  mu_dtype = _checks.canonical_mu_dtype("scale_by_muon", args["mu_dtype"])
+  mu_dtype = _checks.muon_mu_dtype("scale_by_muon", args["mu_dtype"])
   ns = _checks.as_record("scale_by_muon", "newton_schulz", args["newton_schulz"], NewtonSchulz)
   execution = _checks.as_record("scale_by_muon", "execution", args["execution"], Execution)
   dims = args["weight_dimension_numbers"]
@@ -228,10 +239,14 @@ def direction_transform(direction: muon_pipeline.Direction) -> optax.GradientTra
   pipeline without a store. The fused step runs the same pipeline through
   :func:`muon`'s rule, from the same value."""
   piece = direction.piece
+  warned = []
 
   def init_fn(params):
     count = jnp.zeros([], jnp.int32)
-    mu = optax.tree.zeros_like(params, dtype=direction.mu_dtype)
+    if direction.mu_dtype == _checks.INT8:
+      mu = _int8_momentum(params, warned)
+    else:
+      mu = optax.tree.zeros_like(params, dtype=direction.mu_dtype)
     # optax keeps its ns_coeffs argument as given ((3,) or (steps, 3)).
     if piece is not None:
       return piece.init_state(count, mu, jnp.asarray(direction.state_coeffs), params,
@@ -244,6 +259,27 @@ def direction_transform(direction: muon_pipeline.Direction) -> optax.GradientTra
     return treedef.unflatten(out), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _int8_momentum(params, warned):
+  """8-bit momentum leaves for ``params`` (``mu_dtype="int8"``): a leaf whose
+  last axis does not divide by the block keeps bf16 momentum, named in one
+  warning (the first ``init``)."""
+  fallback = []
+
+  def one(path, p):
+    fits = quantized.fits(jnp.shape(p))
+    if not fits:
+      fallback.append(jax.tree_util.keystr(path))
+    return muon_store.init_momentum(p, jnp.bfloat16, fits)
+
+  mu = jax.tree_util.tree_map_with_path(one, params)
+  if fallback and not warned:
+    warned.append(True)
+    warnings.warn(f"scale_by_muon: mu_dtype='int8' needs a last axis divisible by "
+                  f"{quantized.BLOCK}; these leaves keep bf16 momentum: {', '.join(fallback)}",
+                  stacklevel=3)
+  return mu
 
 
 def _add_decayed_weights(weight_decay, weight_decay_mask, specs: muon_plan.SpecReader,
@@ -266,8 +302,9 @@ def _adamw(learning_rate, b1, b2, eps, eps_root, weight_decay, mu_dtype, moment_
   parameter's); a leaf the kernel cannot take (float16, say) runs optax's
   arithmetic with ``mu_dtype``, so its update keeps the parameter's dtype.
   With 8-bit moments both of the AdamW side's moments are 8-bit: ``mu_dtype``
-  is then Muon's momentum's alone."""
-  if moment_dtype == _checks.INT8:
+  is then Muon's momentum's alone; so is an 8-bit ``mu_dtype`` ("int8": the
+  AdamW side's moments are then ``moment_dtype``'s, mu included)."""
+  if moment_dtype == _checks.INT8 or _checks.muon_mu_dtype("muon", mu_dtype) == _checks.INT8:
     mu_dtype = None
   return adam_transforms.adamw(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                                mu_dtype=mu_dtype, weight_decay=weight_decay, nesterov=nesterov,
@@ -380,7 +417,10 @@ def muon(
   ``moment_dtype``, as :func:`~fuseopt.optim.adamw`'s: ``"bfloat16"``
   (default, written back with stochastic rounding), ``"float32"``,
   ``"int8"`` (8-bit codes) or ``None`` (optax's dtypes: mu in ``mu_dtype``,
-  nu in the parameter's). Muon's own momentum is in ``mu_dtype``.
+  nu in the parameter's). Muon's own momentum is in ``mu_dtype``: a floating
+  dtype, None (the parameter's), or ``"int8"`` (blockwise 8-bit, as
+  :func:`scale_by_muon`'s; the AdamW side then keeps ``moment_dtype``'s
+  moments, its mu included).
 
   ``muon_weight_dimension_numbers`` picks the sides: a tree (or prefix) of
   :class:`MuonDimensionNumbers` / :class:`MatrixViews` with ``None`` where

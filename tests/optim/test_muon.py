@@ -284,3 +284,90 @@ def test_spectral_preconditioning_runs_in_every_ns_dtype(ns_dtype):
                        params)
   updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
   assert bool(jnp.all(jnp.isfinite(updates["w"]))) and float(jnp.abs(updates["w"]).max()) > 0
+
+
+# ------------------------------------------------------- 8-bit momentum --
+def _int8_tree():
+  """Two Muon matrices whose last axis is whole blocks of 256, one that is
+  not (keeps bf16 momentum), one AdamW leaf."""
+  k = jax.random.split(jax.random.key(7), 4)
+  return {"w": jax.random.normal(k[0], (64, 512)), "u": jax.random.normal(k[1], (32, 256)),
+          "v": jax.random.normal(k[2], (48, 100)), "b": jax.random.normal(k[3], (256,))}
+
+
+def _int8_grads(t, tree):
+  keys = jax.random.split(jax.random.key(100 + t), len(tree))
+  return {n: jax.random.normal(kk, x.shape) for kk, (n, x) in zip(keys, sorted(tree.items()))}
+
+
+def _muon_mu(state):
+  return state.inner_states["muon"].inner_state[0].mu
+
+
+def test_int8_momentum_bytes_and_within_one_code_of_fp32():
+  """mu_dtype='int8': Adam's 8-bit mu format (1 + 4/256 B a parameter), a
+  warning naming the leaf that keeps bf16; each step's decoded momentum is
+  within one code step (its block's scale) of the fp32 momentum computed from
+  the previous decoded one; the AdamW side keeps its bf16 moments."""
+  from fuseopt.kernels.adam import quantized
+  params = _int8_tree()
+  tx = muon(learning_rate=0.02, weight_decay=0.1, mu_dtype="int8")
+  with pytest.warns(UserWarning, match=r"mu_dtype='int8'.*\['v'\]"):
+    state = tx.init(params)
+  mu = _muon_mu(state)
+  assert mu["v"].dtype == jnp.bfloat16
+  assert state.inner_states["adam"].inner_state[0].mu["b"].dtype == jnp.bfloat16
+  for n in ("w", "u"):
+    assert mu[n].codes.dtype == jnp.int8 and mu[n].scales.dtype == jnp.float32
+    assert quantized.nbytes(mu[n]) / params[n].size == 1 + 4 / 256
+  update = jax.jit(tx.update)
+  beta = 0.95
+  for t in range(3):
+    g = _int8_grads(t, params)
+    prev = {n: quantized.dequantize(_muon_mu(state)[n], signed=True) for n in ("w", "u")}
+    _, state = update(g, state, params)
+    for n in ("w", "u"):
+      m = _muon_mu(state)[n]
+      want = (1 - beta) * g[n] + beta * prev[n]
+      step = np.repeat(np.asarray(m.scales), 256, axis=-1)
+      err = np.abs(np.asarray(quantized.dequantize(m, signed=True)) - np.asarray(want))
+      assert np.all(err <= step * (1 + 1e-5) + 1e-30), (t, n, float(err.max()))
+      assert np.abs(np.asarray(m.codes)).max() == 127
+
+
+def test_int8_momentum_update_equals_fused_step():
+  """update + apply and the fused step: the 8-bit momentum (codes, scales)
+  bitwise, the parameters to fp32 rounding; NorMuon takes it too."""
+  import fuseopt.optim as fo
+  import warnings
+  params = _int8_tree()
+  for make in (muon, fo.normuon):
+    tx = make(learning_rate=0.02, weight_decay=0.1, mu_dtype=jnp.int8,
+              newton_schulz=NewtonSchulz(dtype=jnp.float32))
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      s1 = s2 = tx.init(params)
+
+    @jax.jit
+    def reference(g, s, p):
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s
+
+    fused = jax.jit(lambda g, s, p: fo.step(tx, g, s, p))
+    p1 = p2 = params
+    for t in range(3):
+      g = _int8_grads(t, params)
+      p1, s1 = reference(g, s1, p1)
+      p2, s2 = fused(g, s2, p2)
+    for a, b in zip(jax.tree.leaves(_muon_mu(s1)), jax.tree.leaves(_muon_mu(s2))):
+      np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
+      np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+
+
+def test_mu_dtype_errors_list_every_accepted_value():
+  for bad, err in (("uint8", ValueError), ("bool", ValueError), (8, TypeError)):
+    for make in (lambda d: muon(0.1, mu_dtype=d), lambda d: scale_by_muon(mu_dtype=d)):
+      with pytest.raises(err, match=r"floating dtype.*'int8' \(8-bit codes, a scale per block of "
+                                    r"256\) or None"):
+        make(bad)

@@ -241,3 +241,31 @@ def test_sharded_muon_step_with_one_matrix_a_call_is_bitwise_the_unsharded_step(
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(w)[0], jax.tree.leaves(g)):
       np.testing.assert_array_equal(np.asarray(b), np.asarray(a),
                                     err_msg=f"step {t} {jax.tree_util.keystr(path)}")
+
+
+# Muon matrices with 8-bit momentum: last axes of whole blocks of 256, whole
+# blocks on each shard of the cols split (2048 / 8); an AdamW leaf.
+INT8_SHAPES = {"a": (512, 256), "b": (512, 256), "c": (64, 2048), "bias": (256,)}
+
+
+@pytest.mark.parametrize("kind,axis", [(AxisType.Explicit, 1), (AxisType.Auto, 0)],
+                         ids=["explicit-cols", "auto-rows"])
+def test_sharded_int8_momentum_step_is_bitwise_the_unsharded_step(kind, axis):
+  """mu_dtype='int8': the codes and scales shard with the leaf (scales on the
+  same spec) and every step's params and state equal the one-device step's."""
+  params = _tree(0, INT8_SHAPES)
+  grads = [_tree(10 + t, INT8_SHAPES) for t in range(3)]
+  want = _replay(fo.muon(1e-2, mu_dtype="int8"), params, grads)
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(kind,))
+  matrix = P("fsdp", None) if axis == 0 else P(None, "fsdp")
+  sh = {n: NamedSharding(mesh, matrix if len(s) == 2 else P()) for n, s in INT8_SHAPES.items()}
+  put = lambda t: jax.tree.map(jax.device_put, t, sh)
+  tx = fo.muon(1e-2, mu_dtype="int8",
+               execution=fo.Execution(shardings=None if kind == AxisType.Explicit else sh))
+  mu = tx.init(put(params)).inner_states["muon"].inner_state[0].mu
+  assert mu["c"].codes.sharding.spec == matrix and mu["c"].scales.sharding.spec == matrix
+  got = _replay(tx, put(params), [put(g) for g in grads])
+  for t, (w, g) in enumerate(zip(want, got)):
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(w)[0], jax.tree.leaves(g)):
+      np.testing.assert_array_equal(np.asarray(b), np.asarray(a),
+                                    err_msg=f"step {t} {jax.tree_util.keystr(path)}")
