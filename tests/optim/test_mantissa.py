@@ -119,6 +119,33 @@ def test_24_bit_masters_are_each_steps_fp32_result_rounded(name, fused):
     _assert_bitwise(s24.inner_state, s32, f"{name} step {t} state")
 
 
+@pytest.mark.parametrize("master_bits", [32, 24])
+def test_masters_compose_with_8_bit_moments(master_bits):
+  """bf16 parameters with a master on 8-bit moments (3 + 2.03 bytes a
+  parameter with a 24-bit master): the fused step stores what update +
+  apply_updates stores, and each step's master is the fp32 optimizer's step
+  of the previous master, rounded as the companion keeps it."""
+  make = lambda: fo.adamw(3e-3, weight_decay=0.1, moment_dtype="int8")
+  tx, tx32 = fo.track_mantissa(make(), master_bits=master_bits), make()
+  keys = jax.random.split(jax.random.key(5), 2)
+  p16 = {"w": jax.random.normal(keys[0], (8, 512)).astype(jnp.bfloat16),
+         "b": jax.random.normal(keys[1], (32,)).astype(jnp.bfloat16)}
+  lo = jnp.int16 if master_bits == 32 else jnp.int8
+  s = fused_s = tx.init(p16)
+  fused_p = p16
+  for t in range(3):
+    g = jax.tree.map(lambda x: jnp.cos(x.astype(jnp.float32) * (t + 2)).astype(jnp.bfloat16), p16)
+    p32, s32 = _runner(tx32, False)(jax.tree.map(lambda x: x.astype(jnp.float32), g), s.inner_state,
+                                    fo.master_params(p16, s))
+    p16, s = _runner(tx, False)(g, s, p16)
+    fused_p, fused_s = _runner(tx, True)(g, fused_s, fused_p)
+    _assert_bitwise(fo.master_params(p16, s), jax.tree.map(lambda x: bits.master(x, lo), p32),
+                    f"step {t} masters")
+    _assert_bitwise(fused_p, p16, f"step {t} fused params")
+    _assert_bitwise(fused_s, s, f"step {t} fused state")
+  assert type(s.inner_state[0].mu["w"]).__name__ == "QuantizedMoment"
+
+
 def test_master_bits_are_checked_by_name():
   for bad in (16, 23, "24", True):
     with pytest.raises(ValueError, match=r"master_bits must be one of \(32, 24\).*got"):
