@@ -74,12 +74,11 @@ def is_spec_or_none(x) -> bool:
 
 
 def broadcast_specs(specs, tree):
-  """Spreads a spec tree that may be a prefix of ``tree`` over its leaves."""
-  def spread(spec, sub):
-    if groups_lib.is_masked(spec):
-      return spec
-    return jax.tree.map(lambda _: spec, sub)
-  return jax.tree.map(spread, specs, tree, is_leaf=is_spec_or_none)
+  """Spreads a spec tree that may be a prefix of ``tree`` over its leaves
+  (``tree``'s containers kept: an nnx ``Variable`` holding a leaf another
+  partition masked stays one, with no leaf)."""
+  return jax.tree.map(lambda spec, sub: jax.tree.map(lambda _: spec, sub), specs, tree,
+                      is_leaf=is_spec_or_none)
 
 
 def declared_specs(declaration, tree) -> list:

@@ -65,14 +65,16 @@ def test_the_spec_is_read_once_a_step(make):
   assert dims.reads == 1
 
 
-def test_a_reader_reads_again_for_another_tree():
-  reader = muon_plan.SpecReader(lambda tree: [MDN()] * len(jax.tree.leaves(tree)))
+def test_a_reader_reads_once_a_tree_signature():
+  reads = []
+  reader = muon_plan.SpecReader(lambda tree: reads.append(1) or [MDN()] * len(jax.tree.leaves(tree)))
   a = {"w": jnp.zeros((4, 4))}
   assert reader(a) == (MDN(),)
-  assert reader({"w": jnp.zeros((4, 8))}) == (MDN(),)
-  assert len(reader._memo) == 2
   assert reader(jax.tree.map(lambda x: x + 1, a)) == (MDN(),)   # the same signature
-  assert len(reader._memo) == 2
+  assert len(reads) == 1
+  assert reader({"w": jnp.zeros((4, 8))}) == (MDN(),)           # another shape: another read
+  assert reader({"v": jnp.zeros((4, 4))}) == (MDN(),)           # another path
+  assert len(reads) == 3
 
 
 def _plan(tree, dims=DIMS, **kw):
@@ -107,13 +109,18 @@ def test_one_grouping_every_matrix_once():
 
 
 def test_a_budget_splits_a_family_into_calls_the_plan_records():
+  """Two (16, 40) matrices a call: mlp's two, then the experts' three (no
+  lone matrix in a batched family); each leaf knows its first and last call."""
   plan = _plan(_tree(0), max_elements=2 * 16 * 40)
-  family = [c for c in plan.calls if c.family and plan.leaves[c.family[0][0]].pieces[0][1:] == (16, 40)]
-  assert [sum(b - a for _, a, b in c.ranges) for c in family] == [2, 3]   # mlp 2, experts 3
-  experts = [i for i, leaf in enumerate(plan.leaves) if leaf.experts is not None]
-  assert len(experts) == 1
-  leaf = plan.leaves[experts[0]]
-  assert plan.calls[leaf.first_call] is not None and leaf.first_call <= leaf.last_call
+  family = [c for c in plan.calls if plan.leaves[c.family[0][0]].pieces[0][1:] == (16, 40)]
+  assert [sum(b - a for _, a, b in c.ranges) for c in family] == [2, 3]
+  for i, leaf in enumerate(plan.leaves):
+    taking = [k for k, c in enumerate(plan.calls) if i in c.leaves]
+    assert (leaf.first_call, leaf.last_call) == ((taking[0], taking[-1]) if taking else (None, None))
+  # One matrix a call: the experts' stack spans three calls.
+  plan = _plan(_tree(0), max_elements=16 * 40)
+  (experts,) = [leaf for leaf in plan.leaves if leaf.experts is not None]
+  assert experts.last_call - experts.first_call == 2
 
 
 def test_placement_is_a_property_of_the_plan():
