@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fuseopt.kernels import adam
-from fuseopt.kernels.adam import formats, quantized
+from fuseopt.kernels.adam import blocks, formats, int4, quantized
 from tests.kernels.harness import assert_bitwise_equal
 
 
@@ -20,10 +20,22 @@ def test_each_moment_has_its_format():
   assert formats.INT8.signature(q) == "int8"
 
 
-def test_fits_says_whether_a_shard_keeps_whole_blocks():
+def test_fits_says_whether_a_leaf_and_its_shards_keep_whole_blocks():
   assert formats.DENSE.fits((3, 5))
-  assert formats.INT8.fits((8, 512)) and not formats.INT8.fits((8, 128))
-  assert not formats.INT8.fits((8, 300))
+  assert formats.INT8.fits((8, 512)) and formats.INT4.fits((8, 512))
+  # Blocks over the trailing axes where the last does not divide (nnx q/k/v).
+  assert formats.INT8.fits((8, 128)) and formats.INT8.fits((16, 32, 64))
+  assert blocks.trailing_axes((16, 32, 64)) == 2 and blocks.trailing_axes((4, 512)) == 1
+  assert quantized.scales_shape((16, 32, 64)) == (16, 8)
+  assert int4.codes_shape((16, 32, 64)) == (16, 32, 32) and int4.scales_shape((16, 32, 64)) == (16, 16)
+  assert not formats.INT8.fits((8, 300)) and not formats.INT4.fits((8, 300))
+  assert formats.INT8.fits((512, 3)) and not formats.INT4.fits((512, 3))   # an odd last axis
+  # A shard keeps whole rows: the group's inner axes whole, its first one's shard whole rows.
+  assert formats.INT8.shard_fits((16, 32, 64), (16, 8, 64))
+  assert not formats.INT8.shard_fits((16, 32, 64), (16, 2, 64))
+  assert not formats.INT4.shard_fits((16, 32, 64), (16, 32, 32))
+  assert formats.INT8.shard_fits((8, 1024), (2, 1024)) and formats.INT8.shard_fits((8, 1024), (8, 256))
+  assert not formats.INT8.shard_fits((8, 1024), (8, 128))
 
 
 def test_kernel_layout_round_trips_and_specs_follow_the_leaf():
@@ -38,8 +50,16 @@ def test_kernel_layout_round_trips_and_specs_follow_the_leaf():
   assert formats.DENSE.kernel_layout(d).shape == (15,)
   assert formats.DENSE.restore(formats.DENSE.kernel_layout(d), d).shape == (3, 5)
   spec = jax.sharding.PartitionSpec("x", None)
-  assert formats.INT8.spec(spec) == quantized.QuantizedMoment(spec, spec)
-  assert formats.DENSE.spec(spec) == spec
+  assert formats.INT8.spec(spec, (2, 512)) == quantized.QuantizedMoment(spec, spec)
+  assert formats.DENSE.spec(spec, (2, 512)) == spec
+  P = jax.sharding.PartitionSpec
+  # The scales of a leaf blocked over its trailing axes: its blocked view's spec.
+  assert formats.INT4.spec(P(None, "x", None), (16, 32, 64)) == int4.PackedMoment(
+      P(None, "x", None), P(None, "x"))
+  p4 = int4.PackedMoment(jnp.zeros((16, 32, 32), jnp.uint8), jnp.zeros((16, 16), jnp.float32))
+  rows = formats.INT4.kernel_layout(p4)
+  assert rows.codes.shape == (128, int4.BLOCK) and rows.scales.shape == (128, 2)
+  assert formats.INT4.restore(rows, p4).codes.shape == (16, 32, 32)
 
 
 def test_a_tree_of_both_formats_runs_each_leaf_as_alone():

@@ -39,7 +39,7 @@ from fuseopt.kernels import dispatch
 from fuseopt.kernels import sharding as sharding_lib
 from fuseopt.kernels.adam.backends import BACKENDS
 from fuseopt.kernels.adam import mosaic_tpu  # each backend's SEARCH_SPACE and heuristic
-from fuseopt.kernels.adam import quantized
+from fuseopt.kernels.adam import formats
 from fuseopt.kernels.adam import tree as _tree
 from fuseopt.kernels.adam import triton
 from fuseopt.kernels.adam.math import adam_scalars
@@ -47,6 +47,7 @@ from fuseopt.kernels.adam.math import adam_seeds
 from fuseopt.kernels.adam.math import check_companion as _check_companion
 from fuseopt.kernels.adam.math import check_leaf as _check
 from fuseopt.kernels.adam.math import optax_safe_increment
+from fuseopt.kernels.adam.int4 import PackedMoment
 from fuseopt.kernels.adam.quantized import QuantizedMoment
 from fuseopt.kernels.adam.triton import TritonGroupConfig
 from fuseopt.kernels.elementwise_tiling import MosaicGPUConfig
@@ -59,7 +60,7 @@ OP_NAME = "adam_update"
 # is its home.
 TritonGroupConfig.__module__ = __name__
 
-__all__ = ["MosaicGPUConfig", "MosaicTPUConfig", "QuantizedMoment", "TritonConfig",
+__all__ = ["MosaicGPUConfig", "MosaicTPUConfig", "PackedMoment", "QuantizedMoment", "TritonConfig",
            "TritonGroupConfig", "adam_scalars", "adam_seeds", "adam_update",
            "adam_update_reference", "adam_update_tree", "optax_safe_increment"]
 
@@ -98,9 +99,11 @@ def adam_update(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0
     grads: the gradient, fp32 or bf16, same shape.
     mu, nu: the moments, fp32 or bf16, same shape; or both 8-bit,
       :class:`QuantizedMoment` (:mod:`.quantized`: int8 ``mu`` and uint8 ``nu``
-      codes, one fp32 scale per block of 256 along the last axis, which must
-      divide by 256), returned as new :class:`QuantizedMoment` s. Every
-      backend takes them (:mod:`.formats`: the format a type, one driver).
+      codes, one fp32 scale per block of 256), or both 4-bit,
+      :class:`PackedMoment` (:mod:`.int4`: two codes a byte, one fp32 scale
+      per block of 128); blocks lie along the last axis, or the trailing
+      axes together where the last does not divide (:mod:`.blocks`). Returned
+      in their format (:mod:`.formats`: the format a type, one driver).
     count: integer scalar (may be traced), the step number after increment;
       a concrete count must be >= 1.
     learning_rate, weight_decay: scalars (may be traced, e.g. a schedule's
@@ -154,9 +157,9 @@ def adam_update(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0
     a TypeError.
   """
   mu, nu = _check(params, grads, mu, nu)
-  if params_lo is not None and quantized.is_quantized(mu):
-    raise ValueError("adam_update: params_lo (mantissa tracking) with 8-bit moments is not "
-                     "supported; use bf16 or fp32 moments")
+  if params_lo is not None and formats.is_blockwise(mu):
+    raise ValueError("adam_update: params_lo (mantissa tracking) with blockwise (8-bit or "
+                     "4-bit) moments is not supported; use bf16 or fp32 moments")
   if params_lo is not None:
     params_lo = _check_companion(None if params is None else jnp.asarray(params), params_lo)
   seed = counter_hash.uint32_scalar(seed, name="seed", owner="adam_update")
@@ -271,9 +274,10 @@ def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9,
   scalars, seeds = [], []
   for i in range(n):
     mus[i], nus[i] = _check(ps[i] if apply else None, grads[i], mus[i], nus[i])
-    if los is not None and los[i] is not None and quantized.is_quantized(mus[i]):
-      raise ValueError(f"adam_update: params_lo[{i}] (mantissa tracking) with 8-bit moments "
-                       f"is not supported; use bf16 or fp32 moments for that leaf")
+    if los is not None and los[i] is not None and formats.is_blockwise(mus[i]):
+      raise ValueError(f"adam_update: params_lo[{i}] (mantissa tracking) with blockwise "
+                       f"(8-bit or 4-bit) moments is not supported; use bf16 or fp32 moments "
+                       f"for that leaf")
     key = wds[i] if isinstance(wds[i], (int, float)) else id(wds[i])
     if key not in packed:
       packed[key] = adam_scalars(count=count, learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,

@@ -22,7 +22,7 @@ from fuseopt.kernels import _validate
 from fuseopt.kernels import counter_hash
 from fuseopt.kernels import mantissa
 from fuseopt.kernels import pallas_common
-from fuseopt.kernels.adam import quantized
+from fuseopt.kernels.adam import formats
 
 # Layout of the fp32 scalar vector handed to every backend. GRAD_SCALE
 # multiplies g as it is loaded (a global-norm clip factor, 1.0 otherwise);
@@ -287,13 +287,15 @@ def adam_seeds(seed, step, leaf_index) -> jax.Array:
 
 def check_leaf(p, g, mu, nu):
   """The operands of one leaf; returns ``(mu, nu)`` as arrays, or checked
-  :class:`~fuseopt.kernels.adam.quantized.QuantizedMoment` pairs (8-bit
-  moments: both or neither)."""
+  moments of one blockwise format (8-bit
+  :class:`~fuseopt.kernels.adam.quantized.QuantizedMoment` or 4-bit
+  :class:`~fuseopt.kernels.adam.int4.PackedMoment`: both moments of one)."""
   g = jnp.asarray(g)
   moments = (("mu", mu), ("nu", nu))
-  if quantized.is_quantized(mu) or quantized.is_quantized(nu):
-    mu = quantized.check("mu", mu, g.shape, signed=True)
-    nu = quantized.check("nu", nu, g.shape, signed=False)
+  fmt = formats.of(mu) if formats.is_blockwise(mu) else formats.of(nu)
+  if fmt.quantized:
+    mu = fmt.check("mu", mu, g.shape, signed=True)
+    nu = fmt.check("nu", nu, g.shape, signed=False)
     moments = ()
   for name, a in (("grads", g),) + moments + ((("params", p),) if p is not None else ()):
     a = jnp.asarray(a)

@@ -1,11 +1,14 @@
 """Adam's moments in 8 bits: the blockwise format and its block arithmetic.
 
-A moment of a leaf whose last axis divides by :data:`BLOCK` is stored as a
-:class:`QuantizedMoment`: one 8-bit code per element and one fp32 scale per
-block of :data:`BLOCK` contiguous elements of the last axis (the scales have
-the leaf's shape with the last axis divided by :data:`BLOCK`, so codes and
-scales shard with the same ``PartitionSpec`` as the leaf). State bytes per
-parameter: ``2 + 2 * 4 / BLOCK`` = 2.03 (bf16 moments: 4; fp32: 8).
+A moment of a leaf with quantisation blocks (:mod:`.blocks`: along the last
+axis, or the trailing axes taken together where the last alone does not
+divide) is stored as a :class:`QuantizedMoment`: one 8-bit code per element
+(the leaf's shape) and one fp32 scale per block of :data:`BLOCK` contiguous
+elements of the blocked view (the scales have the blocked view's shape with
+its last axis divided by :data:`BLOCK`; the leaf's shape so divided wherever
+its last axis divides, so codes and scales shard with the leaf's
+``PartitionSpec``). State bytes per parameter: ``2 + 2 * 4 / BLOCK`` = 2.03
+(bf16 moments: 4; fp32: 8).
 
 - ``mu`` (int8, signed, linear): :math:`\\mu = c\\, s` with
   :math:`c \\in [-127, 127]` and :math:`s = \\max_{block} |\\mu| \\cdot fl(1/127)`.
@@ -46,9 +49,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fuseopt.kernels import sharding as sharding_lib
+from fuseopt.kernels.adam import blocks
+from fuseopt.kernels.adam.blocks import finite as _finite
+from fuseopt.kernels.adam.blocks import floor as _floor
+from fuseopt.kernels.adam.blocks import inverse as _inverse
+from fuseopt.kernels.adam.blocks import kept_on_skip, uniform  # noqa: F401 (the kernels' names)
 
-BLOCK = 256
+BLOCK = blocks.ROW
 MU_CODE_MAX = 127
 NU_CODE_MAX = 255
 MU_CODE_DTYPE = jnp.dtype(jnp.int8)
@@ -59,8 +66,8 @@ MOMENT_DTYPE_NAME = "int8"   # the ``moment_dtype`` that asks for this format
 
 class QuantizedMoment(NamedTuple):
   """One leaf's moment in 8 bits: ``codes`` (the leaf's shape; int8 for mu,
-  uint8 for nu) and ``scales`` (fp32, the leaf's shape with the last axis
-  divided by :data:`BLOCK`). A pytree; the value is :func:`dequantize`."""
+  uint8 for nu) and ``scales`` (fp32, the blocked view's shape with its last
+  axis divided by :data:`BLOCK`). A pytree; the value is :func:`dequantize`."""
   codes: jax.Array
   scales: jax.Array
 
@@ -81,20 +88,20 @@ def split_kernel_refs(refs, apply: bool):
 
 
 def fits(shape) -> bool:
-  """Whether a leaf of ``shape`` can hold 8-bit moments: a last axis that
-  divides into whole blocks."""
-  return len(shape) >= 1 and shape[-1] > 0 and shape[-1] % BLOCK == 0
+  """Whether a leaf of ``shape`` can hold 8-bit moments: trailing axes that
+  divide into whole blocks (:func:`.blocks.fits`)."""
+  return blocks.fits(shape)
 
 
 def scales_shape(shape) -> tuple[int, ...]:
-  return tuple(shape[:-1]) + (shape[-1] // BLOCK,)
+  return blocks.per_block_shape(shape, BLOCK)
 
 
 def zeros(shape, *, signed: bool) -> QuantizedMoment:
   """A zero moment of a leaf of ``shape`` (``signed``: mu's int8 codes)."""
   if not fits(shape):
-    raise ValueError(f"8-bit moments need a last axis divisible by {BLOCK}, got shape "
-                     f"{tuple(shape)}")
+    raise ValueError(f"8-bit moments need trailing axes whose product divides by {BLOCK}, "
+                     f"got shape {tuple(shape)}")
   return QuantizedMoment(jnp.zeros(shape, MU_CODE_DTYPE if signed else NU_CODE_DTYPE),
                          jnp.zeros(scales_shape(shape), SCALE_DTYPE))
 
@@ -107,22 +114,7 @@ def zeros_like(p, *, signed: bool) -> QuantizedMoment:
   ``jit`` (Auto axes, or no mesh set), as optax's own moments, the placement
   is XLA's to propagate."""
   z = zeros(jnp.shape(p), signed=signed)
-  codes = jnp.zeros_like(p, dtype=z.codes.dtype)
-  traced = isinstance(p, jax.core.Tracer)
-  # (traced: the type's sharding, on Explicit axes only; concrete: the array's)
-  sharding = getattr(jax.typeof(p) if traced else p, "sharding", None)
-  mesh = getattr(sharding, "mesh", None)
-  if (not isinstance(sharding, jax.sharding.NamedSharding) or not mesh.shape or mesh.size <= 1
-      or (traced and (jax.sharding.AxisType.Explicit not in mesh.axis_types
-                      or all(e is None for e in sharding.spec)
-                      # (a jit creating sharded arrays needs the mesh set)
-                      or not jax.sharding.get_abstract_mesh().shape))):
-    return QuantizedMoment(codes, z.scales)
-  fitted = jax.sharding.NamedSharding(mesh, sharding_lib.Placement(
-      mesh, sharding.spec).dividing_spec(z.scales.shape))
-  # (under jit, zeros_like leaves its result's type unsharded)
-  place = jax.sharding.reshard if traced else jax.device_put
-  return QuantizedMoment(place(codes, sharding), place(z.scales, fitted))
+  return QuantizedMoment(*blocks.place_like(p, z.codes, z.scales))
 
 
 def check(name: str, m, shape, *, signed: bool, owner: str = "adam_update"):
@@ -140,8 +132,8 @@ def check(name: str, m, shape, *, signed: bool, owner: str = "adam_update"):
     raise ValueError(f"{owner}: {name}.codes has shape {codes.shape}, expected the "
                      f"gradient's {tuple(shape)}")
   if not fits(shape):
-    raise ValueError(f"{owner}: 8-bit moments need a last axis divisible by {BLOCK}, the "
-                     f"gradient has shape {tuple(shape)}")
+    raise ValueError(f"{owner}: 8-bit moments need trailing axes whose product divides by "
+                     f"{BLOCK}, the gradient has shape {tuple(shape)}")
   if tuple(scales.shape) != scales_shape(shape):
     raise ValueError(f"{owner}: {name}.scales has shape {scales.shape}, expected "
                      f"{scales_shape(shape)} (one per block of {BLOCK})")
@@ -153,13 +145,6 @@ def nbytes(m: QuantizedMoment) -> int:
 
 
 # ----------------------------------------------------------- block math --
-def uniform(bits: jax.Array) -> jax.Array:
-  """fp32 uniform in [0, 1) from 32 hash bits: the top 24, exactly (a 24-bit
-  integer is an fp32; through int32, since not every backend converts
-  unsigned integers to floats)."""
-  return (bits >> 8).astype(jnp.int32).astype(jnp.float32) * jnp.float32(2.0 ** -24)
-
-
 def _codes_f32(codes):
   return codes.astype(jnp.int32).astype(jnp.float32)
 
@@ -177,29 +162,6 @@ def dequantize_nu(codes, scale):
 
 def _no_fence(x):
   return x
-
-
-def _inverse(scale):
-  """``1 / scale`` per block (1 where the scale is 0 or NaN: those codes are
-  overwritten), multiplied into the elements rather than dividing them: XLA
-  rewrites a division by a broadcast into a multiplication by its reciprocal
-  in some programs and not in others, which would round the codes of a
-  sharded step differently from the unsharded one's."""
-  return jnp.float32(1.0) / jnp.where(scale > 0, scale, jnp.ones_like(scale))
-
-
-def _floor(y):
-  """``floor(y)`` of fp32 ``y`` with ``|y| < 2**31``, written as a truncation
-  through int32 and a correction (exact, so the same bits as ``jnp.floor``):
-  Mosaic GPU lowers no ``floor``."""
-  t = y.astype(jnp.int32).astype(jnp.float32)
-  return t - jnp.where(t > y, 1.0, 0.0)
-
-
-def _finite(x):
-  """``isfinite(x)`` as a comparison (false for NaN and ±Inf): Mosaic GPU
-  lowers no ``is_finite``."""
-  return jnp.abs(x) < jnp.float32(jnp.inf)
 
 
 # The scales multiply by the fp32 reciprocals of the code ranges rather than
@@ -255,18 +217,9 @@ def quantize_nu(x, bits, scale=None, fence=_no_fence):
   return code.astype(jnp.int32).astype(NU_CODE_DTYPE), scale
 
 
-def kept_on_skip(keep_old, new, old):
-  """A skipped step's stored moment: the old ``codes`` or ``scales`` as they
-  were (``keep_old`` true, a scalar or a block), else the new. The step's
-  arithmetic keeps the dequantised values on a skip, but quantising them
-  again reduces a new scale from them, which can move by an ulp: the stored
-  state is selected instead, so a skipped step leaves it untouched."""
-  return jnp.where(keep_old, old, new)
-
-
 def dequantize(m: QuantizedMoment, *, signed: bool) -> jax.Array:
   """The fp32 value of a whole leaf's moment (tests, inspection)."""
   shape = m.codes.shape
-  blocks = m.codes.reshape(scales_shape(shape) + (BLOCK,))
+  codes = m.codes.reshape(scales_shape(shape) + (BLOCK,))
   f = dequantize_mu if signed else dequantize_nu
-  return f(blocks, m.scales[..., None]).reshape(shape)
+  return f(codes, m.scales[..., None]).reshape(shape)

@@ -17,6 +17,8 @@ from fuseopt.kernels import dispatch
 from fuseopt.kernels import fp_contract
 from fuseopt.kernels import mantissa
 from fuseopt.kernels import sharding as sharding_lib
+from fuseopt.kernels.adam import blocks
+from fuseopt.kernels.adam import int4
 from fuseopt.kernels.adam import quantized
 from fuseopt.kernels.adam.math import APPLY, SEED_BASE, adam_math, load_param, store
 
@@ -90,3 +92,47 @@ def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, index
                                          keep(mu_scale[..., 0], mu.scales)),
           quantized.QuantizedMoment(keep(nu_codes.reshape(shape), nu.codes),
                                     keep(nu_scale[..., 0], nu.scales)))
+
+
+def update_int4(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, index_map=None):
+  """One leaf with 4-bit moments (:mod:`.int4`; ``mu``, ``nu``
+  :class:`PackedMoment`); returns ``(out, mu, nu)``, the moments packed
+  again. The leaf is viewed as rows of two blocks, each half ``(..., R,
+  BLOCK)`` with its scale ``(..., R, 1)``: the kernels' arithmetic, half by
+  half."""
+  s = lambda k: scalars[k]
+  apply = p is not None
+  shape = g.shape
+  f32 = lambda x: x.astype(jnp.float32)
+  idx = lambda: sharding_lib.global_index(jax.lax.iota(jnp.uint32, g.size).reshape(shape),
+                                          index_map, seeds[SEED_BASE])
+  halves = lambda x: int4.halves(x, shape)
+  code_rows = lambda m: int4.unpack(m.codes.reshape(int4.row_view(shape)[:-2] + (int4.BLOCK,)))
+  mu_lo, mu_hi = code_rows(mu)
+  nu_lo, nu_hi = code_rows(nu)
+  mus_lo, mus_hi = int4.scale_halves(mu.scales, shape)
+  nus_lo, nus_hi = int4.scale_halves(nu.scales, shape)
+  mu32 = (int4.dequantize_mu(mu_lo, mus_lo), int4.dequantize_mu(mu_hi, mus_hi))
+  nu32 = (int4.dequantize_nu(nu_lo, nus_lo), int4.dequantize_nu(nu_hi, nus_hi))
+  p_h = halves(f32(p)) if apply else (None, None)
+  g_h = halves(f32(g))
+  i_h = halves(idx())
+  keep_old = scalars[APPLY] == 0
+  outs, mu_c, mu_s, nu_c, nu_s = [], [], [], [], []
+  for h in range(2):
+    out, mu_new, nu_new = adam_math(s, p_h[h], g_h[h], mu32[h], nu32[h], nesterov=nesterov,
+                                    apply=apply, reciprocal=True, fence=fp_contract.rounded)
+    outs.append(store(out, out_dtype, i_h[h], seeds[0]))
+    c, sc = int4.quantize_mu(mu_new, counter_hash.hash_bits(i_h[h], seeds[1]),
+                             fence=fp_contract.rounded)
+    mu_c.append(c)
+    mu_s.append(sc)
+    c, sc = int4.quantize_nu(nu_new, counter_hash.hash_bits(i_h[h], seeds[2]),
+                             fence=fp_contract.rounded)
+    nu_c.append(c)
+    nu_s.append(sc)
+  keep = lambda new, old: blocks.kept_on_skip(keep_old, new, old)
+  packed = lambda c, sc, old: int4.PackedMoment(
+      keep(int4.pack(*c).reshape(old.codes.shape), old.codes),
+      keep(int4.join_halves(*sc, shape), old.scales))
+  return (int4.join_halves(*outs, shape), packed(mu_c, mu_s, mu), packed(nu_c, nu_s, nu))

@@ -23,6 +23,7 @@ from fuseopt.kernels import dispatch
 from fuseopt.kernels import elementwise_tiling
 from fuseopt.kernels import mantissa
 from fuseopt.kernels import sharding as sharding_lib
+from fuseopt.kernels.adam import blocks
 from fuseopt.kernels.adam import formats
 from fuseopt.kernels.adam import reference
 from fuseopt.kernels.adam.backends import BACKENDS
@@ -134,6 +135,11 @@ def _groups_leaves(impl, group, config, fmt=formats.DENSE) -> bool:
           and isinstance(config, _backend(impl).MosaicGPUGroupConfig))
 
 
+def _groups_format(impl, fmt) -> bool:
+  """Whether backend ``impl`` has a grouped launch for moments of ``fmt``."""
+  return not fmt.quantized or fmt.entry(_backend(impl), "update_{}_group_jit") is not None
+
+
 def launch_chunks(sizes, max_leaves: int, *, by_size: bool = True) -> list[list[int]]:
   """The positions of ``sizes`` (one dtype signature's leaves, tree order)
   in grouped launches of at most ``max_leaves`` leaves.
@@ -223,7 +229,7 @@ def run_local(impl, scalars, seeds, ps, gs, mus, nus, *, nesterov, interpret, co
   for i in range(n):
     p, g, m, v = (ps[i] if apply else None), gs[i], mus[i], nus[i]
     fmt = formats.of(m)
-    grouped = _groups_leaves(impl, group, config, fmt)
+    grouped = _groups_leaves(impl, group, config, fmt) and _groups_format(impl, fmt)
     if grouped and g.size >= smallest:
       # (a tracked leaf has operands of its own: a launch of its own kind)
       sig = (p.dtype if apply else None, g.dtype, fmt.signature(m), fmt.signature(v),
@@ -249,12 +255,12 @@ def run_local(impl, scalars, seeds, ps, gs, mus, nus, *, nesterov, interpret, co
 
 def _run_quantized_group(impl, members, scalars, seeds, ps, gs, mus, nus, *, nesterov,
                          interpret, config, index_maps):
-  """The leaves ``members`` (8-bit moments, one dtype signature) in grouped
-  launches; returns ``{leaf: (out, mu, nu, None)}``, the bits of their
-  per-leaf launches."""
+  """The leaves ``members`` (blockwise moments of one format, one dtype
+  signature) in grouped launches; returns ``{leaf: (out, mu, nu, None)}``,
+  the bits of their per-leaf launches."""
   backend = _backend(impl)
   apply = ps is not None
-  fmt = formats.INT8
+  fmt = formats.of(mus[members[0]])
   sizes = [gs[i].size for i in members]
   cfg = (config if isinstance(config, backend.TritonGroupConfig)
          else backend.group_heuristic(sizes))
@@ -265,8 +271,8 @@ def _run_quantized_group(impl, members, scalars, seeds, ps, gs, mus, nus, *, nes
     args = (jnp.stack([scalars[i] for i in chunk]), jnp.stack([seeds[i] for i in chunk]),
             [rows(ps[i]) for i in chunk] if apply else None, [rows(gs[i]) for i in chunk],
             [fmt.kernel_layout(mus[i]) for i in chunk], [fmt.kernel_layout(nus[i]) for i in chunk])
-    run = functools.partial(backend.update_quantized_group_jit, nesterov=nesterov, config=cfg,
-                            interpret=dispatch.interpret_arg(impl, interpret),
+    run = functools.partial(fmt.entry(backend, "update_{}_group_jit"), nesterov=nesterov,
+                            config=cfg, interpret=dispatch.interpret_arg(impl, interpret),
                             index_maps=tuple(index_maps[i] for i in chunk))
     res = no_derivative(impl, run, *args)
     for i, (o, m, v) in zip(chunk, res):
@@ -276,33 +282,37 @@ def _run_quantized_group(impl, members, scalars, seeds, ps, gs, mus, nus, *, nes
 
 def _run_quantized(impl, scalars, seeds, p, g, mu, nu, *, nesterov, interpret, config,
                    index_map=None):
-  """One local leaf with 8-bit moments on ``impl`` (the reference where that
-  backend leaves this leaf, logged); returns ``(out, mu, nu)``."""
+  """One local leaf with blockwise moments on ``impl`` (the reference where
+  that backend leaves this leaf, or has no kernel for the format, logged);
+  returns ``(out, mu, nu)``."""
   out_dtype = (g if p is None else p).dtype
+  fmt = formats.of(mu)
   if impl != "xla":
     backend = _backend(impl)
     if not isinstance(config, backend.Config):
-      # (a grouped launch's config, or none: a sharded 8-bit leaf, or one on
-      # Mosaic GPU, runs one launch of its own, at the group's block)
+      # (a grouped launch's config, or none: a sharded blockwise leaf, or one
+      # on Mosaic GPU, runs one launch of its own, at the group's block)
       to_leaf = getattr(backend, "leaf_config", None)
       config = (to_leaf(config) if config is not None and to_leaf is not None
                 else backend.heuristic(g.size))
-    reason = (backend.quantized_leaf_reason(g, config, index_map) if impl == "mosaic_tpu"
-              else None)
+    why = fmt.entry(backend, "{}_leaf_reason")
+    if fmt.entry(backend) is None:
+      reason = f"no kernel for {fmt.name} moments"
+    else:
+      reason = why(g, config, index_map) if why is not None else None
     if reason is not None:
       dispatch.log_fallback(OP_NAME, impl, reason, runs="the reference")
       impl = "xla"
   if impl == "xla":
-    return reference.update_quantized(scalars, seeds, p, g, mu, nu, nesterov=nesterov,
-                                      out_dtype=out_dtype, index_map=index_map)
+    return fmt.entry(reference)(scalars, seeds, p, g, mu, nu, nesterov=nesterov,
+                                out_dtype=out_dtype, index_map=index_map)
   shape = g.shape
   run = functools.partial(
-      backend.update_quantized, nesterov=nesterov, out_dtype=out_dtype, config=config,
+      fmt.entry(backend), nesterov=nesterov, out_dtype=out_dtype, config=config,
       interpret=dispatch.interpret_arg(impl, interpret), index_map=index_map)
   if impl == "mosaic_tpu":
     # (in the leaf's own shape: the kernel picks a view that keeps the TPU layout)
     return no_derivative(impl, run, scalars, seeds, p, g, mu, nu)
-  fmt = formats.INT8
   rows = fmt.leaf_layout
   operands = (scalars, seeds, None if p is None else rows(p), rows(g), fmt.kernel_layout(mu),
               fmt.kernel_layout(nu))
@@ -368,14 +378,13 @@ def update_leaves(impl, scalars, seeds, ps, gs, mus, nus, placements, *, nestero
 
 def _fitting(impl, placement, shape, fmt):
   """``placement``, or where an even placement's shards would split ``fmt``'s
-  quantisation blocks, the same with the last axis whole."""
+  quantisation blocks, the same with the blocked trailing axes whole."""
   if not (isinstance(placement, sharding_lib.Placement) and placement.is_even(shape)
-          and not fmt.fits(placement.local_shape(shape))):
+          and not fmt.shard_fits(shape, placement.local_shape(shape))):
     return placement
-  dispatch.log_fallback(OP_NAME, impl, "a leaf with 8-bit moments whose shards split blocks",
-                        runs="the kernel with the last axis gathered")
-  spec = tuple(placement.spec) + (None,) * (len(shape) - len(placement.spec))
-  return sharding_lib.Placement(placement.mesh, jax.sharding.PartitionSpec(*spec[:-1], None))
+  dispatch.log_fallback(OP_NAME, impl, f"a leaf with {fmt.name} moments whose shards split "
+                        f"blocks", runs="the kernel with the blocked axes gathered")
+  return sharding_lib.Placement(placement.mesh, blocks.gathered_spec(placement.spec, shape))
 
 
 def _by_mesh(placements, gs):
@@ -405,7 +414,7 @@ def _run_sharded(run, impl, mesh, idx, placements, given, scalars, seeds, ps, gs
   pick = lambda arrays: [arrays[i] for i in idx]
   fmts = [formats.of(mus[i]) for i in idx]
   specs = [placements[i].spec for i in idx]
-  moment_specs = [f.spec(spec) for f, spec in zip(fmts, specs)]
+  moment_specs = [f.spec(spec, gs[i].shape) for f, spec, i in zip(fmts, specs, idx)]
   shapes = [gs[i].shape for i in idx]
   maps = [sharding_lib.index_map_of(s, placements[i].local_shape(s))
           for i, s in zip(idx, shapes)]
@@ -424,9 +433,10 @@ def _run_sharded(run, impl, mesh, idx, placements, given, scalars, seeds, ps, gs
     return out, mu, nu, [lo[j] for j in tracked]
 
   fit = lambda arrays: [sharding_lib.to_spec(arrays[i], placements[i]) for i in idx]
+  on = lambda i, spec: sharding_lib.Placement(placements[i].mesh, spec)
   fit_moments = lambda arrays: [
-      f.map(lambda a, i=i: sharding_lib.to_spec(a, placements[i]), arrays[i])
-      for f, i in zip(fmts, idx)]
+      f.map(lambda a, spec, i=i: sharding_lib.to_spec(a, on(i, spec)), arrays[i], ms)
+      for f, i, ms in zip(fmts, idx, moment_specs)]
   leaves = (fit(ps) if apply else []) + fit(gs) + fit_moments(mus) + fit_moments(nus)
   lo_leaves = [sharding_lib.to_spec(los[idx[j]], placements[idx[j]]) for j in tracked]
   lo_specs = [specs[j] for j in tracked]
@@ -437,17 +447,20 @@ def _run_sharded(run, impl, mesh, idx, placements, given, scalars, seeds, ps, gs
       (specs, moment_specs, moment_specs, lo_specs))(
           jnp.stack(pick(scalars)), jnp.stack(pick(seeds)), *leaves, *lo_leaves)
 
-  def back(y, x, i):
+  def back(y, x, i, spec=None):
     # x's own placement; a leaf run on another one (gathered), its given one
+    # (``spec``: the given spec of a moment's array, its codes' or scales')
     if placements[i] is given[i]:
       return sharding_lib.like(y, x)
-    return sharding_lib.put_back(y, x, given[i])
+    to = given[i] if spec is None else sharding_lib.Placement(given[i].mesh, spec)
+    return sharding_lib.put_back(y, x, to)
 
   # The moments keep their own placement (the direction follows the grads').
-  res_mu = [f.map(lambda y, x, i=i: back(y, x, i), y, mus[i])
-            for f, y, i in zip(fmts, res_mu, idx)]
-  res_nu = [f.map(lambda y, x, i=i: back(y, x, i), y, nus[i])
-            for f, y, i in zip(fmts, res_nu, idx)]
+  given_specs = [f.spec(given[i].spec, gs[i].shape) for f, i in zip(fmts, idx)]
+  res_mu = [f.map(lambda y, x, sp, i=i: back(y, x, i, sp), y, mus[i], gsp)
+            for f, y, i, gsp in zip(fmts, res_mu, idx, given_specs)]
+  res_nu = [f.map(lambda y, x, sp, i=i: back(y, x, i, sp), y, nus[i], gsp)
+            for f, y, i, gsp in zip(fmts, res_nu, idx, given_specs)]
   res_p = [y if apply and placements[i] is given[i] else back(y, ps[i] if apply else gs[i], i)
            for y, i in zip(res_p, idx)]
   new_lo = [None] * len(idx)

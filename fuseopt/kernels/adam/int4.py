@@ -1,0 +1,269 @@
+"""Adam's moments in 4 bits: the packed blockwise format and its block arithmetic.
+
+A moment is stored as a :class:`PackedMoment`: one 4-bit code per element,
+two codes a byte, and one fp32 scale per block of :data:`BLOCK` elements
+(the blocks of :mod:`.blocks`' blocked view: along the last axis, or the
+trailing axes taken together). State bytes per parameter:
+``2 * (1/2 + 4 / BLOCK)`` = 1.0625 for both moments (8-bit: 2.03; bf16: 4).
+
+Layout. The blocked view is cut into rows of :data:`ROW` = two blocks; byte
+``t`` of a row holds element ``t`` (low nibble) and element ``t + BLOCK``
+(high nibble). A kernel reading a row reads its two halves and one byte
+vector, each contiguous, on every backend; a row is the same 256 elements
+the 8-bit format's kernels read, so the two formats share the row grid.
+
+- ``mu`` (signed, square-root companded): :math:`\\mu = \\mathrm{sgn}(c)\\,
+  (|c| \\cdot fl(1/7))^2\\, s` with :math:`c \\in [-7, 7]` (two's complement in
+  the nibble) and :math:`s = \\max_{block} |\\mu|`. The levels are dense near
+  0: a block whose values spread over two decades keeps most of them off the
+  zero code (Dettmers et al. 2022, Li et al. 2023, "Memory Efficient
+  Optimizers with 4-bit States", arXiv 2309.01507: a linear 4-bit map rounds
+  most of such a block to 0).
+- ``nu`` (no zero code): :math:`\\nu = ((c + 1)\\, s)^2` with
+  :math:`c \\in [0, 15]` and :math:`s = \\sqrt{\\max_{block} \\nu} \\cdot 1/16`: 16
+  levels from :math:`\\max/256` to :math:`\\max`. Li et al. show that a zero
+  level for the second moment is what breaks 4-bit Adam (an element whose
+  ``nu`` reads 0 takes a step of ``lr * m / eps``); here a stored ``nu`` is 0
+  only in an all-zero block. Values below the first level read as it
+  (rounded up: a smaller step, never a larger one).
+
+Codes are written with the counter-hash stochastic rounding of the 8-bit
+format (:mod:`.quantized`): the seeds of the mu and nu streams, element
+``i`` (its flat index in the whole leaf) rounding up where
+``uniform(hash_bits(i, seed)) < frac``, ``frac`` the value's position between
+its two neighbouring levels in the value's own domain; so the stored value is
+unbiased between levels and the codes do not depend on a kernel's block, its
+grid or the leaf's sharding. No rank-1 normalisation (Li et al.'s second
+moment): it needs a second pass and, sharded, a reduction across shards.
+
+Non-finite values: as the 8-bit format, a block meeting a NaN or Inf gets a
+non-finite scale and codes 0. The functions below are plain ``jnp`` on
+half-rows ``(..., BLOCK)`` with their scale ``(..., 1)``, shared by the
+reference and the kernels.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fuseopt.kernels.adam import blocks
+
+BLOCK = 128
+ROW = 2 * BLOCK
+MU_LEVELS = 7          # |c| <= 7
+NU_LEVELS = 16         # c + 1 in [1, 16]
+CODE_DTYPE = jnp.dtype(jnp.uint8)
+SCALE_DTYPE = jnp.dtype(jnp.float32)
+MOMENT_DTYPE_NAME = "int4"   # the ``moment_dtype`` that asks for this format
+BYTES_PER_ELEMENT = 0.5 + SCALE_DTYPE.itemsize / BLOCK
+
+
+class PackedMoment(NamedTuple):
+  """One leaf's moment in 4 bits: ``codes`` (uint8, two a byte: the blocked
+  view with its last axis halved) and ``scales`` (fp32, the blocked view with
+  its last axis divided by :data:`BLOCK`). A pytree; the value is
+  :func:`fuseopt.kernels.adam.blocks.dequantize`."""
+  codes: jax.Array
+  scales: jax.Array
+
+
+def is_packed(x) -> bool:
+  return isinstance(x, PackedMoment)
+
+
+# --------------------------------------------------------------- nibbles --
+def pack(lo, hi):
+  """Two int32 nibble arrays (values 0..15) → one uint8 array."""
+  return (lo | (hi << 4)).astype(CODE_DTYPE)
+
+
+def unpack(byte):
+  """uint8 ``byte`` → its ``(low, high)`` nibbles as int32 (0..15)."""
+  b = byte.astype(jnp.int32)
+  return b & 15, b >> 4
+
+
+def _signed(nibble):
+  """A mu nibble (two's complement) → its code in [-8, 7] (int32)."""
+  return (nibble ^ 8) - 8
+
+
+# -------------------------------------------------------------- the math --
+_MU_STEP = 1.0 / MU_LEVELS
+_NU_STEP = 1.0 / NU_LEVELS
+
+
+def _no_fence(x):
+  return x
+
+
+def dequantize_mu(nibble, scale):
+  """fp32 ``mu`` of the int32 nibbles ``(..., B)`` with ``scale`` ``(..., 1)``."""
+  q = _signed(nibble).astype(jnp.float32) * jnp.float32(_MU_STEP)
+  return q * jnp.abs(q) * scale
+
+
+def dequantize_nu(nibble, scale):
+  """fp32 ``nu`` of the int32 nibbles ``(..., B)`` with ``scale`` ``(..., 1)``."""
+  a = (nibble + 1).astype(jnp.float32) * scale
+  return a * a
+
+
+def mu_scale(x, axis=-1):
+  """A block's ``mu`` scale, ``max |x|`` (reduced over ``axis``, kept as size 1; ``axis=None``: a scalar)."""
+  return jnp.max(jnp.abs(x), axis=axis, keepdims=axis is not None)
+
+
+def nu_scale(x, axis=-1):
+  """A block's ``nu`` scale, ``sqrt(max x) · 1/16``."""
+  return jnp.sqrt(jnp.max(x, axis=axis, keepdims=axis is not None)) * jnp.float32(_NU_STEP)
+
+
+def quantize_mu(x, bits, scale=None, fence=_no_fence):
+  """fp32 ``x`` ``(..., B)`` → ``(int32 nibbles, scale (..., 1))``: the
+  magnitude rounded stochastically between the neighbouring levels
+  ``(k/7)^2 s`` and ``((k+1)/7)^2 s`` (unbiased), the sign kept.
+  ``fence``: :func:`fuseopt.kernels.fp_contract.rounded` where XLA compiles
+  the arithmetic (no product contracted into the subtraction after it)."""
+  scale = mu_scale(x) if scale is None else scale
+  a = fence(jnp.abs(x) * blocks.inverse(scale))
+  t = jnp.clip(jnp.sqrt(a) * jnp.float32(MU_LEVELS), 0.0, MU_LEVELS - 1)
+  k = blocks.floor(t)
+  q0 = k * jnp.float32(_MU_STEP)
+  q1 = (k + 1.0) * jnp.float32(_MU_STEP)
+  below, above = fence(q0 * q0), fence(q1 * q1)
+  frac = (a - below) / (above - below)
+  mag = k + jnp.where(blocks.uniform(bits) < frac, 1.0, 0.0)
+  code = jnp.where(x < 0, -mag, mag)
+  code = jnp.where(blocks.finite(a) & blocks.finite(scale), code, 0.0)
+  return code.astype(jnp.int32) & 15, scale
+
+
+def quantize_nu(x, bits, scale=None, fence=_no_fence):
+  """fp32 ``x >= 0`` ``(..., B)`` → ``(int32 nibbles, scale (..., 1))``: the
+  multiplier ``c + 1`` rounded stochastically between ``k`` and ``k + 1``
+  (stored values ``(k s)^2``, ``((k+1) s)^2``: unbiased), at least 1 (no zero
+  code: values below ``s^2`` read as ``s^2``)."""
+  scale = nu_scale(x) if scale is None else scale
+  s = jnp.where(scale > 0, scale, jnp.ones_like(scale))
+  t = jnp.clip(jnp.sqrt(x) * blocks.inverse(scale), 1.0, NU_LEVELS - 1)
+  k = blocks.floor(t)
+  below, above = k * s, (k + 1.0) * s
+  below, above = fence(below * below), fence(above * above)
+  frac = (x - below) / (above - below)
+  m = k + jnp.where(blocks.uniform(bits) < frac, 1.0, 0.0)
+  code = jnp.where(blocks.finite(t) & blocks.finite(scale), m - 1.0, 0.0)
+  return code.astype(jnp.int32), scale
+
+
+# ------------------------------------------------------------- a leaf --
+def fits(shape) -> bool:
+  """Whether a leaf of ``shape`` can hold 4-bit moments: quantisation
+  blocks (:func:`.blocks.fits`) and an even last axis (the codes are the
+  leaf's shape with its last axis halved, so they shard as the leaf)."""
+  return blocks.fits(shape) and shape[-1] % 2 == 0
+
+
+def codes_shape(shape) -> tuple[int, ...]:
+  return tuple(shape[:-1]) + (shape[-1] // 2,)
+
+
+def scales_shape(shape) -> tuple[int, ...]:
+  return blocks.per_block_shape(shape, BLOCK)
+
+
+def leaf_shape(codes_shape_) -> tuple[int, ...]:
+  """The leaf's shape from its codes'."""
+  return tuple(codes_shape_[:-1]) + (2 * codes_shape_[-1],)
+
+
+def zeros(shape) -> PackedMoment:
+  """A zero moment (either sign: 0 codes and scales) of a leaf of ``shape``."""
+  if not fits(shape):
+    raise ValueError(f"4-bit moments need an even last axis and trailing axes whose product "
+                     f"divides by {ROW}, got shape {tuple(shape)}")
+  return PackedMoment(jnp.zeros(codes_shape(shape), CODE_DTYPE),
+                      jnp.zeros(scales_shape(shape), SCALE_DTYPE))
+
+
+def zeros_like(p) -> PackedMoment:
+  """:func:`zeros` placed like the leaf ``p`` (:func:`.blocks.place_like`)."""
+  z = zeros(jnp.shape(p))
+  return PackedMoment(*blocks.place_like(p, z.codes, z.scales))
+
+
+def check(name: str, m, shape, *, owner: str = "adam_update") -> PackedMoment:
+  """A :class:`PackedMoment` of a leaf of ``shape``; errors name ``name``."""
+  if not is_packed(m):
+    raise TypeError(f"{owner}: {name} must be a PackedMoment like the other moment, got "
+                    f"{type(m).__name__}")
+  codes, scales = jnp.asarray(m.codes), jnp.asarray(m.scales)
+  if codes.dtype != CODE_DTYPE:
+    raise TypeError(f"{owner}: {name}.codes must be uint8 (two 4-bit codes a byte), got "
+                    f"{codes.dtype}")
+  if scales.dtype != SCALE_DTYPE:
+    raise TypeError(f"{owner}: {name}.scales must be float32, got {scales.dtype}")
+  if not fits(shape):
+    raise ValueError(f"{owner}: 4-bit moments need an even last axis and trailing axes whose "
+                     f"product divides by {ROW}, the gradient has shape {tuple(shape)}")
+  if tuple(codes.shape) != codes_shape(shape):
+    raise ValueError(f"{owner}: {name}.codes has shape {codes.shape}, expected "
+                     f"{codes_shape(shape)} (the gradient's {tuple(shape)}, two codes a byte)")
+  if tuple(scales.shape) != scales_shape(shape):
+    raise ValueError(f"{owner}: {name}.scales has shape {scales.shape}, expected "
+                     f"{scales_shape(shape)} (one per block of {BLOCK})")
+  return PackedMoment(codes, scales)
+
+
+def nbytes(m: PackedMoment) -> int:
+  return m.codes.size * m.codes.dtype.itemsize + m.scales.size * m.scales.dtype.itemsize
+
+
+def row_view(shape) -> tuple[int, ...]:
+  """A leaf of ``shape`` as ``(..., R, 2, BLOCK)``: its blocked view's rows,
+  each as its two blocks."""
+  b = blocks.blocked_shape(shape)
+  return b[:-1] + (b[-1] // ROW, 2, BLOCK)
+
+
+def halves(x, shape):
+  """A leaf-shaped (or flat) array as the two halves of its rows, each
+  ``(..., R, BLOCK)``."""
+  r = x.reshape(row_view(shape))
+  return r[..., 0, :], r[..., 1, :]
+
+
+def scale_halves(scales, shape):
+  """A leaf's scales as the two halves' ``(..., R, 1)`` columns."""
+  s = scales.reshape(row_view(shape)[:-1])
+  return s[..., 0:1], s[..., 1:2]
+
+
+def join_halves(lo, hi, shape):
+  """Two ``(..., R, B)`` halves (or ``(..., R, 1)`` columns) back as one
+  array: the leaf's shape for elements, its scales' for columns."""
+  both = jnp.stack([lo, hi], axis=-2)
+  return both.reshape(shape if lo.shape[-1] == BLOCK else scales_shape(shape))
+
+
+def dequantize(m: PackedMoment, *, signed: bool) -> jax.Array:
+  """The fp32 value of a whole leaf's moment (conversion, tests, inspection)."""
+  shape = leaf_shape(m.codes.shape)
+  lo, hi = unpack(m.codes.reshape(row_view(shape)[:-2] + (BLOCK,)))
+  s_lo, s_hi = scale_halves(m.scales, shape)
+  f = dequantize_mu if signed else dequantize_nu
+  return join_halves(f(lo, s_lo), f(hi, s_hi), shape)
+
+
+def quantize(x, bits, *, signed: bool, fence=_no_fence) -> PackedMoment:
+  """A whole leaf's fp32 moment ``x`` in 4 bits, rounded with the uint32
+  ``bits`` (one per element, the leaf's shape)."""
+  shape = x.shape
+  (x_lo, x_hi), (b_lo, b_hi) = halves(x, shape), halves(bits, shape)
+  f = quantize_mu if signed else quantize_nu
+  (c_lo, s_lo), (c_hi, s_hi) = f(x_lo, b_lo, fence=fence), f(x_hi, b_hi, fence=fence)
+  return PackedMoment(pack(c_lo, c_hi).reshape(codes_shape(shape)),
+                      join_halves(s_lo, s_hi, shape))
