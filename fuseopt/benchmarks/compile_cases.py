@@ -151,46 +151,59 @@ def _adam_cases(impl: str) -> list[Case]:
     out += _adam_group_cases(impl)
   if impl == "triton":
     out += [_adam_group_mantissa_case(impl)] + _adam_int8_group_cases(impl)
+    out += _adam_int8_group_cases(impl, int4=True)
   out.append(_adam_int8_case(impl))
   out += [_adam_int8_case(impl, cfg) for cfg in space]
+  out.append(_adam_int8_case(impl, int4=True))
+  out += [_adam_int8_case(impl, cfg, int4=True) for cfg in space]
   return out
 
 
-def _adam_int8_group_cases(impl: str = "triton") -> list[Case]:
-  """The 1-layer Llama tree, 8-bit moments on every leaf, grouped launches."""
+def _blockwise_moments(shape, int4: bool):
+  """Abstract 8-bit (int8 mu, uint8 nu) or 4-bit (packed uint8) moments of a leaf."""
+  from fuseopt.kernels.adam import int4 as q4
+  from fuseopt.kernels.adam import quantized as q8
+  if int4:
+    m = q4.PackedMoment(_S(q4.codes_shape(shape), jnp.uint8), _S(q4.scales_shape(shape), F32))
+    return m, m
+  return tuple(q8.QuantizedMoment(_S(shape, d), _S(q8.scales_shape(shape), F32))
+               for d in (jnp.int8, jnp.uint8))
+
+
+def _adam_int8_group_cases(impl: str = "triton", int4: bool = False) -> list[Case]:
+  """The 1-layer Llama tree, 8-bit (or 4-bit) moments on every leaf, grouped launches."""
   from fuseopt.kernels import adam
-  from fuseopt.kernels.adam import quantized as q
   from fuseopt.kernels.adam.backends import BACKENDS
+  fmt = "int4" if int4 else "int8"
 
   def case(cfg):
     def build(t):
       leaves = _llama_leaves()
-      moms = [[q.QuantizedMoment(_S(x.shape, d), _S(q.scales_shape(x.shape), F32))
-               for x in leaves] for d in (jnp.int8, jnp.uint8)]
+      moms = list(zip(*[_blockwise_moments(x.shape, int4) for x in leaves]))
       fn = lambda ps, gs, mus, nus: adam.adam_update_tree(
           ps, gs, mus, nus, count=3, learning_rate=1e-3, weight_decay=0.1,
           implementation=impl, config=cfg, group=True)
-      return fn, (leaves, leaves, *moms), (0, 2, 3)
-    return Case(f"kernel/adam_update_tree/{impl}/llama-1-layer-int8/{_cfg_name(cfg)}", build,
+      return fn, (leaves, leaves, *[list(m) for m in moms]), (0, 2, 3)
+    return Case(f"kernel/adam_update_tree/{impl}/llama-1-layer-{fmt}/{_cfg_name(cfg)}", build,
                 full_only=cfg is not None, **_on(impl))
-  return [case(None)] + [case(c) for c in BACKENDS[impl].QUANTIZED_GROUP_SEARCH_SPACE]
+  space = BACKENDS[impl].QUANTIZED_GROUP_SEARCH_SPACE
+  return [case(None)] + [case(c) for c in space]
 
 
-def _adam_int8_case(impl: str, cfg=None) -> Case:
-  """8-bit moments (int8 mu, uint8 nu, fp32 scales per 256) on the MLP matrix,
-  each backend's 8-bit kernel: the heuristic config in CI, every config of
-  the backend's space in the full sweep."""
+def _adam_int8_case(impl: str, cfg=None, int4: bool = False) -> Case:
+  """8-bit moments (int8 mu, uint8 nu, fp32 scales per 256) or 4-bit ones
+  (packed, fp32 scales per 128) on the MLP matrix, each backend's blockwise
+  kernel: the heuristic config in CI, every config of the backend's space in
+  the full sweep."""
   from fuseopt.kernels import adam
-  from fuseopt.kernels.adam import quantized
 
   def build(t):
     def fn(p, g, mu, nu):
       return adam.adam_update(p, g, mu, nu, count=3, learning_rate=1e-3, weight_decay=0.1,
                               implementation=impl, config=cfg)
-    moment = lambda dtype: quantized.QuantizedMoment(
-        _S(_ADAM_SHAPE, dtype), _S(quantized.scales_shape(_ADAM_SHAPE), F32))
-    return fn, (_S(_ADAM_SHAPE), _S(_ADAM_SHAPE), moment(jnp.int8), moment(jnp.uint8)), (0, 2, 3)
-  return Case(f"kernel/adam_update/{impl}/int8-pf32-gf32/{_cfg_name(cfg)}", build,
+    return fn, (_S(_ADAM_SHAPE), _S(_ADAM_SHAPE), *_blockwise_moments(_ADAM_SHAPE, int4)), (0, 2, 3)
+  fmt = "int4" if int4 else "int8"
+  return Case(f"kernel/adam_update/{impl}/{fmt}-pf32-gf32/{_cfg_name(cfg)}", build,
               full_only=cfg is not None, **_on(impl))
 
 
