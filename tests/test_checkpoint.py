@@ -147,6 +147,7 @@ def _wide_params():
 
 
 _INT8 = {"adamw": lambda: fo.adamw(1e-2, weight_decay=0.1, moment_dtype="int8"),
+         "adamw_int4": lambda: fo.adamw(1e-2, weight_decay=0.1, moment_dtype="int4"),
          # Muon's momentum in 8 bits (w, e), the AdamW side's moments bf16 (norm)
          "muon": lambda: fo.muon(1e-2, weight_decay=0.1, mu_dtype="int8")}
 
@@ -174,7 +175,7 @@ def test_int8_moments_restore_and_continue_is_bitwise(name, tmp_path):
     assert mu["w"].codes.dtype == jnp.int8 and mu["e"].scales.shape == (4, 1)
   else:
     assert isinstance(restored[1][0].mu["w"], type(half[1][0].mu["w"]))
-    assert restored[1][0].mu["w"].codes.dtype == jnp.int8
+    assert restored[1][0].mu["w"].codes.dtype == (jnp.uint8 if "int4" in name else jnp.int8)
     assert restored[1][0].nu["w"].codes.dtype == jnp.uint8
   resumed = _run(update, *restored, range(2, 4))
   for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight)):

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fuseopt.kernels._validate import concrete_float
+from fuseopt.kernels.adam import int4
 from fuseopt.kernels.adam import quantized
 
 
@@ -133,29 +134,35 @@ def check_dtype(owner: str, name: str, value, allowed, *, optional: bool = True)
   return dtype
 
 
-# The name that asks for 8-bit moments (fuseopt.kernels.adam.quantized's format).
+# The names that ask for blockwise moments: 8-bit (fuseopt.kernels.adam.quantized)
+# and 4-bit (fuseopt.kernels.adam.int4).
 INT8 = quantized.MOMENT_DTYPE_NAME
+INT4 = int4.MOMENT_DTYPE_NAME
+BLOCKWISE = (INT8, INT4)
 # Every moment format the Adam kernel stores, as the messages list them.
-_MOMENT_FORMATS = f"float32, bfloat16, {INT8!r} (8-bit codes, a scale per block) or None"
+_MOMENT_FORMATS = (f"float32, bfloat16, {INT8!r} (8-bit codes, a scale per block of "
+                   f"{quantized.BLOCK}), {INT4!r} (4-bit codes, a scale per block of "
+                   f"{int4.BLOCK}) or None")
 
 
 def moment_format(owner: str, name: str, value):
   """``value`` as an Adam moment format: ``jnp.dtype(float32)``,
   ``jnp.dtype(bfloat16)`` (given as a dtype, its name or its scalar type),
-  :data:`INT8` (the name, or ``jnp.int8``) or None (optax's dtypes).
+  :data:`INT8` (the name, or ``jnp.int8``), :data:`INT4` (the name, or
+  ``jnp.int4``) or None (optax's dtypes).
 
   The one reading of ``moment_dtype``, where it enters
   (:func:`~fuseopt.optim.adam`, :func:`~fuseopt.optim.adamw`,
   :func:`~fuseopt.optim.scale_by_adam`, the Muon family,
   :func:`~fuseopt.optim.convert_moments`), so that every caller accepts the
-  same values and every refusal lists all four.
+  same values and every refusal lists all five.
   A ``TypeError`` for what is no dtype (``8``, ``"INT8"``), a ``ValueError``
   for a dtype the kernel has no format for (``uint8``, ``float16``)."""
   if value is None:
     return None
   hint = ""
   if isinstance(value, str) and value != value.lower() and value.lower() in (
-      "float32", "bfloat16", INT8):
+      "float32", "bfloat16", INT8, INT4):
     hint = f" (did you mean {value.lower()!r}?)"
   try:
     dtype = jnp.dtype(value)
@@ -164,6 +171,8 @@ def moment_format(owner: str, name: str, value):
                     f"{value!r}{hint}") from None
   if dtype == jnp.int8:
     return INT8
+  if dtype == jnp.int4:
+    return INT4
   if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
     raise ValueError(f"{owner}: {name} must be {_MOMENT_FORMATS}, got {dtype}")
   return dtype
@@ -181,7 +190,8 @@ def check_mu_dtype(owner: str, value):
     return None
   what = ("a floating dtype (e.g. float32 or bfloat16; complex for complex parameters: a dtype, "
           "its name or its scalar type) or None")
-  int8 = (f"; for 8-bit moments pass moment_dtype={INT8!r} (adam, adamw, scale_by_adam, and "
+  int8 = (f"; for 8-bit or 4-bit moments pass moment_dtype={INT8!r} or {INT4!r} (adam, adamw, "
+          f"scale_by_adam, and "
           f"the AdamW side of muon, normuon, muonclip; Muon's momentum: mu_dtype={INT8!r} of "
           f"muon, normuon, muonclip, scale_by_muon)")
   try:

@@ -32,7 +32,8 @@ import optax
 from fuseopt import kernels
 from fuseopt.kernels import mantissa as kernels_mantissa
 from fuseopt.kernels import sharding as kernel_sharding
-from fuseopt.kernels.adam import quantized
+from fuseopt.kernels.adam import blocks as kernel_blocks
+from fuseopt.kernels.adam import formats as kernel_formats
 from fuseopt.optim import _checks
 from fuseopt.optim.dtypes import KERNEL_DTYPES
 from fuseopt.optim import fusion
@@ -70,23 +71,26 @@ class FusedAdamTransformation(fusion.FusedTransformation):
   """
 
 
-# ``moment_dtype="int8"``: both moments in 8 bits (fuseopt.kernels.adam.quantized).
+# ``moment_dtype="int8"`` / ``"int4"``: both moments blockwise in 8 or 4 bits
+# (fuseopt.kernels.adam.quantized, fuseopt.kernels.adam.int4).
 INT8 = _checks.INT8
+BLOCKWISE = _checks.BLOCKWISE
 
 
-def _is_int8(dtype) -> bool:
-  if isinstance(dtype, str):
-    return dtype == INT8
+def _same_format(dtype, nu_dtype) -> bool:
+  """Whether ``mu_dtype`` ``dtype`` names the blockwise format ``nu_dtype``."""
   try:
-    return dtype is not None and jnp.dtype(dtype) == jnp.int8
-  except TypeError:
+    return dtype is not None and _checks.moment_format("", "", dtype) == nu_dtype
+  except (TypeError, ValueError):
     return False
 
 
 def _format_name(nu_dtype) -> str:
   """A moment format as the messages name it."""
-  if nu_dtype == INT8:
-    return f"8-bit moments (QuantizedMoment codes and scales, moment_dtype={INT8!r})"
+  if nu_dtype in BLOCKWISE:
+    fmt = kernel_formats.BY_NAME[nu_dtype]
+    return (f"{8 if nu_dtype == INT8 else 4}-bit moments ({fmt.moment_type.__name__} codes and "
+            f"scales, moment_dtype={nu_dtype!r})")
   if nu_dtype is None:
     return "moments in optax's dtypes (moment_dtype=None)"
   return f"{jnp.dtype(nu_dtype).name} moments (moment_dtype={jnp.dtype(nu_dtype).name!r})"
@@ -103,13 +107,14 @@ def _check_moment_format(owner, nu_dtype, mu):
   :func:`fuseopt.optim.step` refuses such a state by its structure; this is
   the same refusal at ``update``. A check of types and shapes only (free
   under ``jit``)."""
-  for path, m in jax.tree_util.tree_flatten_with_path(mu, is_leaf=quantized.is_quantized)[0]:
-    if quantized.is_quantized(m):
-      if nu_dtype == INT8:
+  blockwise = kernel_formats.is_blockwise
+  for path, m in jax.tree_util.tree_flatten_with_path(mu, is_leaf=blockwise)[0]:
+    if blockwise(m):
+      if kernel_formats.of(m).name == nu_dtype:
         continue
-      found = _format_name(INT8)
-    elif (nu_dtype == INT8 and jnp.result_type(m) in KERNEL_DTYPES
-          and quantized.fits(jnp.shape(m))):
+      found = _format_name(kernel_formats.of(m).name)
+    elif (nu_dtype in BLOCKWISE and jnp.result_type(m) in KERNEL_DTYPES
+          and kernel_formats.BY_NAME[nu_dtype].fits(jnp.shape(m))):
       found = f"{jnp.result_type(m).name} moments"
     else:
       continue
@@ -120,19 +125,19 @@ def _check_moment_format(owner, nu_dtype, mu):
         f"state's moment format")
 
 
-def _int8_moments(params):
-  """Zero moments for ``moment_dtype="int8"``: :class:`QuantizedMoment` pairs
-  for float32/bfloat16 leaves whose last axis divides into blocks of
-  ``quantized.BLOCK``, bf16 moments for the other such leaves (returned by
-  name), optax's for leaves of other dtypes."""
+def _blockwise_moments(params, fmt):
+  """Zero moments for a blockwise ``moment_dtype`` (format ``fmt``): its
+  moment pairs for float32/bfloat16 leaves with quantisation blocks
+  (:mod:`fuseopt.kernels.adam.blocks`), bf16 moments for the other such
+  leaves (returned by name), optax's for leaves of other dtypes."""
   leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
   mu, nu, fallback = [], [], []
   for path, p in leaves:
     shape, dtype = jnp.shape(p), jnp.result_type(p)
-    if dtype in KERNEL_DTYPES and quantized.fits(shape):
-      # (placed like the leaf: a sharded leaf's 8-bit moments are sharded too)
-      mu.append(quantized.zeros_like(p, signed=True))
-      nu.append(quantized.zeros_like(p, signed=False))
+    if dtype in KERNEL_DTYPES and fmt.fits(shape):
+      # (placed like the leaf: a sharded leaf's blockwise moments are sharded too)
+      mu.append(fmt.zeros_like(p, signed=True))
+      nu.append(fmt.zeros_like(p, signed=False))
       continue
     moment = jnp.bfloat16 if dtype in KERNEL_DTYPES else dtype
     if dtype in KERNEL_DTYPES:
@@ -211,14 +216,20 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
       are ``moment_dtype="int8"``.
     moment_dtype: dtype of both moments of float32/bfloat16 leaves,
       ``"bfloat16"`` (default), ``"float32"``, ``None`` (the parameters'
-      dtype, as optax), a dtype, its name or its scalar type; or ``"int8"``:
+      dtype, as optax), a dtype, its name or its scalar type; ``"int8"``:
       both moments in 8 bits, each a
       :class:`~fuseopt.kernels.adam.quantized.QuantizedMoment` (``codes``,
       ``scales``: int8 ``mu``, uint8 ``nu`` with square-root companding, one
-      fp32 scale per block of 256 along the last axis; 2.03 bytes of state per
-      parameter). A leaf whose last axis does not divide by 256 keeps bf16
-      moments (one warning at ``init`` names such leaves); ``mu_dtype`` must
-      then be None (or int8).
+      fp32 scale per block of 256; 2.03 bytes of state per parameter); or
+      ``"int4"``: both in 4 bits, each a
+      :class:`~fuseopt.kernels.adam.int4.PackedMoment` (two codes a byte,
+      ``mu`` signed square-root companded, ``nu`` 16 levels without a zero
+      code, one fp32 scale per block of 128; 1.06 bytes of state per
+      parameter). Blocks lie along the last axis, or the trailing axes taken
+      together where the last does not divide (:mod:`fuseopt.kernels.adam.blocks`);
+      a leaf with no such blocks (its size not a multiple of 256; for 4 bits,
+      an odd last axis too) keeps bf16 moments (one warning at ``init`` names
+      such leaves); ``mu_dtype`` must then be None (or the same format).
     seed: integer mixed into the rounding seeds (``None``: 0).
     execution: an :class:`~fuseopt.optim.Execution` record (or a mapping of
       its fields; ``None``: its defaults): a forced backend of
@@ -240,7 +251,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   """
   _check_hyper(b1, b2, eps, eps_root)
   nu_dtype = _checks.moment_format("scale_by_adam", "moment_dtype", moment_dtype)
-  mu_dtype = _check_int8(nu_dtype, mu_dtype, "scale_by_adam")
+  mu_dtype = _check_blockwise(nu_dtype, mu_dtype, "scale_by_adam")
   execution = _checks.as_record("scale_by_adam", "execution", execution, Execution)
   return _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, nu_dtype, seed, execution,
                         owner="scale_by_adam")
@@ -257,13 +268,14 @@ def _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, nu_dtype, seed,
   warned = []
 
   def init_fn(params):
-    if nu_dtype == INT8:
-      mu, nu, fallback = _int8_moments(params)
+    if nu_dtype in BLOCKWISE:
+      mu, nu, fallback = _blockwise_moments(params, kernel_formats.BY_NAME[nu_dtype])
       if fallback and not warned:
         warned.append(True)
-        warnings.warn(f"scale_by_adam: moment_dtype='int8' needs a last axis divisible by "
-                      f"{quantized.BLOCK}; these leaves keep bf16 moments: "
-                      f"{', '.join(fallback)}", stacklevel=2)
+        odd = " and an even last axis" if nu_dtype == _checks.INT4 else ""
+        warnings.warn(f"scale_by_adam: moment_dtype={nu_dtype!r} needs trailing axes whose "
+                      f"product divides by {kernel_blocks.ROW}{odd}; these leaves keep bf16 "
+                      f"moments: {', '.join(fallback)}", stacklevel=2)
       return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
     def zeros(p, which):
       return optax.tree.zeros_like(p, dtype=_moment_dtypes(p, mu_dtype, nu_dtype)[which])
@@ -274,12 +286,12 @@ def _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, nu_dtype, seed,
   def update_fn(updates, state, params=None):
     del params
     _check_moment_format(owner, nu_dtype, state.mu)
-    treedef = jax.tree.structure(state.mu, is_leaf=quantized.is_quantized)
+    treedef = jax.tree.structure(state.mu, is_leaf=kernel_formats.is_blockwise)
     g = [jnp.asarray(x) for x in treedef.flatten_up_to(updates)]
     mu, nu = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
     count = optax.safe_increment(state.count)
-    # (8-bit moments always take the kernel, which names a gradient dtype it cannot read)
-    fused = {i for i in range(len(g)) if quantized.is_quantized(mu[i])
+    # (blockwise moments always take the kernel, which names a gradient dtype it cannot read)
+    fused = {i for i in range(len(g)) if kernel_formats.is_blockwise(mu[i])
              or {g[i].dtype, mu[i].dtype, nu[i].dtype} <= set(KERNEL_DTYPES)}
     rest = [i for i in range(len(g)) if i not in fused]
     u, new_mu, new_nu = [None] * len(g), list(mu), list(nu)
@@ -309,16 +321,16 @@ def _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, nu_dtype, seed,
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _check_int8(nu_dtype, mu_dtype, owner):
-  """The ``mu_dtype`` to use: with ``moment_dtype="int8"`` None (it may be
-  given as None or int8 too; any other is a ValueError naming it), else
-  ``mu_dtype``, a floating dtype or None
+def _check_blockwise(nu_dtype, mu_dtype, owner):
+  """The ``mu_dtype`` to use: with a blockwise ``moment_dtype`` ("int8",
+  "int4") None (it may be given as None or that format too; any other is a
+  ValueError naming it), else ``mu_dtype``, a floating dtype or None
   (:func:`fuseopt.optim._checks.check_mu_dtype`)."""
-  if nu_dtype != INT8:
+  if nu_dtype not in BLOCKWISE:
     return _checks.check_mu_dtype(owner, mu_dtype)
-  if mu_dtype is not None and not _is_int8(mu_dtype):
-    raise ValueError(f"{owner}: mu_dtype must be None with moment_dtype='int8' (both moments "
-                     f"are stored in 8 bits), got {mu_dtype!r}")
+  if mu_dtype is not None and not _same_format(mu_dtype, nu_dtype):
+    raise ValueError(f"{owner}: mu_dtype must be None with moment_dtype={nu_dtype!r} (both "
+                     f"moments are stored in that format), got {mu_dtype!r}")
   return None
 
 
@@ -364,7 +376,7 @@ def _in_place(hp: AdamHyperparams, decay_at: Optional[int], lr_at: int):
     nu_leaves = treedef.flatten_up_to(adam_state.nu)
     for leaves in (p_leaves, g_leaves, mu_leaves, nu_leaves):
       for x in leaves:
-        if not quantized.is_quantized(x) and jnp.result_type(x) not in KERNEL_DTYPES:
+        if not kernel_formats.is_blockwise(x) and jnp.result_type(x) not in KERNEL_DTYPES:
           raise fusion.NotFusable(f"a {jnp.result_type(x)} leaf: the kernels take float32 "
                                   f"and bfloat16 only")
     # Only variants in use are asked for, so the plain call is today's (a
@@ -372,11 +384,11 @@ def _in_place(hp: AdamHyperparams, decay_at: Optional[int], lr_at: int):
     variants = {}
     if hp.cautious and any(not (isinstance(w, (int, float)) and w == 0.0) for w in wds):
       variants["cautious_weight_decay"] = True
-    # A tracked leaf on 8-bit moments: the blockwise kernels take no
+    # A tracked leaf on blockwise moments: the blockwise kernels take no
     # companion, so its master is joined before the kernel and split after it
     # (two more passes over the leaf, which XLA fuses with its neighbours).
     joined = {i: lo.dtype for i, (lo, m) in enumerate(zip(lo_leaves, mu_leaves))
-              if lo is not None and quantized.is_quantized(m)}
+              if lo is not None and kernel_formats.is_blockwise(m)}
     for i in joined:
       p_leaves[i], lo_leaves[i] = mantissa.master_of(mantissa.Tracked(p_leaves[i], lo_leaves[i])), None
       # the fp32 run's program: the gradient widened once in memory, as update() has it
@@ -439,7 +451,7 @@ def adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9
   _checks.check_rate("adam", "learning_rate", learning_rate)
   _check_hyper(b1, b2, eps, eps_root, "adam")
   nu_dtype = _checks.moment_format("adam", "moment_dtype", moment_dtype)
-  mu_dtype = _check_int8(nu_dtype, mu_dtype, "adam")
+  mu_dtype = _check_blockwise(nu_dtype, mu_dtype, "adam")
   execution = _checks.as_record("adam", "execution", execution, Execution)
   chain = optax.chain(
       _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, nu_dtype, seed, execution,
@@ -483,7 +495,7 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
   _checks.check_rate("adamw", "weight_decay", weight_decay)
   _check_hyper(b1, b2, eps, eps_root, "adamw")
   nu_dtype = _checks.moment_format("adamw", "moment_dtype", moment_dtype)
-  mu_dtype = _check_int8(nu_dtype, mu_dtype, "adamw")
+  mu_dtype = _check_blockwise(nu_dtype, mu_dtype, "adamw")
   execution = _checks.as_record("adamw", "execution", execution, Execution)
   chain = optax.chain(
       _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, nu_dtype, seed, execution,

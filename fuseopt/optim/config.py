@@ -19,31 +19,31 @@ from fuseopt.optim import groups as groups_lib
 from fuseopt.optim import schedules as schedules_lib
 
 __all__ = ["CAPABILITIES", "Capabilities", "OPTIMIZERS", "BF16_PARAMS", "BF16_MOMENT_OPTIMIZERS",
-           "CAUTIOUS_OPTIMIZERS", "MUON_OPTIMIZERS", "MOMENT_DTYPES", "INT8_MOMENT_OPTIMIZERS",
+           "CAUTIOUS_OPTIMIZERS", "MUON_OPTIMIZERS", "MOMENT_DTYPES", "BLOCKWISE_MOMENT_OPTIMIZERS",
            "OptimConfig"]
 
 @dataclasses.dataclass(frozen=True)
 class Capabilities:
   """What the builder may ask of one optimizer (:data:`CAPABILITIES`)."""
   bf16_moments: bool = False   # moments stored in bf16 (moment_dtype="bfloat16")
-  int8_moments: bool = False   # Adam's moments as 8-bit blockwise codes (moment_dtype="int8")
+  blockwise_moments: bool = False   # Adam's moments as 8-/4-bit blockwise codes (moment_dtype="int8"/"int4")
   muon_family: bool = False    # an AdamW side and Muon's parameter split
   cautious: bool = False       # cautious weight decay (a rate given as fuseopt.optim.cautious)
   weight_decay: bool = True    # weight decay among its own kwargs
 
 
 # Each optimizer's capabilities, declared once: the tuples below are read off it.
-# The Muon family keeps its momentum fp32 under moment_dtype="int8" (its AdamW
-# side's moments are the 8-bit ones).
+# The Muon family keeps its momentum fp32 under moment_dtype="int8"/"int4" (its
+# AdamW side's moments are the blockwise ones).
 CAPABILITIES = {
-    "adam": Capabilities(bf16_moments=True, int8_moments=True, weight_decay=False),
-    "adamw": Capabilities(bf16_moments=True, int8_moments=True, cautious=True),
+    "adam": Capabilities(bf16_moments=True, blockwise_moments=True, weight_decay=False),
+    "adamw": Capabilities(bf16_moments=True, blockwise_moments=True, cautious=True),
     "lamb": Capabilities(),
     "lion": Capabilities(bf16_moments=True),
     "adafactor": Capabilities(),
-    "muon": Capabilities(bf16_moments=True, int8_moments=True, muon_family=True, cautious=True),
-    "muonclip": Capabilities(bf16_moments=True, int8_moments=True, muon_family=True, cautious=True),
-    "normuon": Capabilities(bf16_moments=True, int8_moments=True, muon_family=True, cautious=True),
+    "muon": Capabilities(bf16_moments=True, blockwise_moments=True, muon_family=True, cautious=True),
+    "muonclip": Capabilities(bf16_moments=True, blockwise_moments=True, muon_family=True, cautious=True),
+    "normuon": Capabilities(bf16_moments=True, blockwise_moments=True, muon_family=True, cautious=True),
 }
 
 
@@ -58,8 +58,8 @@ CAUTIOUS_OPTIMIZERS = _having("cautious")
 # ``bf16_params`` -> the master bits of its companion (None: stochastic rounding, no master).
 BF16_PARAMS = {"stochastic": None, "mantissa": 32, "mantissa24": 24}
 # The moment formats a config names (fuseopt.optim.adamw's moment_dtype, by name).
-MOMENT_DTYPES = ("float32", "bfloat16", "int8")
-INT8_MOMENT_OPTIMIZERS = _having("int8_moments")
+MOMENT_DTYPES = ("float32", "bfloat16", "int8", "int4")
+BLOCKWISE_MOMENT_OPTIMIZERS = _having("blockwise_moments")
 _NO_DECAY_OPTIMIZERS = tuple(name for name, c in CAPABILITIES.items() if not c.weight_decay)
 
 
@@ -136,12 +136,13 @@ class OptimConfig:
       default (Muon: ``b1``/``b2`` are its AdamW side's, its momentum is
       ``optimizer_kwargs["beta"]``).
     moment_dtype: the moments' format, :func:`~fuseopt.optim.adamw`'s
-      ``moment_dtype`` by name: ``"float32"`` (default), ``"bfloat16"`` or
-      ``"int8"``; bf16 only for :data:`BF16_MOMENT_OPTIMIZERS` (the Muon
-      family's momentum too); int8 (Adam's moments as 8-bit codes with one
-      fp32 scale per 256 elements, docs/adam.md) only for
-      :data:`INT8_MOMENT_OPTIMIZERS`, where the Muon family keeps its
-      momentum in fp32 and stores its AdamW side's moments in int8.
+      ``moment_dtype`` by name: ``"float32"`` (default), ``"bfloat16"``,
+      ``"int8"`` or ``"int4"``; bf16 only for :data:`BF16_MOMENT_OPTIMIZERS`
+      (the Muon family's momentum too); int8 / int4 (Adam's moments as 8-bit
+      codes with one fp32 scale per 256 elements, or 4-bit codes with one per
+      128, docs/adam.md) only for :data:`BLOCKWISE_MOMENT_OPTIMIZERS`, where
+      the Muon family keeps its momentum in fp32 and stores its AdamW side's
+      moments in that format.
     param_groups: :class:`~fuseopt.optim.groups.ParamGroup` records (or their
       dicts); empty means one group for everything.
     clip_norm: global-norm clip threshold over all gradients; 0 or ``inf``
@@ -286,10 +287,11 @@ class OptimConfig:
       raise ValueError(f"OptimConfig.moment_dtype='bfloat16': optimizer {self.optimizer!r} cannot "
                        f"keep bf16 moments; use one of {BF16_MOMENT_OPTIMIZERS} or "
                        f"moment_dtype='float32'")
-    if self.moment_dtype == "int8" and self.optimizer not in INT8_MOMENT_OPTIMIZERS:
-      raise ValueError(f"OptimConfig.moment_dtype='int8': optimizer {self.optimizer!r} cannot "
-                       f"keep 8-bit moments; use one of {INT8_MOMENT_OPTIMIZERS} or "
-                       f"moment_dtype='float32'")
+    if self.moment_dtype in ("int8", "int4") and self.optimizer not in BLOCKWISE_MOMENT_OPTIMIZERS:
+      bits = self.moment_dtype[3:]
+      raise ValueError(f"OptimConfig.moment_dtype={self.moment_dtype!r}: optimizer "
+                       f"{self.optimizer!r} cannot keep {bits}-bit moments; use one of "
+                       f"{BLOCKWISE_MOMENT_OPTIMIZERS} or moment_dtype='float32'")
     if self.optimizer in _NO_DECAY_OPTIMIZERS and self.weight_decay > 0:
       raise ValueError(f"OptimConfig.weight_decay: optimizer {self.optimizer!r} has no weight decay "
                        f"(got {self.weight_decay}); use 'adamw'")

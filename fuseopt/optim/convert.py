@@ -4,7 +4,8 @@
 and ``update`` / :func:`fuseopt.optim.step` advanced, or a checkpoint of it)
 and gives the same state with every Adam moment (``ScaleByAdamState.mu`` and
 ``nu``, wherever they are: the AdamW side of the Muon family included) in
-another format: fp32, bf16 or 8-bit (:mod:`fuseopt.kernels.adam.quantized`).
+another format: fp32, bf16, 8-bit (:mod:`fuseopt.kernels.adam.quantized`) or
+4-bit (:mod:`fuseopt.kernels.adam.int4`).
 The result has the structure, shapes and dtypes ``tx.init`` gives for that
 format, so a transform built with the new ``moment_dtype`` takes it.
 """
@@ -20,7 +21,7 @@ import optax
 
 from fuseopt.kernels import counter_hash
 from fuseopt.kernels import fp_contract
-from fuseopt.kernels.adam import quantized
+from fuseopt.kernels.adam import formats
 from fuseopt.optim import _checks
 
 __all__ = ["convert_moments"]
@@ -32,24 +33,25 @@ def convert_moments(state: Any, moment_dtype: Any, *, seed: int = 0) -> Any:
   Args:
     state: an optimizer state of fuseopt's (or optax's) Adam family, any
       nesting of chains, partitions and masks.
-    moment_dtype: ``"float32"``, ``"bfloat16"`` or ``"int8"`` (the
-      ``moment_dtype`` of :func:`fuseopt.optim.adamw`: a dtype, its name or
-      its scalar type). To 8 bits, a leaf whose last axis does not divide into
-      quantisation blocks keeps bf16 moments, as ``tx.init`` does.
-    seed: the counter-hash seed of the 8-bit codes' stochastic rounding
+    moment_dtype: ``"float32"``, ``"bfloat16"``, ``"int8"`` or ``"int4"``
+      (the ``moment_dtype`` of :func:`fuseopt.optim.adamw`: a dtype, its name
+      or its scalar type). To 8 or 4 bits, a leaf without quantisation blocks
+      keeps bf16 moments, as ``tx.init`` does.
+    seed: the counter-hash seed of the blockwise codes' stochastic rounding
       (leaf ``i``'s codes are rounded with ``derive_seed(seed, 0, i,
       STREAM_MU / STREAM_NU)``, ``i`` its position among the state's moment
       leaves): the same state and seed give the same codes.
 
   Returns:
-    The state, every ``mu`` and ``nu`` converted: 8-bit moments dequantised,
-    then cast (fp32 exactly; bf16 rounded to nearest) or quantised again;
+    The state, every ``mu`` and ``nu`` converted: blockwise moments
+    dequantised, then cast (fp32 exactly; bf16 rounded to nearest) or
+    quantised again;
     the counts and every other part of the state as they were.
   """
   target = _checks.moment_format("convert_moments", "moment_dtype", moment_dtype)
   if target is None:
-    raise ValueError("convert_moments: moment_dtype must name a format: float32, bfloat16 "
-                     "or 'int8', got None")
+    raise ValueError("convert_moments: moment_dtype must name a format: float32, bfloat16, "
+                     "'int8' or 'int4', got None")
   counter = [0]
 
   def moments(tree, signed):
@@ -59,7 +61,7 @@ def convert_moments(state: Any, moment_dtype: Any, *, seed: int = 0) -> Any:
       i = counter[0]
       counter[0] += 1
       return _convert(m, target, signed=signed, seed=seed, leaf_index=i)
-    return jax.tree.map(one, tree, is_leaf=lambda x: quantized.is_quantized(x)
+    return jax.tree.map(one, tree, is_leaf=lambda x: formats.is_blockwise(x)
                         or isinstance(x, optax.MaskedNode))
 
   def adam_state(s):
@@ -72,20 +74,17 @@ def convert_moments(state: Any, moment_dtype: Any, *, seed: int = 0) -> Any:
 
 
 def _convert(m, target, *, signed: bool, seed: int, leaf_index: int):
-  value = (quantized.dequantize(m, signed=signed) if quantized.is_quantized(m)
+  value = (formats.of(m).dequantize(m, signed=signed) if formats.is_blockwise(m)
            else jnp.asarray(m).astype(jnp.float32))
-  if target != _checks.INT8:
+  if target not in _checks.BLOCKWISE:
     return value.astype(target)
+  fmt = formats.BY_NAME[target]
   shape = value.shape
-  if not quantized.fits(shape):
+  if not fmt.fits(shape):
     return value.astype(jnp.bfloat16)   # as tx.init: a leaf without whole blocks
   stream = counter_hash.STREAM_MU if signed else counter_hash.STREAM_NU
   leaf_seed = counter_hash.derive_seed(seed, 0, np.uint32(leaf_index), stream)
-  bshape = quantized.scales_shape(shape) + (quantized.BLOCK,)
-  index = jax.lax.iota(jnp.uint32, value.size).reshape(bshape)
-  bits = counter_hash.hash_bits(index, leaf_seed)
-  if signed:
-    codes, scale = quantized.quantize_mu(value.reshape(bshape), bits)
-  else:   # (its squares rounded before their subtractions: the same codes in any program)
-    codes, scale = quantized.quantize_nu(value.reshape(bshape), bits, fence=fp_contract.rounded)
-  return quantized.QuantizedMoment(codes.reshape(shape), scale[..., 0])
+  index = jax.lax.iota(jnp.uint32, value.size).reshape(shape)
+  # (squares rounded before their subtractions: the same codes in any program)
+  return fmt.quantize(value, counter_hash.hash_bits(index, leaf_seed), signed=signed,
+                      fence=fp_contract.rounded)

@@ -301,10 +301,10 @@ def _adamw(learning_rate, b1, b2, eps, eps_root, weight_decay, mu_dtype, moment_
   keeps optax's dtypes (mu in ``mu_dtype`` or the parameter's, nu in the
   parameter's); a leaf the kernel cannot take (float16, say) runs optax's
   arithmetic with ``mu_dtype``, so its update keeps the parameter's dtype.
-  With 8-bit moments both of the AdamW side's moments are 8-bit: ``mu_dtype``
+  With blockwise (8-bit or 4-bit) moments both of the AdamW side's moments are in that format: ``mu_dtype``
   is then Muon's momentum's alone; so is an 8-bit ``mu_dtype`` ("int8": the
   AdamW side's moments are then ``moment_dtype``'s, mu included)."""
-  if moment_dtype == _checks.INT8 or _checks.muon_mu_dtype("muon", mu_dtype) == _checks.INT8:
+  if moment_dtype in _checks.BLOCKWISE or _checks.muon_mu_dtype("muon", mu_dtype) == _checks.INT8:
     mu_dtype = None
   return adam_transforms.adamw(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                                mu_dtype=mu_dtype, weight_decay=weight_decay, nesterov=nesterov,

@@ -1,6 +1,6 @@
-"""fo.scale_by_adam / adam / adamw with ``moment_dtype="int8"``: the state, its
-bytes, the fallback of leaves that do not divide into blocks, the fused step,
-optax.inject_hyperparams."""
+"""fo.scale_by_adam / adam / adamw with blockwise moments (``moment_dtype="int8"``
+and ``"int4"``): the state, its bytes, the fallback of leaves that do not
+divide into blocks, the fused step, optax.inject_hyperparams."""
 
 import functools
 import math
@@ -14,6 +14,7 @@ import pytest
 
 import fuseopt.optim as fo
 from fuseopt.benchmarks import workloads
+from fuseopt.kernels.adam import int4 as Q4
 from fuseopt.kernels.adam import quantized as Q
 
 
@@ -58,13 +59,27 @@ def test_state_layout_and_fallback_warning():
   assert adam_state.mu["b"].dtype == jnp.bfloat16 and adam_state.nu["b"].dtype == jnp.bfloat16
 
 
-def test_state_bytes_of_the_llama_tree():
-  """2 + 8/256 bytes a parameter: 2.03, at most 2.05 (the promise)."""
+def test_int4_state_layout_blocks_over_trailing_axes():
+  """4-bit moments: packed codes (the leaf's last axis halved), a scale per
+  128 of the blocked view; an nnx-shaped (d, heads, 64) leaf is blocked over
+  its trailing axes, an odd last axis keeps bf16."""
+  params = {"q": jnp.ones((8, 4, 64)), "w": jnp.ones((8, 512)), "odd": jnp.ones((256, 3))}
+  with pytest.warns(UserWarning, match=r"'int4' needs .*even last axis.*\['odd'\]"):
+    state = fo.adamw(1e-3, moment_dtype="int4").init(params)
+  mu = state[0].mu
+  assert isinstance(mu["q"], Q4.PackedMoment) and mu["q"].codes.shape == (8, 4, 32)
+  assert mu["q"].scales.shape == (8, 2) and mu["w"].scales.shape == (8, 4)
+  assert mu["odd"].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("fmt,most", [("int8", 2.05), ("int4", 1.1)])
+def test_state_bytes_of_the_llama_tree(fmt, most):
+  """8-bit: 2 + 8/256 bytes a parameter (2.03); 4-bit: 1 + 8/128 (1.06)."""
   params = workloads.llama_tree()
-  state = jax.eval_shape(fo.adamw(1e-3, moment_dtype="int8").init, params)
+  state = jax.eval_shape(fo.adamw(1e-3, moment_dtype=fmt).init, params)
   n = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
   state_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))
-  assert state_bytes / n <= 2.05, state_bytes / n
+  assert state_bytes / n <= most, state_bytes / n
   bf16 = jax.eval_shape(fo.adamw(1e-3).init, params)
   assert sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(bf16)) / n >= 4
 
@@ -78,12 +93,13 @@ def test_bad_arguments_are_named():
     fo.adam(1e-3, moment_dtype="uint8")
 
 
-@pytest.mark.parametrize("impl", ["xla", "triton"])
-def test_fused_step_equals_update_and_apply(impl):
+@pytest.mark.parametrize("impl,fmt", [("xla", "int8"), ("triton", "int8"), ("xla", "int4")])
+def test_fused_step_equals_update_and_apply(impl, fmt):
   """fo.step and tx.update + apply_updates: the same moments bit for bit, and
   (fp32 leaves) the same parameters, over three steps."""
   params = _params()
-  tx = fo.adamw(1e-2, weight_decay=0.1, moment_dtype="int8", seed=5, execution=fo.Execution(implementation=impl, interpret=True))
+  tx = fo.adamw(1e-2, weight_decay=0.1, moment_dtype=fmt, seed=5,
+                execution=fo.Execution(implementation=impl, interpret=True))
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     state = tx.init(params)

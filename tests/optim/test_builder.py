@@ -134,8 +134,8 @@ def test_the_moment_format_has_one_name_from_yaml_to_kernel():
   with pytest.raises(TypeError, match="state_dtype"):
     OptimConfig(optimizer="adamw", learning_rate=1e-3, state_dtype="int8")
   with pytest.raises(ValueError, match=r"moment_dtype must be one of \('float32', 'bfloat16', "
-                                       r"'int8'\), got 'int4'"):
-    OptimConfig(optimizer="adamw", learning_rate=1e-3, moment_dtype="int4")
+                                       r"'int8', 'int4'\), got 'int2'"):
+    OptimConfig(optimizer="adamw", learning_rate=1e-3, moment_dtype="int2")
   with pytest.raises(ValueError, match=r"execution has unknown fields \['adam_moment_dtype'\]"):
     build_optimizer(dict(optimizer="muon", learning_rate=1e-3,
                          optimizer_kwargs={"execution": {"adam_moment_dtype": "int8"}}), 10)
@@ -366,5 +366,5 @@ def test_each_optimizer_is_declared_once_and_built():
   from fuseopt.optim import builder, config
   assert tuple(builder.OPTIMIZER_MAP) == config.OPTIMIZERS == tuple(config.CAPABILITIES)
   caps = config.CAPABILITIES
-  assert config.INT8_MOMENT_OPTIMIZERS == tuple(n for n in caps if caps[n].int8_moments)
+  assert config.BLOCKWISE_MOMENT_OPTIMIZERS == tuple(n for n in caps if caps[n].blockwise_moments)
   assert set(config.MUON_OPTIMIZERS) <= set(config.CAUTIOUS_OPTIMIZERS)

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import fuseopt.optim as fo
-from fuseopt.kernels.adam import quantized
+from fuseopt.kernels.adam import formats, quantized
 
 
 def _params():
@@ -46,7 +46,8 @@ def _layout(state):
 
 @pytest.mark.parametrize("source,target", [("float32", "int8"), ("int8", "bfloat16"),
                                            ("bfloat16", "float32"), ("int8", "float32"),
-                                           ("float32", "bfloat16")])
+                                           ("float32", "bfloat16"), ("int8", "int4"),
+                                           ("int4", "float32")])
 def test_converted_state_is_what_init_gives_and_resumes(source, target):
   params = _params()
   params, state = _advanced(source, params)
@@ -61,8 +62,8 @@ def test_converted_state_is_what_init_gives_and_resumes(source, target):
 
 
 def _value(m, signed):
-  return quantized.dequantize(m, signed=signed) if quantized.is_quantized(m) else m.astype(
-      jnp.float32)
+  return (formats.of(m).dequantize(m, signed=signed) if formats.is_blockwise(m)
+          else m.astype(jnp.float32))
 
 
 def test_values_survive_the_round_trip_within_the_formats_resolution():
@@ -107,8 +108,8 @@ def test_muon_adamw_side_is_converted_and_momentum_kept():
   assert len(before) == len(after) == 1 and after[0].dtype == before[0].dtype
 
 
-@pytest.mark.parametrize("bad", [None, "int4", jnp.float16])
+@pytest.mark.parametrize("bad", [None, "uint4", jnp.float16])
 def test_a_format_not_offered_is_refused_naming_the_accepted(bad):
   _, state = _advanced("float32", _params(), steps=1)
-  with pytest.raises((ValueError, TypeError), match="float32.*bfloat16.*int8|int8"):
+  with pytest.raises((ValueError, TypeError), match="float32.*bfloat16.*int8.*int4|int8.*int4"):
     fo.convert_moments(state, bad)

@@ -388,7 +388,7 @@ _MOMENT_FORMAT_READERS = {
 }
 
 
-@pytest.mark.parametrize("value,error", [("int4", ValueError), ("uint8", ValueError),
+@pytest.mark.parametrize("value,error", [("int2", ValueError), ("uint8", ValueError),
                                          (jnp.uint8, ValueError), ("INT8", TypeError),
                                          (8, TypeError)])
 @pytest.mark.parametrize("reader", sorted(_MOMENT_FORMAT_READERS))
@@ -400,7 +400,7 @@ def test_a_refused_moment_format_lists_every_accepted_one(reader, value, error):
   with pytest.raises(error, match=names) as info:
     make(value)
   message = str(info.value)
-  for accepted in ("float32", "bfloat16", "'int8'", "None"):
+  for accepted in ("float32", "bfloat16", "'int8'", "'int4'", "None"):
     assert accepted in message, message
   if value == "INT8":
     assert "did you mean 'int8'?" in message, message
