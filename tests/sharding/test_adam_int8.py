@@ -1,7 +1,8 @@
-"""8-bit Adam moments on 8 CPU devices: codes and scales shard with their leaf,
-and a sharded fused step is bitwise the unsharded one (FSDP on rows or on
-columns, Explicit and Auto meshes, the reference and the Triton, Mosaic TPU and
-Mosaic GPU kernels)."""
+"""Blockwise (8-bit, 4-bit) Adam moments on 8 CPU devices: codes and scales
+shard with their leaf, and a sharded fused step is bitwise the unsharded one
+(FSDP on rows or on columns, Explicit and Auto meshes, the reference and the
+Triton, Mosaic TPU and Mosaic GPU kernels; a leaf blocked over its trailing
+axes, whose column shards split its rows and run gathered)."""
 
 import warnings
 
@@ -12,19 +13,22 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import fuseopt.optim as fo
+from fuseopt.kernels.adam import formats
 from fuseopt.kernels.adam import quantized as Q
 
 
 def _tree(seed):
-  k = jax.random.split(jax.random.key(seed), 4)
+  k = jax.random.split(jax.random.key(seed), 5)
   return {"w": jax.random.normal(k[0], (16, 512)),        # cols: 64 a shard, blocks straddle
           "stack": jax.random.normal(k[1], (8, 1, 2048)),  # cols: 256 a shard, whole blocks
           "bias": jax.random.normal(k[2], (256,)),
-          "odd": jax.random.normal(k[3], (6, 10))}          # bf16 moments (no whole block)
+          "odd": jax.random.normal(k[3], (6, 10)),          # bf16 moments (no whole block)
+          "q": jax.random.normal(k[4], (16, 8, 64))}        # blocked over (8, 64); cols: gathered
 
 
-SPECS = {"rows": {"w": P("x"), "stack": P("x"), "bias": P(), "odd": P()},
-         "cols": {"w": P(None, "x"), "stack": P(None, None, "x"), "bias": P("x"), "odd": P()}}
+SPECS = {"rows": {"w": P("x"), "stack": P("x"), "bias": P(), "odd": P(), "q": P("x")},
+         "cols": {"w": P(None, "x"), "stack": P(None, None, "x"), "bias": P("x"), "odd": P(),
+                  "q": P(None, "x")}}
 
 
 def _run(tx, params, grads_seq, shardings=None, **step_args):
@@ -62,10 +66,16 @@ _KINDS = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
 # interpret mode costs 20-30 s a run on the CPU, on a diagonal that still
 # takes each mesh kind and each FSDP axis once (rows on one, columns on the
 # other, crossed between the two).
-_RUNS = ([(impl, False if impl == "xla" else True, case, kind) for impl in ("xla", "triton")
-          for case in ("rows", "cols") for kind in _KINDS]
-         + [("mosaic_tpu", True, "rows", "explicit"), ("mosaic_tpu", True, "cols", "auto"),
-            ("mosaic_gpu", True, "cols", "explicit"), ("mosaic_gpu", True, "rows", "auto")])
+_RUNS = ([(impl, False if impl == "xla" else True, case, kind, "int8")
+          for impl in ("xla", "triton") for case in ("rows", "cols") for kind in _KINDS]
+         + [("mosaic_tpu", True, "rows", "explicit", "int8"),
+            ("mosaic_tpu", True, "cols", "auto", "int8"),
+            ("mosaic_gpu", True, "cols", "explicit", "int8"),
+            ("mosaic_gpu", True, "rows", "auto", "int8"),
+            # 4-bit: the reference on both meshes and axes, each kernel once
+            ("xla", False, "rows", "explicit", "int4"), ("xla", False, "cols", "auto", "int4"),
+            ("triton", True, "cols", "explicit", "int4"),
+            ("mosaic_gpu", True, "rows", "auto", "int4")])
 
 
 # The Triton kernel in interpret mode is its body compiled by XLA:CPU as a
@@ -79,13 +89,15 @@ _MARKS = {"triton": [pytest.mark.fma_off]}
 _STEP_ARGS = {"triton": {"group": True}}
 
 
-@pytest.mark.parametrize("impl,interp,case,kind", [
-    pytest.param(*r[:3], _KINDS[r[3]], id="-".join((r[3], r[2], r[0])), marks=_MARKS.get(r[0], []))
+@pytest.mark.parametrize("impl,interp,case,kind,fmt", [
+    pytest.param(*r[:3], _KINDS[r[3]], r[4], id="-".join((r[3], r[2], r[0], r[4])),
+                 marks=_MARKS.get(r[0], []))
     for r in _RUNS])
-def test_sharded_int8_step_is_bitwise(impl, interp, case, kind):
+def test_sharded_blockwise_step_is_bitwise(impl, interp, case, kind, fmt):
   params = _tree(0)
   grads_seq = [_tree(10 + t) for t in range(2)]   # the second reads the first's codes
-  tx = fo.adamw(1e-2, weight_decay=0.1, seed=3, moment_dtype="int8", execution=fo.Execution(implementation=impl, interpret=interp))
+  tx = fo.adamw(1e-2, weight_decay=0.1, seed=3, moment_dtype=fmt,
+                execution=fo.Execution(implementation=impl, interpret=interp))
   step_args = _STEP_ARGS.get(impl, {})
   want_p, want_s = _run(tx, params, grads_seq, **step_args)
 
@@ -102,7 +114,8 @@ def test_sharded_int8_step_is_bitwise(impl, interp, case, kind):
   got_s = state
   for g in grads_seq:
     got_p, got_s = update(got_p, got_s, put(g))
-  assert isinstance(got_s[0].mu["stack"], Q.QuantizedMoment)
+  assert formats.of(got_s[0].mu["stack"]).name == fmt
+  assert formats.of(got_s[0].mu["q"]).name == fmt
   for a, b in zip(jax.tree.leaves((got_p, got_s)), jax.tree.leaves((want_p, want_s))):
     assert a.dtype == b.dtype and a.shape == b.shape
     np.testing.assert_array_equal(np.atleast_1d(np.asarray(a)).view(np.uint8),
