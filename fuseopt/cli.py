@@ -265,6 +265,11 @@ def cmd_report(args, out=print) -> int:
     changed = quality_report.render(adam_page, quality)
     if changed is not None:
       out(f"{adam_page}: quality table {'updated' if changed else 'unchanged'}")
+  from fuseopt.benchmarks import memory
+  if adam_page.exists():
+    changed = memory.render(adam_page, args.results / "compiled")
+    if changed is not None:
+      out(f"{adam_page}: memory table {'updated' if changed else 'unchanged'}")
   return 0
 
 

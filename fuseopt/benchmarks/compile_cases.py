@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from fuseopt import targets as targets_lib
 from fuseopt.benchmarks import compile_steps
+from fuseopt.benchmarks import memory
 from fuseopt.benchmarks.compile_harness import Case
 
 F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
@@ -495,7 +496,7 @@ def cases(target, *, full: bool = False, kinds: tuple[str, ...] = KINDS,
   if "kernel" in kinds:
     every += kernel_cases()
   if "step" in kinds:
-    every += step_cases() + variant_step_cases()
+    every += step_cases() + variant_step_cases() + memory.step_cases()
   if "sharded" in kinds and 8 in t.topologies:
     every += sharded_cases()
   if "scale" in kinds:

@@ -71,6 +71,8 @@ WD = 0.1
 F32, BF16 = jnp.float32, jnp.bfloat16
 INT8_BOUND = 0.1
 INT8_SCALES = 2 * 4 / 256          # one fp32 scale per 256 elements, for each moment
+INT4_SCALES = 2 * 4 / 128          # one fp32 scale per 128 elements, for each moment
+INT4_BOUND = 0.3
 FLASH_SCALES = 2 * 2 / 32          # one fp16 scale per 32 elements, for each moment
 DEFAULT = "fuseopt_step"           # the default call's label in both cases
 INT8 = "fuseopt_step[int8]"        # the default call on 8-bit moments
@@ -150,6 +152,11 @@ def optimizers(platform: str) -> dict[str, Variant]:
                             F32, "p fp32, mu and nu 8-bit (fp32 scale per 256)",
                             4 + 2 + INT8_SCALES, 16 + 2 * INT8_SCALES, platform,
                             wd + ", moment_dtype='int8')"))
+  # 4-bit moments: two codes a byte and one fp32 scale per 128 elements.
+  out[DEFAULT + "[int4]"] = Variant(
+      fo.adamw(LR, weight_decay=WD, moment_dtype="int4"), "step", F32,
+      "p fp32, mu and nu 4-bit (fp32 scale per 128)", 4 + 1 + INT4_SCALES,
+      14 + 2 * INT4_SCALES, f"fo.step(tx, grads, state, params); tx = {wd}, moment_dtype='int4')")
   if platform == "gpu":
     out.update({k: v for k, v in flashoptim_optimizers().items() if v.params == F32})
   return out
@@ -169,6 +176,15 @@ def bf16_optimizers(platform: str) -> dict[str, Variant]:
         fo.adamw(LR, weight_decay=WD, execution=fo.Execution(implementation="xla")), "step",
         BF16, stores, 6, 14, f"fo.step(tx, grads, state, params); tx = {wd}, "
         f"execution=fo.Execution(implementation='xla'))")
+  # bf16 params with a 24-bit master (an int8 companion) on blockwise moments:
+  # p 2 + companion 1 + g 2 + the moments, read; p, companion, moments written.
+  for fmt, moments, scales in (("int8", 2, INT8_SCALES), ("int4", 1, INT4_SCALES)):
+    out[f"{DEFAULT}[master24,{fmt}]"] = Variant(
+        fo.track_mantissa(fo.adamw(LR, weight_decay=WD, moment_dtype=fmt), master_bits=24),
+        "step", BF16, f"p bf16 + int8 companion (24-bit master), mu and nu {fmt[3:]}-bit",
+        3 + moments + scales, 8 + 2 * moments + 2 * scales,
+        f"fo.step(tx, grads, state, params); tx = fo.track_mantissa({wd}, "
+        f"moment_dtype={fmt!r}), master_bits=24)")
   if platform == "gpu":
     out.update({k: v for k, v in flashoptim_optimizers().items() if v.params == BF16})
   return out
@@ -298,7 +314,8 @@ def cases(size: str, platform: str):
           # ulp of ~1e-4 at |p| ~ 0.02). 8-bit moments: one step from zero
           # moments moves each parameter by about lr * sign(g); the codes'
           # rounding is the error.
-          bound = (0.3 if v.params == BF16 else INT8_BOUND if "int8" in label else 1e-3)
+          bound = (0.3 if v.params == BF16 else INT8_BOUND if "int8" in label
+                   else INT4_BOUND if "int4" in label else 1e-3)
           figures[f"ok[{label}]"] = bool(finite and np.isfinite(e) and e < bound)
       if DEFAULT in outs and "fuseopt_step[xla]" in outs:
         frac, worst = _moment_mismatch(outs[DEFAULT][1][0], outs["fuseopt_step[xla]"][1][0])
