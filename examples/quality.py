@@ -151,6 +151,8 @@ MODES = {
                      _adamw("bfloat16", 24)),
     "master24-int8": Mode("bf16 params + 24-bit master, 8-bit moments", jnp.bfloat16,
                           _adamw("int8", 24)),
+    "master24-int4": Mode("bf16 params + 24-bit master, 4-bit moments", jnp.bfloat16,
+                          _adamw("int4", 24)),
     "sr": Mode("bf16 params, stochastic rounding, bf16 moments", jnp.bfloat16,
                _adamw("bfloat16")),
     "flashoptim": Mode("flashoptim-jax: bf16 params + 24-bit master, 8-bit moments", jnp.bfloat16,

@@ -49,7 +49,7 @@ def load(m):
 
 def store_int8(x32, count, leaf_index, stream, keep=None, old=None):
   """fp32 ``x32`` as an 8-bit momentum: :func:`~fuseopt.kernels.adam.quantized.quantize_mu`
-  over blocks of 256 along the last axis, element ``i`` (its flat index in
+  over blocks of 256 of the leaf's blocked view (:mod:`fuseopt.kernels.adam.blocks`), element ``i`` (its flat index in
   the whole leaf) rounded with ``hash_bits(i, derive_seed(MUON_SEED, count,
   leaf_index, stream))``, so the codes do not depend on sharding or fusion.
   ``keep`` (broadcastable to ``x32``, or None): where true the ``old``
@@ -67,7 +67,8 @@ def store_int8(x32, count, leaf_index, stream, keep=None, old=None):
     return new
   kept = jnp.all(jnp.broadcast_to(keep, shape).reshape(bshape), axis=-1)
   return quantized.QuantizedMoment(
-      quantized.kept_on_skip(jnp.repeat(kept, quantized.BLOCK, axis=-1), new.codes, old.codes),
+      quantized.kept_on_skip(jnp.repeat(kept, quantized.BLOCK, axis=-1).reshape(shape),
+                             new.codes, old.codes),
       quantized.kept_on_skip(kept, new.scales, old.scales))
 
 

@@ -262,9 +262,9 @@ def direction_transform(direction: muon_pipeline.Direction) -> optax.GradientTra
 
 
 def _int8_momentum(params, warned):
-  """8-bit momentum leaves for ``params`` (``mu_dtype="int8"``): a leaf whose
-  last axis does not divide by the block keeps bf16 momentum, named in one
-  warning (the first ``init``)."""
+  """8-bit momentum leaves for ``params`` (``mu_dtype="int8"``): a leaf without
+  quantisation blocks (its size not a multiple of 256) keeps bf16 momentum,
+  named in one warning (the first ``init``)."""
   fallback = []
 
   def one(path, p):
@@ -276,8 +276,8 @@ def _int8_momentum(params, warned):
   mu = jax.tree_util.tree_map_with_path(one, params)
   if fallback and not warned:
     warned.append(True)
-    warnings.warn(f"scale_by_muon: mu_dtype='int8' needs a last axis divisible by "
-                  f"{quantized.BLOCK}; these leaves keep bf16 momentum: {', '.join(fallback)}",
+    warnings.warn(f"scale_by_muon: mu_dtype='int8' needs trailing axes whose product divides "
+                  f"by {quantized.BLOCK}; these leaves keep bf16 momentum: {', '.join(fallback)}",
                   stacklevel=3)
   return mu
 

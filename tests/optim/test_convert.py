@@ -108,6 +108,28 @@ def test_muon_adamw_side_is_converted_and_momentum_kept():
   assert len(before) == len(after) == 1 and after[0].dtype == before[0].dtype
 
 
+@pytest.mark.parametrize("factory", ["muon", "normuon"])
+def test_muon_momentum_converts_to_8_bits_and_back(factory):
+  """momentum_dtype: Muon's momentum in the layout init gives for that
+  mu_dtype (a leaf blocked over its trailing axes included), the run resumes,
+  and back to fp32 within one code step of each block."""
+  make = getattr(fo, factory)
+  params = {"w": jnp.ones((8, 512)), "q": jnp.ones((8, 4, 64)), "b": jnp.ones((7,))}
+  grads = jax.tree.map(lambda p: 0.01 * jnp.sin(jnp.arange(p.size, dtype=jnp.float32)
+                                                 .reshape(p.shape)), params)
+  tx = make(1e-2, weight_decay=0.1)
+  params, state = jax.jit(lambda g, s, p: fo.step(tx, g, s, p))(grads, _init(tx, params), params)
+  tx8 = make(1e-2, weight_decay=0.1, mu_dtype="int8")
+  new = fo.convert_moments(state, momentum_dtype="int8")
+  assert _layout(new) == _layout(_init(tx8, params))
+  jax.jit(lambda g, s, p: fo.step(tx8, g, s, p))(grads, new, params)
+  back = fo.convert_moments(new, momentum_dtype="float32")
+  assert _layout(back) == _layout(state)
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(state)):
+    if a.shape == (8, 512):   # the momentum of Muon's matrix
+      np.testing.assert_allclose(a, b, atol=float(jnp.max(jnp.abs(b))) / 127)
+
+
 @pytest.mark.parametrize("bad", [None, "uint4", jnp.float16])
 def test_a_format_not_offered_is_refused_naming_the_accepted(bad):
   _, state = _advanced("float32", _params(), steps=1)
