@@ -384,15 +384,8 @@ def _in_place(hp: AdamHyperparams, decay_at: Optional[int], lr_at: int):
     variants = {}
     if hp.cautious and any(not (isinstance(w, (int, float)) and w == 0.0) for w in wds):
       variants["cautious_weight_decay"] = True
-    # A tracked leaf on blockwise moments: the blockwise kernels take no
-    # companion, so its master is joined before the kernel and split after it
-    # (two more passes over the leaf, which XLA fuses with its neighbours).
-    joined = {i: lo.dtype for i, (lo, m) in enumerate(zip(lo_leaves, mu_leaves))
-              if lo is not None and kernel_formats.is_blockwise(m)}
-    for i in joined:
-      p_leaves[i], lo_leaves[i] = mantissa.master_of(mantissa.Tracked(p_leaves[i], lo_leaves[i])), None
-      # the fp32 run's program: the gradient widened once in memory, as update() has it
-      g_leaves[i] = kernels_mantissa.widen_once(g_leaves[i])
+    # (a tracked leaf's companion goes to the kernel whatever its moments'
+    # format: the master is read and written in the step's one pass)
     if any(lo is not None for lo in lo_leaves):
       variants["params_lo"] = lo_leaves
     outs = kernels.adam_update_tree(
@@ -409,8 +402,6 @@ def _in_place(hp: AdamHyperparams, decay_at: Optional[int], lr_at: int):
     new_p, mu, nu = outs[:3]
     if "params_lo" in variants:
       new_p = mantissa.pair(new_p, outs[3])
-    new_p = [mantissa.Tracked(*kernels_mantissa.split_once(x, joined[i])) if i in joined else x
-             for i, x in enumerate(new_p)]
     new_adam = optax.ScaleByAdamState(count=ctx.keep(count, adam_state.count),
                                       mu=treedef.unflatten(mu), nu=treedef.unflatten(nu))
     # The chain's other states (weight-decay and learning-rate schedules,

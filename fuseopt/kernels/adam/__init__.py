@@ -157,9 +157,6 @@ def adam_update(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9, b2=0
     a TypeError.
   """
   mu, nu = _check(params, grads, mu, nu)
-  if params_lo is not None and formats.is_blockwise(mu):
-    raise ValueError("adam_update: params_lo (mantissa tracking) with blockwise (8-bit or "
-                     "4-bit) moments is not supported; use bf16 or fp32 moments")
   if params_lo is not None:
     params_lo = _check_companion(None if params is None else jnp.asarray(params), params_lo)
   seed = counter_hash.uint32_scalar(seed, name="seed", owner="adam_update")
@@ -274,10 +271,6 @@ def adam_update_tree(params, grads, mu, nu, *, count, learning_rate=0.0, b1=0.9,
   scalars, seeds = [], []
   for i in range(n):
     mus[i], nus[i] = _check(ps[i] if apply else None, grads[i], mus[i], nus[i])
-    if los is not None and los[i] is not None and formats.is_blockwise(mus[i]):
-      raise ValueError(f"adam_update: params_lo[{i}] (mantissa tracking) with blockwise "
-                       f"(8-bit or 4-bit) moments is not supported; use bf16 or fp32 moments "
-                       f"for that leaf")
     key = wds[i] if isinstance(wds[i], (int, float)) else id(wds[i])
     if key not in packed:
       packed[key] = adam_scalars(count=count, learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,

@@ -65,12 +65,24 @@ def update(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, order_for_in_pl
   return res if lo is None else res + (new_lo,)
 
 
-def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, index_map=None):
+def _stored_param(out, out_dtype, index, seed, lo, shape):
+  """A blockwise step's fp32 ``out`` in the leaf's ``shape``: rounded into
+  ``out_dtype`` (bf16 stochastically), or with a companion ``lo`` the new
+  master split (:func:`fuseopt.kernels.mantissa.split_once`), no rounding."""
+  if lo is None:
+    return store(out, out_dtype, index, seed).reshape(shape), None
+  hi, new_lo = mantissa.split_once(out, lo.dtype)
+  return hi.reshape(shape), new_lo.reshape(shape)
+
+
+def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, index_map=None,
+                     lo=None):
   """One leaf with 8-bit moments (:mod:`.quantized`; ``mu``, ``nu``
   :class:`QuantizedMoment`); returns ``(out, mu, nu)``, the moments
-  quantised again. The leaf is viewed as blocks ``(..., L / BLOCK, BLOCK)``
-  and its scales as ``(..., L / BLOCK, 1)``: the kernels' arithmetic, block
-  by block."""
+  quantised again, and ``(out, mu, nu, lo)`` with a companion ``lo`` of a
+  bf16 ``p`` (the step reads the master ``join(p, lo)`` and writes it split).
+  The leaf is viewed as blocks ``(..., L / BLOCK, BLOCK)`` and its scales as
+  ``(..., L / BLOCK, 1)``: the kernels' arithmetic, block by block."""
   s = lambda k: scalars[k]
   apply = p is not None
   shape = g.shape
@@ -78,28 +90,33 @@ def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, index
   blocks = lambda x: x.reshape(bshape).astype(jnp.float32)
   mu32 = quantized.dequantize_mu(mu.codes.reshape(bshape), mu.scales[..., None])
   nu32 = quantized.dequantize_nu(nu.codes.reshape(bshape), nu.scales[..., None])
-  out, mu_new, nu_new = adam_math(s, blocks(p) if apply else None, blocks(g), mu32, nu32,
+  p32 = (load_param(p.reshape(bshape), None if lo is None else lo.reshape(bshape))
+         if apply else None)
+  out, mu_new, nu_new = adam_math(s, p32, blocks(g), mu32, nu32,
                                   nesterov=nesterov, apply=apply, reciprocal=True,
                                   fence=fp_contract.rounded)
   idx = lambda: sharding_lib.global_index(jax.lax.iota(jnp.uint32, g.size).reshape(bshape),
                                           index_map, seeds[SEED_BASE])
-  out = store(out, out_dtype, idx(), seeds[0]).reshape(shape)
+  out, new_lo = _stored_param(out, out_dtype, idx(), seeds[0], lo, shape)
   mu_codes, mu_scale = quantized.quantize_mu(mu_new, counter_hash.hash_bits(idx(), seeds[1]))
   nu_codes, nu_scale = quantized.quantize_nu(nu_new, counter_hash.hash_bits(idx(), seeds[2]),
                                              fence=fp_contract.rounded)
   keep = lambda new, old: quantized.kept_on_skip(scalars[APPLY] == 0, new, old)
-  return (out, quantized.QuantizedMoment(keep(mu_codes.reshape(shape), mu.codes),
-                                         keep(mu_scale[..., 0], mu.scales)),
-          quantized.QuantizedMoment(keep(nu_codes.reshape(shape), nu.codes),
-                                    keep(nu_scale[..., 0], nu.scales)))
+  res = (out, quantized.QuantizedMoment(keep(mu_codes.reshape(shape), mu.codes),
+                                        keep(mu_scale[..., 0], mu.scales)),
+         quantized.QuantizedMoment(keep(nu_codes.reshape(shape), nu.codes),
+                                   keep(nu_scale[..., 0], nu.scales)))
+  return res if lo is None else res + (new_lo,)
 
 
-def update_int4(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, index_map=None):
+def update_int4(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, index_map=None,
+                lo=None):
   """One leaf with 4-bit moments (:mod:`.int4`; ``mu``, ``nu``
   :class:`PackedMoment`); returns ``(out, mu, nu)``, the moments packed
-  again. The leaf is viewed as rows of two blocks, each half ``(..., R,
-  BLOCK)`` with its scale ``(..., R, 1)``: the kernels' arithmetic, half by
-  half."""
+  again (with a companion ``lo``: ``(out, mu, nu, lo)``, as
+  :func:`update_quantized`). The leaf is viewed as rows of two blocks, each
+  half ``(..., R, BLOCK)`` with its scale ``(..., R, 1)``: the kernels'
+  arithmetic, half by half."""
   s = lambda k: scalars[k]
   apply = p is not None
   shape = g.shape
@@ -114,7 +131,7 @@ def update_int4(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, index_map=
   nus_lo, nus_hi = int4.scale_halves(nu.scales, shape)
   mu32 = (int4.dequantize_mu(mu_lo, mus_lo), int4.dequantize_mu(mu_hi, mus_hi))
   nu32 = (int4.dequantize_nu(nu_lo, nus_lo), int4.dequantize_nu(nu_hi, nus_hi))
-  p_h = halves(f32(p)) if apply else (None, None)
+  p_h = (halves(load_param(p, lo)) if apply else (None, None))
   g_h = halves(f32(g))
   i_h = halves(idx())
   keep_old = scalars[APPLY] == 0
@@ -122,7 +139,7 @@ def update_int4(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, index_map=
   for h in range(2):
     out, mu_new, nu_new = adam_math(s, p_h[h], g_h[h], mu32[h], nu32[h], nesterov=nesterov,
                                     apply=apply, reciprocal=True, fence=fp_contract.rounded)
-    outs.append(store(out, out_dtype, i_h[h], seeds[0]))
+    outs.append(out if lo is not None else store(out, out_dtype, i_h[h], seeds[0]))
     c, sc = int4.quantize_mu(mu_new, counter_hash.hash_bits(i_h[h], seeds[1]),
                              fence=fp_contract.rounded)
     mu_c.append(c)
@@ -135,4 +152,9 @@ def update_int4(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, index_map=
   packed = lambda c, sc, old: int4.PackedMoment(
       keep(int4.pack(*c).reshape(old.codes.shape), old.codes),
       keep(int4.join_halves(*sc, shape), old.scales))
-  return (int4.join_halves(*outs, shape), packed(mu_c, mu_s, mu), packed(nu_c, nu_s, nu))
+  out = int4.join_halves(*outs, shape)
+  new_lo = None
+  if lo is not None:
+    out, new_lo = mantissa.split_once(out, lo.dtype)
+  res = (out, packed(mu_c, mu_s, mu), packed(nu_c, nu_s, nu))
+  return res if lo is None else res + (new_lo,)

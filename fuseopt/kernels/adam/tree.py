@@ -15,6 +15,7 @@ or group takes, and how its moments are laid out and placed.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -56,8 +57,8 @@ def run_leaf(impl, scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, interpr
   returns ``(out, mu, nu, lo)`` in the leaf's shape (``lo`` None unless the
   leaf has a companion)."""
   if formats.of(mu).quantized:
-    return _run_quantized(impl, scalars, seeds, p, g, mu, nu, nesterov=nesterov,
-                          interpret=interpret, config=config, index_map=index_map) + (None,)
+    return _four(_run_quantized(impl, scalars, seeds, p, g, mu, nu, nesterov=nesterov,
+                                interpret=interpret, config=config, index_map=index_map, lo=lo))
   return _four(_run_leaf(impl, scalars, seeds, p, g, mu, nu, nesterov=nesterov,
                          out_dtype=out_dtype, interpret=interpret, config=config,
                          index_map=index_map, lo=lo))
@@ -229,7 +230,9 @@ def run_local(impl, scalars, seeds, ps, gs, mus, nus, *, nesterov, interpret, co
   for i in range(n):
     p, g, m, v = (ps[i] if apply else None), gs[i], mus[i], nus[i]
     fmt = formats.of(m)
-    grouped = _groups_leaves(impl, group, config, fmt) and _groups_format(impl, fmt)
+    # (a tracked leaf on blockwise moments runs a launch of its own)
+    grouped = (_groups_leaves(impl, group, config, fmt) and _groups_format(impl, fmt)
+               and not (fmt.quantized and los[i] is not None))
     if grouped and g.size >= smallest:
       # (a tracked leaf has operands of its own: a launch of its own kind)
       sig = (p.dtype if apply else None, g.dtype, fmt.signature(m), fmt.signature(v),
@@ -280,13 +283,19 @@ def _run_quantized_group(impl, members, scalars, seeds, ps, gs, mus, nus, *, nes
   return out
 
 
+def _takes_companion(fn) -> bool:
+  return "lo" in inspect.signature(fn).parameters
+
+
 def _run_quantized(impl, scalars, seeds, p, g, mu, nu, *, nesterov, interpret, config,
-                   index_map=None):
+                   index_map=None, lo=None):
   """One local leaf with blockwise moments on ``impl`` (the reference where
-  that backend leaves this leaf, or has no kernel for the format, logged);
-  returns ``(out, mu, nu)``."""
+  that backend leaves this leaf, or has no kernel for the format or for a
+  companion, logged); returns ``(out, mu, nu)``, and with a companion ``lo``
+  ``(out, mu, nu, lo)``."""
   out_dtype = (g if p is None else p).dtype
   fmt = formats.of(mu)
+  companion = {} if lo is None else {"lo": lo}
   if impl != "xla":
     backend = _backend(impl)
     if not isinstance(config, backend.Config):
@@ -298,31 +307,44 @@ def _run_quantized(impl, scalars, seeds, p, g, mu, nu, *, nesterov, interpret, c
     why = fmt.entry(backend, "{}_leaf_reason")
     if fmt.entry(backend) is None:
       reason = f"no kernel for {fmt.name} moments"
+    elif lo is not None and not _takes_companion(fmt.entry(backend)):
+      reason = f"no kernel for {fmt.name} moments with a companion"
     else:
       reason = why(g, config, index_map) if why is not None else None
     if reason is not None:
       dispatch.log_fallback(OP_NAME, impl, reason, runs="the reference")
       impl = "xla"
+  if lo is not None and (impl == "xla" or interpret):
+    # (as in _run_leaf: a tracked leaf's pass compiled by XLA reads its
+    # gradient in fp32, as an fp32 master's run does)
+    g = mantissa.widen_once(g)
   if impl == "xla":
     return fmt.entry(reference)(scalars, seeds, p, g, mu, nu, nesterov=nesterov,
-                                out_dtype=out_dtype, index_map=index_map)
+                                out_dtype=out_dtype, index_map=index_map, **companion)
   shape = g.shape
-  run = functools.partial(
-      fmt.entry(backend), nesterov=nesterov, out_dtype=out_dtype, config=config,
-      interpret=dispatch.interpret_arg(impl, interpret), index_map=index_map)
+  entry = fmt.entry(backend)
+  kw = dict(nesterov=nesterov, out_dtype=out_dtype, config=config,
+            interpret=dispatch.interpret_arg(impl, interpret), index_map=index_map)
+
+  def run(scalars, seeds, p, g, mu, nu, lo):
+    # (the companion last among the operands, so that it passes through
+    # no_derivative with the others; an entry point without one gets none)
+    return entry(scalars, seeds, p, g, mu, nu, **kw, **({} if lo is None else {"lo": lo}))
   if impl == "mosaic_tpu":
     # (in the leaf's own shape: the kernel picks a view that keeps the TPU layout)
-    return no_derivative(impl, run, scalars, seeds, p, g, mu, nu)
+    return no_derivative(impl, run, scalars, seeds, p, g, mu, nu, lo)
   rows = fmt.leaf_layout
   operands = (scalars, seeds, None if p is None else rows(p), rows(g), fmt.kernel_layout(mu),
-              fmt.kernel_layout(nu))
+              fmt.kernel_layout(nu), None if lo is None else rows(lo))
   if impl == "mosaic_gpu":
     # (as in _run_leaf: the guard on the inputs, jax cannot discharge the
     # kernel's in-place refs inside a custom_jvp)
-    out, new_mu, new_nu = run(*no_derivative(impl, lambda *a: a, *operands))
+    res = run(*no_derivative(impl, lambda *a: a, *operands))
   else:
-    out, new_mu, new_nu = no_derivative(impl, run, *operands)
-  return out.reshape(shape), fmt.restore(new_mu, mu), fmt.restore(new_nu, nu)
+    res = no_derivative(impl, run, *operands)
+  out, new_mu, new_nu = res[:3]
+  back = (out.reshape(shape), fmt.restore(new_mu, mu), fmt.restore(new_nu, nu))
+  return back if lo is None else back + (res[3].reshape(shape),)
 
 
 def update_leaves(impl, scalars, seeds, ps, gs, mus, nus, placements, *, nesterov, interpret,
