@@ -128,6 +128,9 @@ GROUP_SEARCH_SPACE = tuple(TritonGroupConfig(b, w, k) for b in (512, 1024, 2048,
 # fp32 moments and the loaded leaf's values across the branch that picks the
 # leaf: at 32 elements a thread (block 4096, 4 warps) ptxas spills 120-200
 # bytes a thread on the H200 and L4 (the compile tier), so its space stops at 16.
+# The grouped launch over 4-bit leaves holds more (a row's two halves' bytes,
+# nibbles and scales) and uses the same space: the compile tier's
+# llama-1-layer-int4 cases compile without spills at every config of it.
 QUANTIZED_GROUP_SEARCH_SPACE = tuple(c for c in GROUP_SEARCH_SPACE
                                      if c.block // (c.num_warps * 32) <= 16)
 
@@ -512,7 +515,8 @@ def update_int4(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, in
   layout, all in place: the reference's codes and scales
   (:func:`.reference.update_int4`). ``config.block`` elements a program (at
   least one row). A row's two blocks are an axis of the kernel's tiles
-  (``(rows, 2, BLOCK)``, a reshape of the rows)."""
+  (``(rows, 2, BLOCK)``, a reshape of the rows). At 32 elements a thread
+  (block 4096, 4 warps) ptxas spills, where the 8-bit kernel does not."""
   return _update_blockwise(_INT4, scalars, seeds, p, g, mu, nu, nesterov=nesterov,
                            out_dtype=out_dtype, config=config, interpret=interpret,
                            index_map=index_map)
