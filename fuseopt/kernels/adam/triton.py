@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +26,8 @@ from fuseopt.kernels import counter_hash
 from fuseopt.kernels import dispatch
 from fuseopt.kernels import elementwise_tiling
 from fuseopt.kernels import sharding as sharding_lib
+from fuseopt.kernels.adam import blocks
+from fuseopt.kernels.adam import int4
 from fuseopt.kernels.adam import quantized
 from fuseopt.kernels.adam.math import (APPLY, N_SCALARS, N_SCALARS_USED, N_SEEDS, SEED_BASE,
                                        adam_cost, adam_math, in_place_aliases, kernel_body,
@@ -124,6 +128,9 @@ GROUP_SEARCH_SPACE = tuple(TritonGroupConfig(b, w, k) for b in (512, 1024, 2048,
 # fp32 moments and the loaded leaf's values across the branch that picks the
 # leaf: at 32 elements a thread (block 4096, 4 warps) ptxas spills 120-200
 # bytes a thread on the H200 and L4 (the compile tier), so its space stops at 16.
+# The grouped launch over 4-bit leaves holds more (a row's two halves' bytes,
+# nibbles and scales) and uses the same space: the compile tier's
+# llama-1-layer-int4 cases compile without spills at every config of it.
 QUANTIZED_GROUP_SEARCH_SPACE = tuple(c for c in GROUP_SEARCH_SPACE
                                      if c.block // (c.num_warps * 32) <= 16)
 
@@ -200,11 +207,11 @@ def _group_kernel(s_ref, seed_ref, *refs, block, starts, sizes, masked, nesterov
     index = sharding_lib.global_index(local, index_maps[j], seed_ref[j * N_SEEDS + SEED_BASE])
     return tuple(r[...] for r in leaf) + (index,)
 
-  *blocks, index = _bisect(k, 0, n_leaves, load)
+  *loaded, index = _bisect(k, 0, n_leaves, load)
   scalars = {j: s_ref[k * N_SCALARS + j] for j in range(N_SCALARS_USED)}
   f32 = lambda x: x.astype(jnp.float32)
-  p32 = load_param(blocks[0], blocks[4] if tracked else None) if apply else None
-  g, mu, nu = blocks[1:4] if apply else blocks[:3]
+  p32 = load_param(loaded[0], loaded[4] if tracked else None) if apply else None
+  g, mu, nu = loaded[1:4] if apply else loaded[:3]
   out, mu_new, nu_new = adam_math(scalars.__getitem__, p32, f32(g), f32(mu), f32(nu),
                                   nesterov=nesterov, apply=apply)
   seed = lambda j: seed_ref[k * N_SEEDS + j]
@@ -307,22 +314,70 @@ update_group_jit = jax.jit(update_group,
                            static_argnames=("nesterov", "config", "interpret", "index_maps"))
 
 
-# ------------------------------------------------------- triton, 8-bit moments --
-def _block_index(row, index_map, base):
-  """The flat index in the whole leaf of each element of the rows ``row``."""
-  local = row[:, None] * jnp.uint32(quantized.BLOCK) + jax.lax.iota(
-      jnp.uint32, quantized.BLOCK)[None, :]
+# ---------------------------------------------------- triton, blockwise moments --
+# 8-bit (:mod:`.quantized`) and 4-bit (:mod:`.int4`) moments run the same
+# kernels: programs of whole rows of ``blocks.ROW`` elements, per leaf or
+# grouped. What differs between the formats is a :class:`_Blockwise`: how a
+# row's elements, codes and scales tile into Triton blocks, and the fp32 step
+# of the loaded rows.
+@dataclasses.dataclass(frozen=True)
+class _Blockwise:
+  """A blockwise format as the Triton kernels tile it: a row's ``p`` and ``g``
+  elements laid out as ``row`` (row-major: element ``e`` of the leaf's row at
+  the position whose flat offset is ``e``), its codes as ``codes`` and its
+  scales as ``scales`` (``()``: one a row); ``step`` the fp32 step of loaded
+  rows (:func:`_quantized_step`); ``moment`` the moment's type; ``name`` the
+  launch's."""
+  name: str
+  row: tuple[int, ...]
+  codes: tuple[int, ...]
+  scales: tuple[int, ...]
+  step: Callable
+  moment: type
+
+  def tile(self, rows: int, per_row, at):
+    """The spec of ``rows`` rows a program of an array laid out ``per_row``
+    a row, program ``i`` at row block ``at(i)``."""
+    return pl.BlockSpec((rows,) + per_row, lambda i: (at(i),) + (0,) * len(per_row))
+
+  def specs(self, rows: int, apply: bool, at=lambda i: i):
+    """The inputs' specs, ``(p,) g, mu codes, mu scales, nu codes, nu
+    scales``; the outputs' are the last five."""
+    tile, codes, scales = (self.tile(rows, s, at) for s in (self.row, self.codes, self.scales))
+    return [tile] * apply + [tile, codes, scales, codes, scales]
+
+  def operands(self, p, g, mu, nu):
+    """A leaf's arrays in the kernel's layout (``p`` None: not read); a
+    reshape of the ``(R, ROW)`` rows, so the outputs still alias the operands."""
+    rows = lambda a: a.reshape((a.shape[0],) + self.row)
+    return (() if p is None else (rows(p),)) + (rows(g), mu.codes, mu.scales, nu.codes,
+                                                 nu.scales)
+
+  def results(self, outs, g):
+    """The kernel's five outputs as ``(out, mu, nu)``, ``out`` as ``g``'s rows."""
+    return (outs[0].reshape(g.shape), self.moment(*outs[1:3]), self.moment(*outs[3:5]))
+
+
+def _block_index(row, index_map, base, layout=(quantized.BLOCK,)):
+  """The flat index in the whole leaf of each element of the rows ``row``,
+  each row's elements laid out as ``layout`` (a row-major tile of the row)."""
+  stride = math.prod(layout)
+  local = row[(slice(None),) + (None,) * len(layout)] * jnp.uint32(stride)
+  for axis, extent in enumerate(layout):
+    stride //= extent
+    at = jax.lax.broadcasted_iota(jnp.uint32, (1,) + tuple(layout), axis + 1)
+    local = local + (at if stride == 1 else at * jnp.uint32(stride))
   return sharding_lib.global_index(local, index_map, base)
 
 
-def _quantized_block(scalar, seed, blocks, index, *, nesterov, apply):
-  """The fp32 step of whole quantisation blocks: ``blocks`` the loaded
-  ``(p or None, g, mu codes, mu scales, nu codes, nu scales)``, ``index``
-  their elements' flat indices, ``scalar(k)`` / ``seed(k)`` the step's scalars
-  and seeds. Returns ``(out, mu codes, mu scales, nu codes, nu scales)``,
-  ``out`` in fp32 (the caller rounds it into its ref's dtype); each block's
-  new absmax is a row reduction in registers."""
-  p, g, muc, mus, nuc, nus = blocks
+def _quantized_step(scalar, seed, loaded, index, *, nesterov, apply):
+  """The fp32 step of whole 8-bit quantisation blocks: ``loaded`` the
+  ``(p or None, g, mu codes, mu scales, nu codes, nu scales)`` of the rows,
+  ``index`` their elements' flat indices, ``scalar(k)`` / ``seed(k)`` the
+  step's scalars and seeds. Returns ``(out, mu codes, mu scales, nu codes,
+  nu scales)``, ``out`` in fp32 (the caller rounds it into its ref's dtype);
+  each block's new absmax is a row reduction in registers."""
+  p, g, muc, mus, nuc, nus = loaded
   f32 = lambda x: x.astype(jnp.float32)
   mu32 = quantized.dequantize_mu(muc, mus[:, None])
   nu32 = quantized.dequantize_nu(nuc, nus[:, None])
@@ -330,26 +385,115 @@ def _quantized_block(scalar, seed, blocks, index, *, nesterov, apply):
                                   nesterov=nesterov, apply=apply, reciprocal=True)
   mu_codes, mu_scale = quantized.quantize_mu(mu_new, counter_hash.hash_bits(index, seed(1)))
   nu_codes, nu_scale = quantized.quantize_nu(nu_new, counter_hash.hash_bits(index, seed(2)))
-  keep = lambda new, old: quantized.kept_on_skip(scalar(APPLY) == 0, new, old)
+  keep = lambda new, old: blocks.kept_on_skip(scalar(APPLY) == 0, new, old)
   return (out, keep(mu_codes, muc), keep(mu_scale[:, 0], mus), keep(nu_codes, nuc),
           keep(nu_scale[:, 0], nus))
 
 
-def _quantized_kernel(s_ref, seed_ref, *refs, rows, n_rows, masked, nesterov, apply, index_map):
-  """``rows`` whole quantisation blocks a program: p, g (rows, BLOCK); the
-  codes likewise; the scales (rows,)."""
+def _nibble_shift():
+  """``(1, 2, 1)`` int32: where a row half's nibble sits in its byte (0: the
+  low nibble, the first half; 4: the high one)."""
+  return 4 * jax.lax.broadcasted_iota(jnp.int32, (1, 2, 1), 1)
+
+
+def _unpack_halves(codes):
+  """``(rows, BLOCK)`` packed bytes → their ``(rows, 2, BLOCK)`` int32
+  nibbles, a row's halves on axis 1: Triton values cannot be sliced, so the
+  byte is broadcast over both halves and each shifted by its own amount."""
+  return (codes.astype(jnp.int32)[:, None, :] >> _nibble_shift()) & 15
+
+
+def _pack_halves(nibbles):
+  """``(rows, 2, BLOCK)`` int32 nibbles (0..15) → ``(rows, BLOCK)`` bytes:
+  each half shifted into its nibble, the two summed over axis 1 (disjoint
+  bits: the sum is :func:`.int4.pack`'s or)."""
+  return jnp.sum(nibbles << _nibble_shift(), axis=1).astype(int4.CODE_DTYPE)
+
+
+def _int4_step(scalar, seed, loaded, index, *, nesterov, apply):
+  """The fp32 step of whole 4-bit rows, as :func:`_quantized_step`: ``p``,
+  ``g`` and ``index`` ``(rows, 2, BLOCK)`` (a row's two blocks on axis 1),
+  codes ``(rows, BLOCK)`` bytes, scales ``(rows, 2)``. Each half's absmax is
+  a reduction over the last axis; the arithmetic is :mod:`.int4`'s, the
+  reference's on the same values."""
+  p, g, muc, mus, nuc, nus = loaded
+  f32 = lambda x: x.astype(jnp.float32)
+  mu32 = int4.dequantize_mu(_unpack_halves(muc), mus[:, :, None])
+  nu32 = int4.dequantize_nu(_unpack_halves(nuc), nus[:, :, None])
+  out, mu_new, nu_new = adam_math(scalar, f32(p) if apply else None, f32(g), mu32, nu32,
+                                  nesterov=nesterov, apply=apply, reciprocal=True)
+  mu_codes, mu_scale = int4.quantize_mu(mu_new, counter_hash.hash_bits(index, seed(1)))
+  nu_codes, nu_scale = int4.quantize_nu(nu_new, counter_hash.hash_bits(index, seed(2)))
+  keep = lambda new, old: blocks.kept_on_skip(scalar(APPLY) == 0, new, old)
+  return (out, keep(_pack_halves(mu_codes), muc), keep(mu_scale[:, :, 0], mus),
+          keep(_pack_halves(nu_codes), nuc), keep(nu_scale[:, :, 0], nus))
+
+
+_INT8 = _Blockwise("int8", (quantized.BLOCK,), (quantized.BLOCK,), (), _quantized_step,
+                   quantized.QuantizedMoment)
+_INT4 = _Blockwise("int4", (2, int4.BLOCK), (int4.BLOCK,), (2,), _int4_step, int4.PackedMoment)
+
+
+def _rows_a_program(config) -> int:
+  """Rows of ``blocks.ROW`` elements a program: ``config.block`` elements,
+  at least one row."""
+  return max(1, config.block // blocks.ROW)
+
+
+def _blockwise_aliases(apply: bool, first_in: int, first_out: int) -> dict[int, int]:
+  """One leaf's in-place outputs: the parameter (when read) and the four
+  moment arrays; its inputs from operand ``first_in``, its outputs from
+  ``first_out``."""
+  n_in = 6 if apply else 5
+  aliases = {first_in + n_in - 4 + j: first_out + 1 + j for j in range(4)}
+  if apply:
+    aliases[first_in] = first_out
+  return aliases
+
+
+def _blockwise_kernel(s_ref, seed_ref, *refs, fmt, rows, n_rows, masked, nesterov, apply,
+                      index_map):
+  """``rows`` whole rows a program, tiled as ``fmt`` says."""
   first = (pl.program_id(0) * rows).astype(jnp.uint32)
   row = first + jax.lax.iota(jnp.uint32, rows)
   # The last program's rows past the leaf's end: masked loads and stores.
   refs = elementwise_tiling.triton_bound(refs, row < n_rows, masked)
   p_ref, ins, outs = quantized.split_kernel_refs(refs, apply)
-  blocks = ((p_ref[...] if apply else None),) + tuple(r[...] for r in ins)
-  index = _block_index(row, index_map, seed_ref[SEED_BASE])
-  out, *moments = _quantized_block(lambda k: s_ref[k], lambda k: seed_ref[k], blocks, index,
-                                   nesterov=nesterov, apply=apply)
+  loaded = ((p_ref[...] if apply else None),) + tuple(r[...] for r in ins)
+  index = _block_index(row, index_map, seed_ref[SEED_BASE], fmt.row)
+  out, *moments = fmt.step(lambda k: s_ref[k], lambda k: seed_ref[k], loaded, index,
+                           nesterov=nesterov, apply=apply)
   outs[0][...] = store(out, outs[0].dtype, index, seed_ref[0])
   for r, v in zip(outs[1:], moments):
     r[...] = v
+
+
+def _update_blockwise(fmt, scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config,
+                      interpret, index_map):
+  from jax.experimental.pallas import triton as plgpu
+  n_rows = g.shape[0]
+  rows = _rows_a_program(config)
+  apply = p is not None
+  arrays = fmt.operands(p, g, mu, nu)
+  specs = fmt.specs(rows, apply)
+  out_shape = (jax.ShapeDtypeStruct(arrays[apply].shape, out_dtype),) + tuple(
+      jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays[-4:])
+  outs = pl.pallas_call(
+      functools.partial(_blockwise_kernel, fmt=fmt, rows=rows, n_rows=n_rows,
+                        nesterov=nesterov, apply=apply, index_map=index_map,
+                        masked=elementwise_tiling.triton_masks(n_rows, rows, interpret)),
+      out_shape=out_shape,
+      grid=(pl.cdiv(n_rows, rows),),
+      in_specs=[pl.BlockSpec((N_SCALARS,), lambda i: (0,)),
+                pl.BlockSpec((N_SEEDS,), lambda i: (0,))] + specs,
+      out_specs=tuple(specs[apply:]),
+      input_output_aliases=_blockwise_aliases(apply, 2, 0),
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
+      interpret=interpret,
+      name=f"fuseopt_adam_update_{fmt.name}",
+      cost_estimate=adam_cost(arrays, out_shape, n=g.size),
+  )(scalars, seeds, *arrays)
+  return fmt.results(outs, g)
 
 
 def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpret,
@@ -358,44 +502,31 @@ def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, confi
   codes) and ``(R,)`` scales; returns ``(out, mu, nu)``, the moments
   :class:`QuantizedMoment`, all in place. ``config.block`` elements a
   program (at least one quantisation block)."""
-  from jax.experimental.pallas import triton as plgpu
-  block = quantized.BLOCK
-  n_rows = g.shape[0]
-  rows = max(1, config.block // block)
-  apply = p is not None
-  tile = pl.BlockSpec((rows, block), lambda i: (i, 0))
-  vec = pl.BlockSpec((rows,), lambda i: (i,))
-  arrays = ((p,) if apply else ()) + (g, mu.codes, mu.scales, nu.codes, nu.scales)
-  specs = ([tile] if apply else []) + [tile, tile, vec, tile, vec]
-  out_shape = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (
-      jax.ShapeDtypeStruct(g.shape, out_dtype), mu.codes, mu.scales, nu.codes, nu.scales))
-  first = 2 + apply
-  aliases = {first + 1 + j: 1 + j for j in range(4)}
-  if apply:
-    aliases[2] = 0
-  outs = pl.pallas_call(
-      functools.partial(_quantized_kernel, rows=rows, n_rows=n_rows, nesterov=nesterov,
-                        apply=apply, index_map=index_map,
-                        masked=elementwise_tiling.triton_masks(n_rows, rows, interpret)),
-      out_shape=out_shape,
-      grid=(pl.cdiv(n_rows, rows),),
-      in_specs=[pl.BlockSpec((N_SCALARS,), lambda i: (0,)),
-                pl.BlockSpec((N_SEEDS,), lambda i: (0,))] + specs,
-      out_specs=(tile, tile, vec, tile, vec),
-      input_output_aliases=aliases,
-      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
-      interpret=interpret,
-      name="fuseopt_adam_update_int8",
-      cost_estimate=adam_cost(arrays, out_shape, n=g.size),
-  )(scalars, seeds, *arrays)
-  return (outs[0], quantized.QuantizedMoment(*outs[1:3]), quantized.QuantizedMoment(*outs[3:5]))
+  return _update_blockwise(_INT8, scalars, seeds, p, g, mu, nu, nesterov=nesterov,
+                           out_dtype=out_dtype, config=config, interpret=interpret,
+                           index_map=index_map)
 
 
-def _quantized_group_kernel(s_ref, seed_ref, *refs, rows, starts, n_rows, masked, nesterov,
-                            apply, index_maps):
-  """:func:`_quantized_kernel` over a launch's leaves: program ``i`` works on
+def update_int4(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpret,
+                index_map=None):
+  """One leaf with 4-bit moments: ``p``, ``g`` ``(R, ROW)`` rows (``p`` None:
+  the direction), ``mu``, ``nu`` :class:`~.int4.PackedMoment` with ``(R,
+  BLOCK)`` codes and ``(R, 2)`` scales; returns ``(out, mu, nu)`` in that
+  layout, all in place: the reference's codes and scales
+  (:func:`.reference.update_int4`). ``config.block`` elements a program (at
+  least one row). A row's two blocks are an axis of the kernel's tiles
+  (``(rows, 2, BLOCK)``, a reshape of the rows). At 32 elements a thread
+  (block 4096, 4 warps) ptxas spills, where the 8-bit kernel does not."""
+  return _update_blockwise(_INT4, scalars, seeds, p, g, mu, nu, nesterov=nesterov,
+                           out_dtype=out_dtype, config=config, interpret=interpret,
+                           index_map=index_map)
+
+
+def _blockwise_group_kernel(s_ref, seed_ref, *refs, fmt, rows, starts, n_rows, masked,
+                            nesterov, apply, index_maps):
+  """:func:`_blockwise_kernel` over a launch's leaves: program ``i`` works on
   leaf ``k``'s rows (``starts`` as in :func:`_group_kernel`). Only the loads,
-  the flat index and the stores are per leaf; the block's math and its
+  the flat index and the stores are per leaf; the rows' math and their
   roundings are emitted once."""
   n_leaves = len(starts) - 1
   n_in, n_out = 6 if apply else 5, 5
@@ -407,14 +538,14 @@ def _quantized_group_kernel(s_ref, seed_ref, *refs, rows, starts, n_rows, masked
                                                                masked[j])
 
   def load(j):
-    index = _block_index(row, index_maps[j], seed_ref[j * N_SEEDS + SEED_BASE])
+    index = _block_index(row, index_maps[j], seed_ref[j * N_SEEDS + SEED_BASE], fmt.row)
     return tuple(r[...] for r in bound(j, ins[n_in * j:n_in * (j + 1)])) + (index,)
 
-  *blocks, index = _bisect(k, 0, n_leaves, load)
-  blocks = tuple(blocks) if apply else (None,) + tuple(blocks)
+  *loaded, index = _bisect(k, 0, n_leaves, load)
+  loaded = tuple(loaded) if apply else (None,) + tuple(loaded)
   seed = lambda j: seed_ref[k * N_SEEDS + j]
-  out, *moments = _quantized_block(lambda j: s_ref[k * N_SCALARS + j], seed, blocks, index,
-                                   nesterov=nesterov, apply=apply)
+  out, *moments = fmt.step(lambda j: s_ref[k * N_SCALARS + j], seed, loaded, index,
+                           nesterov=nesterov, apply=apply)
   # (every leaf of a launch has the same dtypes: converted once)
   new = (store(out, outs[0].dtype, index, seed(0)),) + tuple(moments)
   for j in range(n_leaves):
@@ -425,16 +556,10 @@ def _quantized_group_kernel(s_ref, seed_ref, *refs, rows, starts, n_rows, masked
         r[...] = v
 
 
-def update_quantized_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config, interpret,
-                           index_maps=None):
-  """One launch over leaves with 8-bit moments of one dtype signature, each as
-  in :func:`update_quantized` (``(R, BLOCK)`` rows, ``(R,)`` scales);
-  ``scalars`` ``(K, N_SCALARS)``, ``seeds`` ``(K, N_SEEDS)``, one row a leaf.
-  Returns ``[(out, mu, nu)]``, all in place: the bits of the per-leaf kernel
-  (each leaf its own seeds and flat index)."""
+def _update_blockwise_group(fmt, scalars, seeds, ps, gs, mus, nus, *, nesterov, config,
+                            interpret, index_maps):
   from jax.experimental.pallas import triton as plgpu
-  block = quantized.BLOCK
-  rows = max(1, config.block // block)
+  rows = _rows_a_program(config)
   apply = ps is not None
   n_leaves = len(gs)
   n_rows = [g.shape[0] for g in gs]
@@ -444,23 +569,17 @@ def update_quantized_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config
   arrays, in_specs, out_shape, out_specs, aliases = [], [], [], [], {}
   n_in = 6 if apply else 5
   for k in range(n_leaves):
-    at = _clamped(starts, k)
-    tile = pl.BlockSpec((rows, block), lambda i, at=at: (at(i), 0))
-    vec = pl.BlockSpec((rows,), lambda i, at=at: (at(i),))
-    leaf = ((ps[k],) if apply else ()) + (gs[k], mus[k].codes, mus[k].scales, nus[k].codes,
-                                          nus[k].scales)
+    leaf = fmt.operands(ps[k] if apply else None, gs[k], mus[k], nus[k])
+    specs = fmt.specs(rows, apply, _clamped(starts, k))
     arrays += leaf
-    in_specs += ([tile] if apply else []) + [tile, tile, vec, tile, vec]
+    in_specs += specs
     out_dtype = (ps[k] if apply else gs[k]).dtype
-    out_shape += [jax.ShapeDtypeStruct(gs[k].shape, out_dtype)] + [
+    out_shape += [jax.ShapeDtypeStruct(leaf[apply].shape, out_dtype)] + [
         jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaf[-4:]]
-    out_specs += [tile, tile, vec, tile, vec]
-    first = 2 + n_in * k
-    aliases.update({first + (n_in - 4) + j: 5 * k + 1 + j for j in range(4)})
-    if apply:
-      aliases[first] = 5 * k
+    out_specs += specs[apply:]
+    aliases.update(_blockwise_aliases(apply, 2 + n_in * k, 5 * k))
   outs = pl.pallas_call(
-      functools.partial(_quantized_group_kernel, rows=rows, starts=tuple(starts),
+      functools.partial(_blockwise_group_kernel, fmt=fmt, rows=rows, starts=tuple(starts),
                         n_rows=tuple(n_rows),
                         masked=tuple(elementwise_tiling.triton_masks(n, rows, interpret)
                                      for n in n_rows),
@@ -472,12 +591,32 @@ def update_quantized_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config
       input_output_aliases=aliases,
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
       interpret=interpret,
-      name="fuseopt_adam_update_int8_group",
+      name=f"fuseopt_adam_update_{fmt.name}_group",
       cost_estimate=adam_cost(arrays, out_shape, n=sum(g.size for g in gs)),
   )(scalars, seeds, *arrays)
-  return [(outs[5 * k], quantized.QuantizedMoment(*outs[5 * k + 1:5 * k + 3]),
-           quantized.QuantizedMoment(*outs[5 * k + 3:5 * k + 5])) for k in range(n_leaves)]
+  return [fmt.results(outs[5 * k:5 * k + 5], gs[k]) for k in range(n_leaves)]
 
 
-update_quantized_group_jit = jax.jit(
-    update_quantized_group, static_argnames=("nesterov", "config", "interpret", "index_maps"))
+def update_quantized_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config, interpret,
+                           index_maps=None):
+  """One launch over leaves with 8-bit moments of one dtype signature, each as
+  in :func:`update_quantized` (``(R, BLOCK)`` rows, ``(R,)`` scales);
+  ``scalars`` ``(K, N_SCALARS)``, ``seeds`` ``(K, N_SEEDS)``, one row a leaf.
+  Returns ``[(out, mu, nu)]``, all in place: the bits of the per-leaf kernel
+  (each leaf its own seeds and flat index)."""
+  return _update_blockwise_group(_INT8, scalars, seeds, ps, gs, mus, nus, nesterov=nesterov,
+                                 config=config, interpret=interpret, index_maps=index_maps)
+
+
+def update_int4_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config, interpret,
+                      index_maps=None):
+  """One launch over leaves with 4-bit moments of one dtype signature, each as
+  in :func:`update_int4`; ``scalars``, ``seeds`` and the result as in
+  :func:`update_quantized_group`: the bits of the per-leaf kernel."""
+  return _update_blockwise_group(_INT4, scalars, seeds, ps, gs, mus, nus, nesterov=nesterov,
+                                 config=config, interpret=interpret, index_maps=index_maps)
+
+
+_GROUP_STATIC = ("nesterov", "config", "interpret", "index_maps")
+update_quantized_group_jit = jax.jit(update_quantized_group, static_argnames=_GROUP_STATIC)
+update_int4_group_jit = jax.jit(update_int4_group, static_argnames=_GROUP_STATIC)

@@ -1,0 +1,145 @@
+"""Adam on 4-bit moments (fuseopt.kernels.adam.int4) on the Triton kernels, in
+interpret mode: the per-leaf kernel against the reference, the grouped
+launch against one launch a leaf, a skipped step."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fuseopt.kernels import adam_update, adam_update_tree
+from fuseopt.kernels import counter_hash
+from fuseopt.kernels.adam import int4
+from tests.kernels import harness
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+HYPER = dict(learning_rate=3e-3, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0,
+             weight_decay=0.1, seed=17, leaf_index=5)
+
+
+def _same(a, b, what=""):
+  """Bitwise equal (codes: bytes; scales and params: NaN-safe)."""
+  a, b = np.asarray(a), np.asarray(b)
+  assert a.dtype == b.dtype and a.shape == b.shape, what
+  if a.dtype.itemsize == 1:
+    np.testing.assert_array_equal(a, b, err_msg=what)
+  else:
+    harness.assert_bitwise_equal(a, b, what)
+
+
+def _moments(key, shape):
+  """4-bit moments of random fp32 ones (values over a few decades, so codes
+  sit on many levels), quantised once with the format's own functions."""
+  k = jax.random.split(key, 2)
+  bits = counter_hash.hash_bits(jnp.arange(math.prod(shape), dtype=jnp.uint32).reshape(shape),
+                                jnp.uint32(7))
+  mu32 = 0.1 * jax.random.normal(k[0], shape)
+  nu32 = 0.01 * jax.random.uniform(k[1], shape) ** 4
+  return int4.quantize(mu32, bits, signed=True), int4.quantize(nu32, bits, signed=False)
+
+
+def _steps(impl, p, g, mu, nu, steps=2, **kw):
+  f = jax.jit(lambda p, g, mu, nu, c: adam_update(p, g, mu, nu, count=c, implementation=impl,
+                                                  interpret=True, **HYPER, **kw))
+  for c in range(1, steps + 1):
+    p, mu, nu = f(p, g * c, mu, nu, c)
+  return p, mu, nu
+
+
+CASES = [  # shape, p dtype (None: direction only), g dtype, nesterov
+    ((512,), F32, F32, False),
+    ((3, 5, 256), BF16, F32, True),
+    ((37, 512), F32, BF16, False),   # 74 rows, 4 a program: a ragged last program
+    ((8, 256), None, F32, False),
+    ((4, 8, 64), F32, F32, False),   # nnx-shaped: blocked over the trailing 8 * 64
+]
+
+
+@pytest.mark.parametrize("shape,p_dtype,g_dtype,nesterov", CASES)
+@pytest.mark.fma_off
+def test_triton_matches_reference(request, shape, p_dtype, g_dtype, nesterov):
+  """Codes and scales bitwise the reference's (the same fp32 operations on
+  the same values, then the same hash); the parameter within the few fp32
+  ulps that two programs of Adam's division chain may differ by. (With FMA
+  on, XLA:CPU may contract a product into the subtraction after it in the
+  interpret-mode kernel body, which the reference fences: a code can round
+  the other way.)"""
+  k = jax.random.split(harness.fresh_key(request), 3)
+  p = jax.random.normal(k[0], shape).astype(p_dtype) if p_dtype else None
+  g = jax.random.normal(k[1], shape).astype(g_dtype)
+  mu, nu = _moments(k[2], shape)
+  got = _steps("triton", p, g, mu, nu, nesterov=nesterov)
+  want = _steps("xla", p, g, mu, nu, nesterov=nesterov)
+  for a, b in zip(jax.tree.leaves(got[1:]), jax.tree.leaves(want[1:])):
+    _same(a, b, f"moments {shape}")
+  a, b = np.asarray(got[0], np.float32), np.asarray(want[0], np.float32)
+  if got[0].dtype == BF16:
+    # one bf16 ulp where an fp32 ulp moved the stochastic rounding's threshold
+    assert np.all(np.abs(a - b) <= np.abs(b) * 2.0 ** -7), shape
+  else:
+    harness.assert_close(a, b, rtol=1e-6, atol=1e-7 * float(np.abs(b).max()), what="params")
+
+
+def _kernel_names(fn):
+  import re
+  return re.findall(r"name=(fuseopt_\w+)", str(jax.make_jaxpr(fn)()))
+
+
+@pytest.mark.fma_off
+def test_grouped_launch_matches_one_launch_a_leaf():
+  """The grouped 4-bit launch over leaves with ragged row counts (fp32 and
+  bf16 params: two dtype signatures), at the heuristic and at a small config
+  (two rows a program, two leaves a launch), bitwise the per-leaf launches."""
+  from fuseopt.kernels.adam.triton import TritonGroupConfig
+  shapes = [(4, 256), (37, 256), (3, 5, 256), (4, 8, 64), (512,)]
+  k = jax.random.split(jax.random.key(11), 3)
+  ps = [jax.random.normal(jax.random.fold_in(k[0], i), s).astype(BF16 if i == 2 else F32)
+        for i, s in enumerate(shapes)]
+  gs = [jax.random.normal(jax.random.fold_in(k[1], i), s) for i, s in enumerate(shapes)]
+  mus, nus = zip(*[_moments(jax.random.fold_in(k[2], i), s) for i, s in enumerate(shapes)])
+  small = TritonGroupConfig(512, 4, 2)
+
+  def run(**kw):
+    # (the hyperparameters traced, as a step's are)
+    f = jax.jit(lambda p, g, m, v, c, h: adam_update_tree(
+        p, g, m, v, count=c, learning_rate=h[0], b1=h[1], b2=h[2], eps=h[3],
+        weight_decay=h[4], seed=17, implementation="triton", interpret=True, **kw))
+    h = jnp.array([3e-3, 0.9, 0.999, 1e-8, 0.1])
+    p, m, v = ps, list(mus), list(nus)
+    for c in (1, 2):
+      p, m, v = f(p, [g * c for g in gs], m, v, c, h)
+    return p, m, v
+
+  launches = lambda **kw: _kernel_names(lambda: adam_update_tree(
+      ps, gs, list(mus), list(nus), count=1, seed=17, implementation="triton", interpret=True,
+      **kw))
+  assert launches(group=False) == ["fuseopt_adam_update_int4"] * 5
+  assert launches(group=True) == ["fuseopt_adam_update_int4_group"] * 2
+  assert launches(config=small) == ["fuseopt_adam_update_int4_group"] * 3
+  want = run(group=False)
+  for kw in (dict(group=True), dict(config=small)):
+    got = run(**kw)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      _same(a, b, str(kw))
+
+
+def test_a_skipped_step_keeps_codes_and_scales():
+  """``apply=False``: the parameters, the codes and the scales come back bit
+  for bit (requantising the stored moments would redraw the codes), per leaf
+  and grouped."""
+  shape = (3, 512)
+  k = jax.random.split(jax.random.key(5), 3)
+  p = jax.random.normal(k[0], shape)
+  g = jax.random.normal(k[1], shape)
+  mu, nu = _moments(k[2], shape)
+  skip = jnp.asarray(False)
+  one = adam_update(p, g, mu, nu, count=2, implementation="triton", interpret=True, apply=skip,
+                    **HYPER)
+  hp = {k_: v for k_, v in HYPER.items() if k_ != "leaf_index"}
+  tree = adam_update_tree([p], [g], [mu], [nu], count=2, implementation="triton",
+                          interpret=True, group=True, apply=skip, **hp)
+  for got in (one, tuple(t[0] for t in tree)):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves((p, mu, nu))):
+      _same(a, b, "skipped step")
