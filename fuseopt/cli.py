@@ -207,6 +207,12 @@ def cmd_bench(args, out=print) -> int:
   out(report.format_header(results))
   out(report.format_table(rows))
   out("(* = the case's baseline; ratio = ms / baseline ms; floor = roofline floor / ms)")
+  if any(c.op == "adam" for c in cases):
+    from fuseopt.benchmarks import memory
+    out("\nmemory by mode: parameters + optimizer state a parameter on the 1.2 B and 8.8 B trees, "
+        "the fused step compiled (recorded figures), the largest model per chip "
+        "(docs/adam.md, \"Memory by mode\"):")
+    out(memory.markdown())
   out(f"saved {json_path}")
   missing = _missing_bench_extra(plot=not args.no_plot, progress=not args.no_progress)
   if not args.no_plot and "matplotlib" not in missing:

@@ -229,3 +229,14 @@ def test_muon_adamw_side_refuses_a_state_of_the_other_moment_format(factory):
     state = make(state_format).init(params)
     with pytest.raises(ValueError, match=rf"adamw: the state holds {found} .*\['emb'\]"):
       make(tx_format).update(g, state, params)
+
+
+@pytest.mark.parametrize("mode,most", [("adamw_master24_int8", 5.1), ("adamw_master24_int4", 4.1),
+                                       ("muon_master24_int8", 4.1), ("muon_bf16_int8", 3.1)])
+def test_memory_modes_meet_their_bytes(mode, most):
+  """Parameters + state a parameter of the whole 1.2 B tree (docs/adam.md,
+  "Memory by mode"): 24-bit masters with 8-bit moments (goal A) and 4-bit
+  ones (goal B), Muon with a 24-bit master and 8-bit momentum (goal C) and on
+  stochastically rounded bf16 parameters (goal C')."""
+  from fuseopt.benchmarks import memory
+  assert memory.figures(mode, "1.2B")["stored"] <= most
