@@ -120,13 +120,14 @@ def test_fused_step_equals_update_and_apply(impl, fmt):
   np.testing.assert_allclose(np.asarray(pa["w"]), np.asarray(pb["w"]), rtol=1e-6, atol=1e-7)
 
 
-def test_inject_hyperparams():
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_inject_hyperparams(fmt):
   params = _params()
-  plain = fo.adamw(1e-2, weight_decay=0.1, moment_dtype="int8")
+  plain = fo.adamw(1e-2, weight_decay=0.1, moment_dtype=fmt)
   # (b1, b2, eps static: injected, they would be fp32 arrays, and 1 - b1 rounds
   # differently from the Python float's)
   inj = optax.inject_hyperparams(fo.adamw, static_args=("b1", "b2", "eps", "eps_root"))(
-      learning_rate=1e-2, weight_decay=0.1, moment_dtype="int8")
+      learning_rate=1e-2, weight_decay=0.1, moment_dtype=fmt)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     s1, s2 = plain.init(params), inj.init(params)
@@ -141,7 +142,8 @@ def test_inject_hyperparams():
     rtol = 1e-4 if a.dtype == b.dtype == jnp.float32 else 1e-2
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol)
   _same_tree(s1, s2.inner_state)
-  assert isinstance(s2.inner_state[0].mu["w"], Q.QuantizedMoment)
+  assert isinstance(s2.inner_state[0].mu["w"], Q.QuantizedMoment if fmt == "int8"
+                    else Q4.PackedMoment)
 
 
 @pytest.mark.parametrize("factory", ["muon", "normuon"])
