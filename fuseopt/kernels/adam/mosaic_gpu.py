@@ -53,6 +53,8 @@ from fuseopt.kernels import dispatch
 from fuseopt.kernels import elementwise_tiling
 from fuseopt.kernels import mantissa
 from fuseopt.kernels import sharding as sharding_lib
+from fuseopt.kernels.adam import blocks
+from fuseopt.kernels.adam import int4
 from fuseopt.kernels.adam import math as adam_lib
 from fuseopt.kernels.adam import quantized
 from fuseopt.kernels.elementwise_tiling import MosaicGPUConfig
@@ -296,18 +298,68 @@ def update_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config: MosaicGP
   return out
 
 
+# --------------------------------------------------- blockwise moments --
+def _blockwise_refs(refs, apply):
+  """``(p_ref or None, out_ref, moment refs)`` of a blockwise kernel: ``(p,
+  *moments)`` in place, or ``(*moments, direction)``."""
+  if apply:
+    return refs[0], refs[0], refs[1:]
+  return None, refs[-1], refs[:-1]
+
+
+def _row_loop(n, block, row, one_row):
+  """This program's rows of ``row`` elements (``block // row`` of them, the
+  last program what is left of the ``n``), ``one_row(start)`` a
+  ``lax.fori_loop`` iteration each: the kernel's code stays one row's
+  whatever the config."""
+  def program(start, size):
+    def body(j, carry):
+      one_row(start + j * row)
+      return carry
+    jax.lax.fori_loop(0, size // row, body, 0)
+
+  elementwise_tiling.mosaic_gpu_blocks(n, block, program)
+
+
+def _kept_codes(keep_block, new, old):
+  """A skipped step's codes (:func:`.blocks.kept_on_skip`) selected in int32,
+  back in ``old``'s 8-bit dtype: Mosaic GPU has no pointwise select on 8-bit
+  types."""
+  i32 = lambda c: c.astype(jnp.int32)
+  return quantized.kept_on_skip(keep_block, i32(new), i32(old)).astype(old.dtype)
+
+
+def _blockwise_launch(body, name, scalars, seeds, p, g, arrays, *, out_dtype, block, interpret):
+  """One ``plgpu.kernel`` launch of the blockwise kernel ``body`` over the
+  leaf's ``g.size`` elements, ``block`` a program; ``p`` (None: the
+  direction, a fresh output) and the moment ``arrays`` go in flat as refs,
+  written in place. Returns ``(out, arrays)``, ``out`` in ``g``'s shape and
+  the arrays flat."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  n = g.size
+  apply = p is not None
+  kernel = plgpu.kernel(
+      functools.partial(body, n=n, block=block, apply=apply),
+      out_type=() if apply else (jax.ShapeDtypeStruct((n,), out_dtype),),
+      grid=(elementwise_tiling.mosaic_gpu_programs(n, block),),
+      grid_names=(elementwise_tiling.MOSAIC_GPU_AXIS,),
+      interpret=interpret or None,
+      kernel_name=name,
+  )
+  refs = [jax.new_ref(a.reshape(-1)) for a in ((p,) if apply else ()) + tuple(arrays)]
+  results = kernel(scalars, seeds, g.reshape(-1), *refs)
+  outs = [jax.freeze(r) for r in refs]
+  out = outs.pop(0) if apply else results[0]
+  return out.reshape(g.shape), outs
+
+
 # ------------------------------------------------------- 8-bit moments --
 def _quantized_kernel(s_ref, seed_ref, g_ref, *refs, n, block, nesterov, apply, index_map):
   """``block // BLOCK`` quantisation blocks a program (the last program: what
   is left), one loop iteration each; every ref flat, the scales one per
   ``BLOCK`` elements."""
   q_block = quantized.BLOCK
-  if apply:
-    p_ref, muc_ref, mus_ref, nuc_ref, nus_ref = refs
-    o_ref = p_ref
-  else:
-    muc_ref, mus_ref, nuc_ref, nus_ref, o_ref = refs
-    p_ref = None
+  p_ref, o_ref, (muc_ref, mus_ref, nuc_ref, nus_ref) = _blockwise_refs(refs, apply)
   apply_flag = s_ref[adam_lib.APPLY]
   s = _scalar_reader([s_ref[k] for k in range(adam_lib.N_SCALARS)], q_block)
   seeds = [seed_ref[k] for k in range(adam_lib.N_SEEDS)]
@@ -328,32 +380,22 @@ def _quantized_kernel(s_ref, seed_ref, g_ref, *refs, n, block, nesterov, apply, 
     # The scale is reduced here (a scalar) and handed to the block arithmetic
     # as a block: Mosaic GPU lowers scalar constants only inside vector ops.
     # A skipped step keeps the stored codes and scales (quantized.kept_on_skip):
-    # the codes selected on the flag's block (in int32: Mosaic GPU has no
-    # pointwise select on 8-bit types), the scales on the scalar flag.
+    # the codes selected on the flag's block (_kept_codes), the scales on the
+    # scalar flag.
     keep_block = s(adam_lib.APPLY) == 0
     keep_scalar = apply_flag == 0
     old_mus, old_nus = mus_ref[row], nus_ref[row]
 
-    def keep_codes(ref, codes):
-      i32 = lambda c: c.astype(jnp.int32)
-      ref[elems] = quantized.kept_on_skip(keep_block, i32(codes), i32(ref[elems])).astype(ref.dtype)
-
     scale = quantized.mu_scale(mu_new, axis=None)
     codes, _ = quantized.quantize_mu(mu_new, counter_hash.hash_bits(index, seeds[1]), wide(scale))
-    keep_codes(muc_ref, codes)
+    muc_ref[elems] = _kept_codes(keep_block, codes, muc_ref[elems])
     mus_ref[row] = quantized.kept_on_skip(keep_scalar, scale, old_mus)
     scale = quantized.nu_scale(nu_new, axis=None)
     codes, _ = quantized.quantize_nu(nu_new, counter_hash.hash_bits(index, seeds[2]), wide(scale))
-    keep_codes(nuc_ref, codes)
+    nuc_ref[elems] = _kept_codes(keep_block, codes, nuc_ref[elems])
     nus_ref[row] = quantized.kept_on_skip(keep_scalar, scale, old_nus)
 
-  def program(start, size):
-    def body(j, carry):
-      one_block(start + j * q_block)
-      return carry
-    jax.lax.fori_loop(0, size // q_block, body, 0)
-
-  elementwise_tiling.mosaic_gpu_blocks(n, block, program)
+  _row_loop(n, block, q_block, one_block)
 
 
 def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype,
@@ -364,26 +406,81 @@ def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype,
   in place (``p`` None: the direction, a fresh output). ``config.block``
   elements a program, at least one quantisation block. The caller guards
   the inputs against differentiation."""
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-  rows_shape = g.shape
-  n = g.size
-  block = max(config.block, quantized.BLOCK)
-  apply = p is not None
-  kernel = plgpu.kernel(
-      functools.partial(_quantized_kernel, n=n, block=block, nesterov=nesterov, apply=apply,
-                        index_map=index_map),
-      out_type=() if apply else (jax.ShapeDtypeStruct((n,), out_dtype),),
-      grid=(elementwise_tiling.mosaic_gpu_programs(n, block),),
-      grid_names=(elementwise_tiling.MOSAIC_GPU_AXIS,),
-      interpret=interpret or None,
-      kernel_name="fuseopt_adam_update_int8",
-  )
-  flat = lambda a: a.reshape(-1)
-  refs = [jax.new_ref(flat(a)) for a in ((p,) if apply else ()) + (
-      mu.codes, mu.scales, nu.codes, nu.scales)]
-  results = kernel(scalars, seeds, flat(g), *refs)
-  outs = [jax.freeze(r) for r in refs]
-  out = outs.pop(0) if apply else results[0]
+  body = functools.partial(_quantized_kernel, nesterov=nesterov, index_map=index_map)
+  out, (muc, mus, nuc, nus) = _blockwise_launch(
+      body, "fuseopt_adam_update_int8", scalars, seeds, p, g,
+      (mu.codes, mu.scales, nu.codes, nu.scales), out_dtype=out_dtype,
+      block=max(config.block, quantized.BLOCK), interpret=interpret)
   moment = lambda codes, scales, like: quantized.QuantizedMoment(
-      codes.reshape(rows_shape), scales.reshape(like.scales.shape))
-  return (out.reshape(rows_shape), moment(outs[0], outs[1], mu), moment(outs[2], outs[3], nu))
+      codes.reshape(g.shape), scales.reshape(like.scales.shape))
+  return out, moment(muc, mus, mu), moment(nuc, nus, nu)
+
+
+# ------------------------------------------------------- 4-bit moments --
+def _int4_kernel(s_ref, seed_ref, g_ref, *refs, n, block, nesterov, apply, index_map):
+  """``block // ROW`` rows a program (the last program: what is left), one
+  loop iteration each: a row's two blocks of ``BLOCK`` elements, each one
+  warpgroup's register arrays, and its ``BLOCK`` code bytes (byte ``t``:
+  element ``t`` in the low nibble, ``t + BLOCK`` in the high one). Every ref
+  flat, the scales two a row."""
+  half, row_len = int4.BLOCK, int4.ROW
+  p_ref, o_ref, (muc_ref, mus_ref, nuc_ref, nus_ref) = _blockwise_refs(refs, apply)
+  apply_flag = s_ref[adam_lib.APPLY]
+  s = _scalar_reader([s_ref[k] for k in range(adam_lib.N_SCALARS)], half)
+  seeds = [seed_ref[k] for k in range(adam_lib.N_SEEDS)]
+  wide = lambda x: jnp.broadcast_to(x, (half,))
+
+  def one_row(start):
+    row = start // row_len
+    code_bytes = pl.ds(start // 2, half)
+    # Everything the row overwrites is read first.
+    old_mu, old_nu = muc_ref[code_bytes], nuc_ref[code_bytes]
+    mu_nib, nu_nib = int4.unpack(old_mu), int4.unpack(old_nu)
+    keep_block = s(adam_lib.APPLY) == 0
+    keep_scalar = apply_flag == 0
+    mu_codes, nu_codes = [], []
+    for h in range(2):
+      elems = pl.ds(start + h * half, half)
+      f32 = lambda r: r[elems].astype(jnp.float32)
+      old_mus, old_nus = mus_ref[2 * row + h], nus_ref[2 * row + h]
+      out, mu_new, nu_new = adam_lib.adam_math(
+          s, f32(p_ref) if apply else None, f32(g_ref), int4.dequantize_mu(mu_nib[h], old_mus),
+          int4.dequantize_nu(nu_nib[h], old_nus), nesterov=nesterov, apply=apply,
+          reciprocal=True)
+      index = sharding_lib.global_index(
+          elementwise_tiling.mosaic_gpu_flat_index(start + h * half, half), index_map,
+          seeds[adam_lib.SEED_BASE])
+      o_ref[elems] = adam_lib.store(out, o_ref.dtype, index, seeds[0])
+      # As in the 8-bit kernel: the scale reduced as a scalar, handed to the
+      # block arithmetic as a block; on a skip the scales kept on the scalar
+      # flag, the codes below on the flag's block.
+      scale = int4.mu_scale(mu_new, axis=None)
+      codes, _ = int4.quantize_mu(mu_new, counter_hash.hash_bits(index, seeds[1]), wide(scale))
+      mu_codes.append(codes)
+      mus_ref[2 * row + h] = blocks.kept_on_skip(keep_scalar, scale, old_mus)
+      scale = int4.nu_scale(nu_new, axis=None)
+      codes, _ = int4.quantize_nu(nu_new, counter_hash.hash_bits(index, seeds[2]), wide(scale))
+      nu_codes.append(codes)
+      nus_ref[2 * row + h] = blocks.kept_on_skip(keep_scalar, scale, old_nus)
+    muc_ref[code_bytes] = _kept_codes(keep_block, int4.pack(*mu_codes), old_mu)
+    nuc_ref[code_bytes] = _kept_codes(keep_block, int4.pack(*nu_codes), old_nu)
+
+  _row_loop(n, block, row_len, one_row)
+
+
+def update_int4(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config: MosaicGPUConfig,
+                interpret, index_map=None):
+  """One leaf with 4-bit moments (:mod:`.int4`) as ``(R, ROW)`` rows (``p``,
+  ``g``), ``(R, BLOCK)`` code bytes and ``(R, 2)`` scales; returns ``(out,
+  mu, nu)``, the moments :class:`~.int4.PackedMoment` in that layout, all in
+  place (``p`` None: the direction, a fresh output). ``config.block``
+  elements a program, at least one row. The caller guards the inputs
+  against differentiation."""
+  body = functools.partial(_int4_kernel, nesterov=nesterov, index_map=index_map)
+  out, (muc, mus, nuc, nus) = _blockwise_launch(
+      body, "fuseopt_adam_update_int4", scalars, seeds, p, g,
+      (mu.codes, mu.scales, nu.codes, nu.scales), out_dtype=out_dtype,
+      block=max(config.block, int4.ROW), interpret=interpret)
+  moment = lambda codes, scales, like: int4.PackedMoment(codes.reshape(like.codes.shape),
+                                                         scales.reshape(like.scales.shape))
+  return out, moment(muc, mus, mu), moment(nuc, nus, nu)
