@@ -33,6 +33,10 @@ its new absmax is a reduction over the warpgroup (through shared memory,
 which Mosaic GPU's lowering provides), its scale stored as a scalar. Mosaic
 GPU lowers no ``floor`` or ``is_finite``: the block arithmetic is written
 with truncation and comparisons, the same bits (:mod:`.quantized`).
+4-bit moments (:func:`update_int4`, :mod:`.int4`): the same loop a block of
+``int4.BLOCK`` (128) elements, one warpgroup's arrays, the two blocks of a
+row in turn rewriting their nibbles of the row's packed code bytes (integer
+work on the bytes widened to int32), two scales a row.
 
 Compiles for sm_90 only
 (:func:`supports` refuses other targets before lowering); runs anywhere in
@@ -307,24 +311,24 @@ def _blockwise_refs(refs, apply):
   return None, refs[-1], refs[:-1]
 
 
-def _row_loop(n, block, row, one_row):
-  """This program's rows of ``row`` elements (``block // row`` of them, the
-  last program what is left of the ``n``), ``one_row(start)`` a
-  ``lax.fori_loop`` iteration each: the kernel's code stays one row's
+def _block_loop(n, block, step, one):
+  """This program's blocks of ``step`` elements (``block // step`` of them,
+  the last program what is left of the ``n``), ``one(start)`` a
+  ``lax.fori_loop`` iteration each: the kernel's code stays one block's
   whatever the config."""
   def program(start, size):
     def body(j, carry):
-      one_row(start + j * row)
+      one(start + j * step)
       return carry
-    jax.lax.fori_loop(0, size // row, body, 0)
+    jax.lax.fori_loop(0, size // step, body, 0)
 
   elementwise_tiling.mosaic_gpu_blocks(n, block, program)
 
 
 def _kept_codes(keep_block, new, old):
   """A skipped step's codes (:func:`.blocks.kept_on_skip`) selected in int32,
-  back in ``old``'s 8-bit dtype: Mosaic GPU has no pointwise select on 8-bit
-  types."""
+  back in ``old``'s dtype (8-bit codes: Mosaic GPU has no pointwise select
+  on 8-bit types)."""
   i32 = lambda c: c.astype(jnp.int32)
   return quantized.kept_on_skip(keep_block, i32(new), i32(old)).astype(old.dtype)
 
@@ -395,7 +399,7 @@ def _quantized_kernel(s_ref, seed_ref, g_ref, *refs, n, block, nesterov, apply, 
     nuc_ref[elems] = _kept_codes(keep_block, codes, nuc_ref[elems])
     nus_ref[row] = quantized.kept_on_skip(keep_scalar, scale, old_nus)
 
-  _row_loop(n, block, q_block, one_block)
+  _block_loop(n, block, q_block, one_block)
 
 
 def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype,
@@ -418,54 +422,64 @@ def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype,
 
 # ------------------------------------------------------- 4-bit moments --
 def _int4_kernel(s_ref, seed_ref, g_ref, *refs, n, block, nesterov, apply, index_map):
-  """``block // ROW`` rows a program (the last program: what is left), one
-  loop iteration each: a row's two blocks of ``BLOCK`` elements, each one
-  warpgroup's register arrays, and its ``BLOCK`` code bytes (byte ``t``:
-  element ``t`` in the low nibble, ``t + BLOCK`` in the high one). Every ref
-  flat, the scales two a row."""
-  half, row_len = int4.BLOCK, int4.ROW
+  """``block // BLOCK`` quantisation blocks a program (the last program: what
+  is left), one loop iteration each, a row's two halves in turn: ``BLOCK``
+  elements as one warpgroup's register arrays, their scale (the block's
+  index in the flat scales), and the row's ``BLOCK`` code bytes (byte ``t``:
+  element ``t`` in the low nibble, ``t + BLOCK`` in the high one), of which
+  the iteration rewrites its own nibble and keeps the other. A block a
+  iteration rather than a row: Mosaic GPU's layout inference grows faster
+  than linearly with the ops of one loop body (a row's body lowered ten
+  times slower). The second half reads the bytes the first wrote, in the
+  same program (a program holds whole rows: ``block`` is a multiple of
+  ``ROW``), by the same load and store instructions and so the same thread
+  a byte, in program order."""
+  half = int4.BLOCK
   p_ref, o_ref, (muc_ref, mus_ref, nuc_ref, nus_ref) = _blockwise_refs(refs, apply)
   apply_flag = s_ref[adam_lib.APPLY]
   s = _scalar_reader([s_ref[k] for k in range(adam_lib.N_SCALARS)], half)
   seeds = [seed_ref[k] for k in range(adam_lib.N_SEEDS)]
   wide = lambda x: jnp.broadcast_to(x, (half,))
 
-  def one_row(start):
-    row = start // row_len
-    code_bytes = pl.ds(start // 2, half)
-    # Everything the row overwrites is read first.
-    old_mu, old_nu = muc_ref[code_bytes], nuc_ref[code_bytes]
-    mu_nib, nu_nib = int4.unpack(old_mu), int4.unpack(old_nu)
+  def one_block(start):
+    blk = start // half                      # the block's scale
+    hi = blk % 2                             # which half of its row
+    code_bytes = pl.ds((blk - hi) * (half // 2), half)
+    shift = 4 * hi                           # its nibble in the row's bytes
+    other = 0xF0 >> shift                    # the other half's nibble, kept
+    elems = pl.ds(start, half)
+    f32 = lambda r: r[elems].astype(jnp.float32)
+    # (in int32: Mosaic GPU's integer and shift lowering wants 32 bits)
+    old_mu = muc_ref[code_bytes].astype(jnp.int32)
+    old_nu = nuc_ref[code_bytes].astype(jnp.int32)
+    old_mus, old_nus = mus_ref[blk], nus_ref[blk]
+    out, mu_new, nu_new = adam_lib.adam_math(
+        s, f32(p_ref) if apply else None, f32(g_ref),
+        int4.dequantize_mu((old_mu >> shift) & 15, old_mus),
+        int4.dequantize_nu((old_nu >> shift) & 15, old_nus), nesterov=nesterov, apply=apply,
+        reciprocal=True)
+    index = sharding_lib.global_index(elementwise_tiling.mosaic_gpu_flat_index(start, half),
+                                      index_map, seeds[adam_lib.SEED_BASE])
+    o_ref[elems] = adam_lib.store(out, o_ref.dtype, index, seeds[0])
+    # As in the 8-bit kernel: the scale reduced as a scalar and handed to the
+    # block arithmetic as a block; on a skip the scale kept on the scalar
+    # flag, the bytes on the flag's block.
     keep_block = s(adam_lib.APPLY) == 0
     keep_scalar = apply_flag == 0
-    mu_codes, nu_codes = [], []
-    for h in range(2):
-      elems = pl.ds(start + h * half, half)
-      f32 = lambda r: r[elems].astype(jnp.float32)
-      old_mus, old_nus = mus_ref[2 * row + h], nus_ref[2 * row + h]
-      out, mu_new, nu_new = adam_lib.adam_math(
-          s, f32(p_ref) if apply else None, f32(g_ref), int4.dequantize_mu(mu_nib[h], old_mus),
-          int4.dequantize_nu(nu_nib[h], old_nus), nesterov=nesterov, apply=apply,
-          reciprocal=True)
-      index = sharding_lib.global_index(
-          elementwise_tiling.mosaic_gpu_flat_index(start + h * half, half), index_map,
-          seeds[adam_lib.SEED_BASE])
-      o_ref[elems] = adam_lib.store(out, o_ref.dtype, index, seeds[0])
-      # As in the 8-bit kernel: the scale reduced as a scalar, handed to the
-      # block arithmetic as a block; on a skip the scales kept on the scalar
-      # flag, the codes below on the flag's block.
-      scale = int4.mu_scale(mu_new, axis=None)
-      codes, _ = int4.quantize_mu(mu_new, counter_hash.hash_bits(index, seeds[1]), wide(scale))
-      mu_codes.append(codes)
-      mus_ref[2 * row + h] = blocks.kept_on_skip(keep_scalar, scale, old_mus)
-      scale = int4.nu_scale(nu_new, axis=None)
-      codes, _ = int4.quantize_nu(nu_new, counter_hash.hash_bits(index, seeds[2]), wide(scale))
-      nu_codes.append(codes)
-      nus_ref[2 * row + h] = blocks.kept_on_skip(keep_scalar, scale, old_nus)
-    muc_ref[code_bytes] = _kept_codes(keep_block, int4.pack(*mu_codes), old_mu)
-    nuc_ref[code_bytes] = _kept_codes(keep_block, int4.pack(*nu_codes), old_nu)
 
-  _row_loop(n, block, row_len, one_row)
+    def write(codes_ref, scales_ref, codes, scale, old, old_scale):
+      new = (old & other) | (codes << shift)
+      codes_ref[code_bytes] = _kept_codes(keep_block, new, old).astype(codes_ref.dtype)
+      scales_ref[blk] = blocks.kept_on_skip(keep_scalar, scale, old_scale)
+
+    scale = int4.mu_scale(mu_new, axis=None)
+    codes, _ = int4.quantize_mu(mu_new, counter_hash.hash_bits(index, seeds[1]), wide(scale))
+    write(muc_ref, mus_ref, codes, scale, old_mu, old_mus)
+    scale = int4.nu_scale(nu_new, axis=None)
+    codes, _ = int4.quantize_nu(nu_new, counter_hash.hash_bits(index, seeds[2]), wide(scale))
+    write(nuc_ref, nus_ref, codes, scale, old_nu, old_nus)
+
+  _block_loop(n, block, half, one_block)
 
 
 def update_int4(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config: MosaicGPUConfig,
