@@ -429,8 +429,8 @@ def _int4_kernel(s_ref, seed_ref, g_ref, *refs, n, block, nesterov, apply, index
   element ``t`` in the low nibble, ``t + BLOCK`` in the high one), of which
   the iteration rewrites its own nibble and keeps the other. A block a
   iteration rather than a row: Mosaic GPU's layout inference grows faster
-  than linearly with the ops of one loop body (a row's body lowered ten
-  times slower). The second half reads the bytes the first wrote, in the
+  than linearly with the ops of one loop body (a whole row's body lowered
+  many times slower). The second half reads the bytes the first wrote, in the
   same program (a program holds whole rows: ``block`` is a multiple of
   ``ROW``), by the same load and store instructions and so the same thread
   a byte, in program order."""
@@ -488,8 +488,9 @@ def update_int4(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config: Mo
   ``g``), ``(R, BLOCK)`` code bytes and ``(R, 2)`` scales; returns ``(out,
   mu, nu)``, the moments :class:`~.int4.PackedMoment` in that layout, all in
   place (``p`` None: the direction, a fresh output). ``config.block``
-  elements a program, at least one row. The caller guards the inputs
-  against differentiation."""
+  elements a program, at least one row: a program holds whole rows, so the
+  two blocks that share a row's code bytes are written by one program.
+  The caller guards the inputs against differentiation."""
   body = functools.partial(_int4_kernel, nesterov=nesterov, index_map=index_map)
   out, (muc, mus, nuc, nus) = _blockwise_launch(
       body, "fuseopt_adam_update_int4", scalars, seeds, p, g,
