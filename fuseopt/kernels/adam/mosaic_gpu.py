@@ -33,6 +33,10 @@ its new absmax is a reduction over the warpgroup (through shared memory,
 which Mosaic GPU's lowering provides), its scale stored as a scalar. Mosaic
 GPU lowers no ``floor`` or ``is_finite``: the block arithmetic is written
 with truncation and comparisons, the same bits (:mod:`.quantized`).
+4-bit moments (:func:`update_int4`, :mod:`.int4`): the same loop a block of
+``int4.BLOCK`` (128) elements, one warpgroup's arrays, the two blocks of a
+row in turn rewriting their nibbles of the row's packed code bytes (integer
+work on the bytes widened to int32), two scales a row.
 
 Compiles for sm_90 only
 (:func:`supports` refuses other targets before lowering); runs anywhere in
@@ -53,6 +57,8 @@ from fuseopt.kernels import dispatch
 from fuseopt.kernels import elementwise_tiling
 from fuseopt.kernels import mantissa
 from fuseopt.kernels import sharding as sharding_lib
+from fuseopt.kernels.adam import blocks
+from fuseopt.kernels.adam import int4
 from fuseopt.kernels.adam import math as adam_lib
 from fuseopt.kernels.adam import quantized
 from fuseopt.kernels.elementwise_tiling import MosaicGPUConfig
@@ -296,18 +302,68 @@ def update_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config: MosaicGP
   return out
 
 
+# --------------------------------------------------- blockwise moments --
+def _blockwise_refs(refs, apply):
+  """``(p_ref or None, out_ref, moment refs)`` of a blockwise kernel: ``(p,
+  *moments)`` in place, or ``(*moments, direction)``."""
+  if apply:
+    return refs[0], refs[0], refs[1:]
+  return None, refs[-1], refs[:-1]
+
+
+def _block_loop(n, block, step, one):
+  """This program's blocks of ``step`` elements (``block // step`` of them,
+  the last program what is left of the ``n``), ``one(start)`` a
+  ``lax.fori_loop`` iteration each: the kernel's code stays one block's
+  whatever the config."""
+  def program(start, size):
+    def body(j, carry):
+      one(start + j * step)
+      return carry
+    jax.lax.fori_loop(0, size // step, body, 0)
+
+  elementwise_tiling.mosaic_gpu_blocks(n, block, program)
+
+
+def _kept_codes(keep_block, new, old):
+  """A skipped step's codes (:func:`.blocks.kept_on_skip`) selected in int32,
+  back in ``old``'s dtype (8-bit codes: Mosaic GPU has no pointwise select
+  on 8-bit types)."""
+  i32 = lambda c: c.astype(jnp.int32)
+  return quantized.kept_on_skip(keep_block, i32(new), i32(old)).astype(old.dtype)
+
+
+def _blockwise_launch(body, name, scalars, seeds, p, g, arrays, *, out_dtype, block, interpret):
+  """One ``plgpu.kernel`` launch of the blockwise kernel ``body`` over the
+  leaf's ``g.size`` elements, ``block`` a program; ``p`` (None: the
+  direction, a fresh output) and the moment ``arrays`` go in flat as refs,
+  written in place. Returns ``(out, arrays)``, ``out`` in ``g``'s shape and
+  the arrays flat."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  n = g.size
+  apply = p is not None
+  kernel = plgpu.kernel(
+      functools.partial(body, n=n, block=block, apply=apply),
+      out_type=() if apply else (jax.ShapeDtypeStruct((n,), out_dtype),),
+      grid=(elementwise_tiling.mosaic_gpu_programs(n, block),),
+      grid_names=(elementwise_tiling.MOSAIC_GPU_AXIS,),
+      interpret=interpret or None,
+      kernel_name=name,
+  )
+  refs = [jax.new_ref(a.reshape(-1)) for a in ((p,) if apply else ()) + tuple(arrays)]
+  results = kernel(scalars, seeds, g.reshape(-1), *refs)
+  outs = [jax.freeze(r) for r in refs]
+  out = outs.pop(0) if apply else results[0]
+  return out.reshape(g.shape), outs
+
+
 # ------------------------------------------------------- 8-bit moments --
 def _quantized_kernel(s_ref, seed_ref, g_ref, *refs, n, block, nesterov, apply, index_map):
   """``block // BLOCK`` quantisation blocks a program (the last program: what
   is left), one loop iteration each; every ref flat, the scales one per
   ``BLOCK`` elements."""
   q_block = quantized.BLOCK
-  if apply:
-    p_ref, muc_ref, mus_ref, nuc_ref, nus_ref = refs
-    o_ref = p_ref
-  else:
-    muc_ref, mus_ref, nuc_ref, nus_ref, o_ref = refs
-    p_ref = None
+  p_ref, o_ref, (muc_ref, mus_ref, nuc_ref, nus_ref) = _blockwise_refs(refs, apply)
   apply_flag = s_ref[adam_lib.APPLY]
   s = _scalar_reader([s_ref[k] for k in range(adam_lib.N_SCALARS)], q_block)
   seeds = [seed_ref[k] for k in range(adam_lib.N_SEEDS)]
@@ -328,32 +384,22 @@ def _quantized_kernel(s_ref, seed_ref, g_ref, *refs, n, block, nesterov, apply, 
     # The scale is reduced here (a scalar) and handed to the block arithmetic
     # as a block: Mosaic GPU lowers scalar constants only inside vector ops.
     # A skipped step keeps the stored codes and scales (quantized.kept_on_skip):
-    # the codes selected on the flag's block (in int32: Mosaic GPU has no
-    # pointwise select on 8-bit types), the scales on the scalar flag.
+    # the codes selected on the flag's block (_kept_codes), the scales on the
+    # scalar flag.
     keep_block = s(adam_lib.APPLY) == 0
     keep_scalar = apply_flag == 0
     old_mus, old_nus = mus_ref[row], nus_ref[row]
 
-    def keep_codes(ref, codes):
-      i32 = lambda c: c.astype(jnp.int32)
-      ref[elems] = quantized.kept_on_skip(keep_block, i32(codes), i32(ref[elems])).astype(ref.dtype)
-
     scale = quantized.mu_scale(mu_new, axis=None)
     codes, _ = quantized.quantize_mu(mu_new, counter_hash.hash_bits(index, seeds[1]), wide(scale))
-    keep_codes(muc_ref, codes)
+    muc_ref[elems] = _kept_codes(keep_block, codes, muc_ref[elems])
     mus_ref[row] = quantized.kept_on_skip(keep_scalar, scale, old_mus)
     scale = quantized.nu_scale(nu_new, axis=None)
     codes, _ = quantized.quantize_nu(nu_new, counter_hash.hash_bits(index, seeds[2]), wide(scale))
-    keep_codes(nuc_ref, codes)
+    nuc_ref[elems] = _kept_codes(keep_block, codes, nuc_ref[elems])
     nus_ref[row] = quantized.kept_on_skip(keep_scalar, scale, old_nus)
 
-  def program(start, size):
-    def body(j, carry):
-      one_block(start + j * q_block)
-      return carry
-    jax.lax.fori_loop(0, size // q_block, body, 0)
-
-  elementwise_tiling.mosaic_gpu_blocks(n, block, program)
+  _block_loop(n, block, q_block, one_block)
 
 
 def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype,
@@ -364,26 +410,92 @@ def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype,
   in place (``p`` None: the direction, a fresh output). ``config.block``
   elements a program, at least one quantisation block. The caller guards
   the inputs against differentiation."""
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-  rows_shape = g.shape
-  n = g.size
-  block = max(config.block, quantized.BLOCK)
-  apply = p is not None
-  kernel = plgpu.kernel(
-      functools.partial(_quantized_kernel, n=n, block=block, nesterov=nesterov, apply=apply,
-                        index_map=index_map),
-      out_type=() if apply else (jax.ShapeDtypeStruct((n,), out_dtype),),
-      grid=(elementwise_tiling.mosaic_gpu_programs(n, block),),
-      grid_names=(elementwise_tiling.MOSAIC_GPU_AXIS,),
-      interpret=interpret or None,
-      kernel_name="fuseopt_adam_update_int8",
-  )
-  flat = lambda a: a.reshape(-1)
-  refs = [jax.new_ref(flat(a)) for a in ((p,) if apply else ()) + (
-      mu.codes, mu.scales, nu.codes, nu.scales)]
-  results = kernel(scalars, seeds, flat(g), *refs)
-  outs = [jax.freeze(r) for r in refs]
-  out = outs.pop(0) if apply else results[0]
+  body = functools.partial(_quantized_kernel, nesterov=nesterov, index_map=index_map)
+  out, (muc, mus, nuc, nus) = _blockwise_launch(
+      body, "fuseopt_adam_update_int8", scalars, seeds, p, g,
+      (mu.codes, mu.scales, nu.codes, nu.scales), out_dtype=out_dtype,
+      block=max(config.block, quantized.BLOCK), interpret=interpret)
   moment = lambda codes, scales, like: quantized.QuantizedMoment(
-      codes.reshape(rows_shape), scales.reshape(like.scales.shape))
-  return (out.reshape(rows_shape), moment(outs[0], outs[1], mu), moment(outs[2], outs[3], nu))
+      codes.reshape(g.shape), scales.reshape(like.scales.shape))
+  return out, moment(muc, mus, mu), moment(nuc, nus, nu)
+
+
+# ------------------------------------------------------- 4-bit moments --
+def _int4_kernel(s_ref, seed_ref, g_ref, *refs, n, block, nesterov, apply, index_map):
+  """``block // BLOCK`` quantisation blocks a program (the last program: what
+  is left), one loop iteration each, a row's two halves in turn: ``BLOCK``
+  elements as one warpgroup's register arrays, their scale (the block's
+  index in the flat scales), and the row's ``BLOCK`` code bytes (byte ``t``:
+  element ``t`` in the low nibble, ``t + BLOCK`` in the high one), of which
+  the iteration rewrites its own nibble and keeps the other. A block a
+  iteration rather than a row: Mosaic GPU's layout inference grows faster
+  than linearly with the ops of one loop body (a whole row's body lowered
+  many times slower). The second half reads the bytes the first wrote, in the
+  same program (a program holds whole rows: ``block`` is a multiple of
+  ``ROW``), by the same load and store instructions and so the same thread
+  a byte, in program order."""
+  half = int4.BLOCK
+  p_ref, o_ref, (muc_ref, mus_ref, nuc_ref, nus_ref) = _blockwise_refs(refs, apply)
+  apply_flag = s_ref[adam_lib.APPLY]
+  s = _scalar_reader([s_ref[k] for k in range(adam_lib.N_SCALARS)], half)
+  seeds = [seed_ref[k] for k in range(adam_lib.N_SEEDS)]
+  wide = lambda x: jnp.broadcast_to(x, (half,))
+
+  def one_block(start):
+    blk = start // half                      # the block's scale
+    hi = blk % 2                             # which half of its row
+    code_bytes = pl.ds((blk - hi) * (half // 2), half)
+    shift = 4 * hi                           # its nibble in the row's bytes
+    other = 0xF0 >> shift                    # the other half's nibble, kept
+    elems = pl.ds(start, half)
+    f32 = lambda r: r[elems].astype(jnp.float32)
+    # (in int32: Mosaic GPU's integer and shift lowering wants 32 bits)
+    old_mu = muc_ref[code_bytes].astype(jnp.int32)
+    old_nu = nuc_ref[code_bytes].astype(jnp.int32)
+    old_mus, old_nus = mus_ref[blk], nus_ref[blk]
+    out, mu_new, nu_new = adam_lib.adam_math(
+        s, f32(p_ref) if apply else None, f32(g_ref),
+        int4.dequantize_mu((old_mu >> shift) & 15, old_mus),
+        int4.dequantize_nu((old_nu >> shift) & 15, old_nus), nesterov=nesterov, apply=apply,
+        reciprocal=True)
+    index = sharding_lib.global_index(elementwise_tiling.mosaic_gpu_flat_index(start, half),
+                                      index_map, seeds[adam_lib.SEED_BASE])
+    o_ref[elems] = adam_lib.store(out, o_ref.dtype, index, seeds[0])
+    # As in the 8-bit kernel: the scale reduced as a scalar and handed to the
+    # block arithmetic as a block; on a skip the scale kept on the scalar
+    # flag, the bytes on the flag's block.
+    keep_block = s(adam_lib.APPLY) == 0
+    keep_scalar = apply_flag == 0
+
+    def write(codes_ref, scales_ref, codes, scale, old, old_scale):
+      new = (old & other) | (codes << shift)
+      codes_ref[code_bytes] = _kept_codes(keep_block, new, old).astype(codes_ref.dtype)
+      scales_ref[blk] = blocks.kept_on_skip(keep_scalar, scale, old_scale)
+
+    scale = int4.mu_scale(mu_new, axis=None)
+    codes, _ = int4.quantize_mu(mu_new, counter_hash.hash_bits(index, seeds[1]), wide(scale))
+    write(muc_ref, mus_ref, codes, scale, old_mu, old_mus)
+    scale = int4.nu_scale(nu_new, axis=None)
+    codes, _ = int4.quantize_nu(nu_new, counter_hash.hash_bits(index, seeds[2]), wide(scale))
+    write(nuc_ref, nus_ref, codes, scale, old_nu, old_nus)
+
+  _block_loop(n, block, half, one_block)
+
+
+def update_int4(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config: MosaicGPUConfig,
+                interpret, index_map=None):
+  """One leaf with 4-bit moments (:mod:`.int4`) as ``(R, ROW)`` rows (``p``,
+  ``g``), ``(R, BLOCK)`` code bytes and ``(R, 2)`` scales; returns ``(out,
+  mu, nu)``, the moments :class:`~.int4.PackedMoment` in that layout, all in
+  place (``p`` None: the direction, a fresh output). ``config.block``
+  elements a program, at least one row: a program holds whole rows, so the
+  two blocks that share a row's code bytes are written by one program.
+  The caller guards the inputs against differentiation."""
+  body = functools.partial(_int4_kernel, nesterov=nesterov, index_map=index_map)
+  out, (muc, mus, nuc, nus) = _blockwise_launch(
+      body, "fuseopt_adam_update_int4", scalars, seeds, p, g,
+      (mu.codes, mu.scales, nu.codes, nu.scales), out_dtype=out_dtype,
+      block=max(config.block, int4.ROW), interpret=interpret)
+  moment = lambda codes, scales, like: int4.PackedMoment(codes.reshape(like.codes.shape),
+                                                         scales.reshape(like.scales.shape))
+  return out, moment(muc, mus, mu), moment(nuc, nus, nu)

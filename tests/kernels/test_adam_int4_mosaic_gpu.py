@@ -1,0 +1,165 @@
+"""Adam on 4-bit moments (fuseopt.kernels.adam.int4): the Mosaic GPU kernel
+(interpret mode on the CPU) against the reference, its configs, a skipped
+step, and its lowering for an H200."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fuseopt import targets
+from fuseopt.kernels import adam_update
+from fuseopt.kernels import counter_hash
+from fuseopt.kernels.adam import int4
+from tests.kernels import harness
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+MGPU = "mosaic_gpu"
+HYPER = dict(learning_rate=3e-3, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0,
+             weight_decay=0.1, seed=17, leaf_index=5)
+
+
+def _same(a, b, what=""):
+  """Bitwise equal (code bytes; fp32 scales and params NaN-safe)."""
+  a, b = np.asarray(a), np.asarray(b)
+  assert a.dtype == b.dtype and a.shape == b.shape, what
+  if a.dtype.itemsize == 1:
+    np.testing.assert_array_equal(a, b, err_msg=what)
+  else:
+    harness.assert_bitwise_equal(a, b, what)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _moments(key, shape):
+  """4-bit moments of random fp32 ones (mu of both signs over a decade or
+  two, nu spread over several decades), quantised once (one program, not
+  op by op)."""
+  k = jax.random.split(key, 2)
+  bits = counter_hash.hash_bits(
+      jnp.arange(math.prod(shape), dtype=jnp.uint32).reshape(shape), jnp.uint32(7))
+  mu32 = 0.1 * jax.random.normal(k[0], shape)
+  nu32 = 0.01 * jax.random.uniform(k[1], shape) ** 4
+  return int4.quantize(mu32, bits, signed=True), int4.quantize(nu32, bits, signed=False)
+
+
+def _steps(impl, p, g, mu, nu, steps=2, **kw):
+  f = jax.jit(lambda p, g, mu, nu, c: adam_update(p, g, mu, nu, count=c, implementation=impl,
+                                                  interpret=True, **HYPER, **kw))
+  for c in range(1, steps + 1):
+    p, mu, nu = f(p, g * c, mu, nu, c)
+  return p, mu, nu
+
+
+def _inputs(request, shape, p_dtype=F32, g_dtype=F32):
+  k = jax.random.split(harness.fresh_key(request), 3)
+  p = jax.random.normal(k[0], shape).astype(p_dtype) if p_dtype else None
+  g = jax.random.normal(k[1], shape).astype(g_dtype)
+  return (p, g) + _moments(k[2], shape)
+
+
+def _params_close(got, want, what):
+  """The tolerance of test_adam_int8.test_kernel_matches_reference."""
+  a, b = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  if got.dtype == BF16:
+    # one bf16 ulp where an fp32 ulp moved the stochastic rounding's threshold
+    assert np.all(np.abs(a - b) <= np.abs(b) * 2.0 ** -7), what
+  else:
+    harness.assert_close(a, b, rtol=1e-6, atol=1e-7 * float(np.abs(b).max()), what=what)
+
+
+CASES = [  # shape, p dtype (None: direction only), g dtype, nesterov
+    ((512,), F32, F32, False),
+    ((3, 5, 256), BF16, F32, True),
+    ((37, 512), F32, BF16, False),   # 74 rows: a ragged last program
+    ((8, 256), None, F32, False),
+    ((4, 8, 64), F32, F32, False),   # nnx-shaped: blocked over its last two axes
+]
+
+
+@pytest.mark.parametrize("shape,p_dtype,g_dtype,nesterov", CASES)
+@pytest.mark.fma_off
+def test_kernel_matches_reference(request, shape, p_dtype, g_dtype, nesterov):
+  """Two steps: codes and scales bitwise the reference's (the same fp32
+  operations on the same values, then the same hash on the same global
+  index), the parameter within the few fp32 ulps two programs of Adam's
+  division chain may differ by. Needs FMA off: in interpret mode XLA:CPU
+  contracts the kernel body's unfenced ``b1 * mu + (1 - b1) * g`` into an
+  FMA, which moves a block's absmax (its scale) by an ulp."""
+  p, g, mu, nu = _inputs(request, shape, p_dtype, g_dtype)
+  got = _steps(MGPU, p, g, mu, nu, nesterov=nesterov)
+  want = _steps("xla", p, g, mu, nu, nesterov=nesterov)
+  for a, b in zip(jax.tree.leaves(got[1:]), jax.tree.leaves(want[1:])):
+    _same(a, b, f"moments {shape}")
+  _params_close(got[0], want[0], f"params {shape}")
+
+
+def test_runs_its_kernel_close_to_reference_with_fma(request, caplog):
+  """No fallback: the Mosaic GPU kernel itself runs (in interpret mode, XLA's
+  default FMA on), and lands near the reference: scales within a few fp32
+  ulps (a contracted product in the moment update), the dequantised moments
+  within one level of the codes where a moved scale tipped a rounding."""
+  shape = (8, 512)
+  p, g, mu, nu = _inputs(request, shape)
+  fn = lambda p, g, mu, nu: adam_update(p, g, mu, nu, count=1, implementation=MGPU,
+                                        interpret=True, **HYPER)
+  assert "fuseopt_adam_update_int4" in str(jax.make_jaxpr(fn)(p, g, mu, nu))
+  with caplog.at_level("DEBUG", logger="fuseopt"):
+    got = _steps(MGPU, p, g, mu, nu)
+  assert "reference" not in caplog.text
+  want = _steps("xla", p, g, mu, nu)
+  _params_close(got[0], want[0], "params")
+  for m, w, signed in ((got[1], want[1], True), (got[2], want[2], False)):
+    s, t = np.asarray(m.scales), np.asarray(w.scales)
+    np.testing.assert_allclose(s, t, rtol=2.0 ** -20, atol=0)
+    a = np.asarray(int4.dequantize(m, signed=signed))
+    b = np.asarray(int4.dequantize(w, signed=signed))
+    # a level's width: (1/7)^2-spaced squares of mu's scale, (2k+1) s^2 for nu
+    step = np.repeat(t, int4.BLOCK, axis=-1).reshape(shape)
+    step = 0.3 * step if signed else 31.0 * step * step
+    assert np.all(np.abs(a - b) <= step * (1 + 1e-5)), signed
+    assert np.mean(np.asarray(m.codes) != np.asarray(w.codes)) < 0.01
+
+
+def test_every_config_same_bits(request):
+  """Every block config of the search space writes the same codes, scales
+  and params (10 rows: a ragged last program from block 1024 up, one
+  program holding only the rest at 4096)."""
+  from fuseopt.kernels.adam import mosaic_gpu
+  p, g, mu, nu = _inputs(request, (5, 512))
+  outs = [_steps(MGPU, p, g, mu, nu, config=cfg) for cfg in mosaic_gpu.SEARCH_SPACE]
+  for cfg, out in zip(mosaic_gpu.SEARCH_SPACE[1:], outs[1:]):
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(outs[0])):
+      _same(a, b, str(cfg))
+
+
+def test_a_skipped_step_keeps_codes_and_scales(request):
+  """``apply=False``: the parameter, the code bytes and the scales come back
+  bit for bit (requantising the stored moments would move a scale by an ulp
+  and redraw codes)."""
+  p, g, mu, nu = _inputs(request, (3, 512))
+  got = adam_update(p, g, mu, nu, count=2, implementation=MGPU, interpret=True,
+                    apply=jnp.asarray(False), **HYPER)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves((p, mu, nu))):
+    _same(a, b, "skipped")
+
+
+@pytest.mark.skipif(targets.missing("h200") is not None, reason="the CUDA plugin is not installed")
+def test_lowers_for_h200_in_place():
+  """Lowered for an H200 on the CPU: a Mosaic GPU kernel, the parameter and
+  the code bytes and scales aliased to the outputs (in place)."""
+  s = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt)
+  shape = (64, 512)
+  moment = int4.PackedMoment(s(int4.codes_shape(shape), jnp.uint8),
+                             s(int4.scales_shape(shape), F32))
+  mesh = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(
+      device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+  fn = lambda p, g, mu, nu: adam_update(p, g, mu, nu, count=3, implementation=MGPU)
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = jax.jit(fn, donate_argnums=(0, 2, 3)).trace(
+        s(shape, F32), s(shape, BF16), moment, moment).lower(
+            lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text and "fuseopt_adam_update_int4" in text
+  assert text.count("tf.aliasing_output") + text.count("output_operand_aliases") >= 1
