@@ -208,11 +208,11 @@ def cmd_bench(args, out=print) -> int:
   out(report.format_table(rows))
   out("(* = the case's baseline; ratio = ms / baseline ms; floor = roofline floor / ms)")
   if any(c.op == "adam" for c in cases):
-    from fuseopt.benchmarks import memory
+    from fuseopt.benchmarks import memory_report
     out("\nmemory by mode: parameters + optimizer state a parameter on the 1.2 B and 8.8 B trees, "
         "the fused step compiled (recorded figures), the largest model per chip "
         "(docs/adam.md, \"Memory by mode\"):")
-    out(memory.markdown())
+    out(memory_report.markdown())
   out(f"saved {json_path}")
   missing = _missing_bench_extra(plot=not args.no_plot, progress=not args.no_progress)
   if not args.no_plot and "matplotlib" not in missing:
@@ -271,9 +271,9 @@ def cmd_report(args, out=print) -> int:
     changed = quality_report.render(adam_page, quality)
     if changed is not None:
       out(f"{adam_page}: quality table {'updated' if changed else 'unchanged'}")
-  from fuseopt.benchmarks import memory
+  from fuseopt.benchmarks import memory_report
   if adam_page.exists():
-    changed = memory.render(adam_page, args.results / "compiled")
+    changed = memory_report.render(adam_page, args.results / "compiled")
     if changed is not None:
       out(f"{adam_page}: memory table {'updated' if changed else 'unchanged'}")
   return 0

@@ -443,6 +443,26 @@ def variant_step_cases() -> list[Case]:
   return out
 
 
+def memory_step_cases() -> list[Case]:
+  """The fused step of each storage mode (:mod:`fuseopt.benchmarks.memory`)
+  on the 1.2 B tree (the full sweep; ``memory.STEP_TARGETS`` recorded)."""
+  from fuseopt.benchmarks import workloads
+  from fuseopt.benchmarks.cases import muon as muon_cases
+  out = []
+  for mode in memory.MODES:
+    if mode.key == "optax_adamw":
+      continue   # optax's step is compiled by the other step cases
+
+    def build(t, mode=mode):
+      tx = mode.make(muon_cases.muon_dims)
+      tree = workloads.llama_tree(mode.params)
+      state = memory.quiet(jax.eval_shape, tx.init, tree)
+      return compile_steps.step_fn(tx, True), (tree, state, tree), (0, 1)
+    out.append(Case(f"step/memory/{mode.key}/llama1.2b", build, kind="step", ci_targets=(),
+                    full_only=True, on_targets=memory.STEP_TARGETS))
+  return out
+
+
 def sharded_cases() -> list[Case]:
   from jax.sharding import AxisType, NamedSharding
 
@@ -496,7 +516,7 @@ def cases(target, *, full: bool = False, kinds: tuple[str, ...] = KINDS,
   if "kernel" in kinds:
     every += kernel_cases()
   if "step" in kinds:
-    every += step_cases() + variant_step_cases() + memory.step_cases()
+    every += step_cases() + variant_step_cases() + memory_step_cases()
   if "sharded" in kinds and 8 in t.topologies:
     every += sharded_cases()
   if "scale" in kinds:

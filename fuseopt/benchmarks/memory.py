@@ -7,10 +7,10 @@ A mode is one optimizer call (:data:`MODES`); its state bytes come from
 (:func:`fuseopt.benchmarks.workloads.llama_tree`) and the 8.8 B tree
 (:func:`fuseopt.benchmarks.scale.tree`), exact and free (nothing is
 allocated). Its fused step on the 1.2 B tree is a compile case
-(``step/memory/<mode>/llama1.2b``, :func:`step_cases`): the compile tier
-records its temporaries and its argument and output bytes for each target.
-:func:`markdown` joins them into docs/adam.md's memory table (rendered by
-``fuseopt report``).
+(``step/memory/<mode>/llama1.2b``, ``compile_cases.memory_step_cases``): the
+compile tier records its temporaries and its argument and output bytes for
+each target. :mod:`fuseopt.benchmarks.memory_report` joins them into
+docs/adam.md's memory table (rendered by ``fuseopt report``).
 
 The largest model per chip divides the chip's memory by the bytes a parameter
 of **training state**: parameters, gradients (in the parameters' dtype) and
@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
-from pathlib import Path
 from typing import Any, Callable
 
 import jax
@@ -34,9 +32,6 @@ import jax.numpy as jnp
 F32, BF16 = jnp.float32, jnp.bfloat16
 LR = 1e-3
 WD = 0.1
-MEMORY_START = "<!-- memory-table:start -->"
-MEMORY_END = "<!-- memory-table:end -->"
-
 # Chip memory in bytes (docs/adam.md, "Memory by mode", gives the sources).
 CHIPS = {"H200": 141e9, "v5e": 16e9}
 # The compile targets whose fused-step figures the table shows.
@@ -122,7 +117,7 @@ def trees() -> dict[str, tuple[Any, Callable]]:
           "8.8B": (scale.tree("llama8.8b"), muon_cases.muon_dims)}
 
 
-def _quiet(fn, *args):
+def quiet(fn, *args):
   import warnings
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")   # leaves without quantisation blocks keep bf16
@@ -135,7 +130,7 @@ def figures(mode_key: str, tree_name: str) -> dict:
   mode = BY_KEY[mode_key]
   tree, dims = trees()[tree_name]
   params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, mode.params), tree)
-  state = _quiet(jax.eval_shape, mode.make(dims).init, params)
+  state = quiet(jax.eval_shape, mode.make(dims).init, params)
   n = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
   p, s = _nbytes(params) / n, _nbytes(state) / n
   return {"params": n, "param_bytes": p, "state_bytes": s, "stored": p + s,
@@ -146,71 +141,3 @@ def figures(mode_key: str, tree_name: str) -> dict:
 def largest_model(mode_key: str, chip: str) -> float:
   """Parameters whose training state fits ``chip`` (8.8 B tree's proportions)."""
   return CHIPS[chip] / figures(mode_key, "8.8B")["training"]
-
-
-def step_cases():
-  """The fused step of each mode on the 1.2 B tree, for the compile tier
-  (the full sweep; :data:`STEP_TARGETS` recorded)."""
-  from fuseopt.benchmarks import compile_steps, workloads
-  from fuseopt.benchmarks.cases import muon as muon_cases
-  from fuseopt.benchmarks.compile_harness import Case
-  out = []
-  for mode in MODES:
-    if mode.key == "optax_adamw":
-      continue   # optax's step is compiled by the other step cases
-
-    def build(t, mode=mode):
-      tx = mode.make(muon_cases.muon_dims)
-      tree = workloads.llama_tree(mode.params)
-      state = _quiet(jax.eval_shape, tx.init, tree)
-      return compile_steps.step_fn(tx, True), (tree, state, tree), (0, 1)
-    out.append(Case(f"step/memory/{mode.key}/llama1.2b", build, kind="step", ci_targets=(),
-                    full_only=True, on_targets=STEP_TARGETS))
-  return out
-
-
-def _compiled(root: Path) -> dict[str, dict]:
-  """target -> the step cases' figures the compile tier recorded under
-  ``root`` for this jax release."""
-  from fuseopt.benchmarks import compile_results
-  out = {}
-  for target in STEP_TARGETS:
-    path = compile_results.results_path(target, root)
-    if path.exists():
-      out[target] = json.loads(path.read_text())["cases"]
-  return out
-
-
-def _gb(x: float) -> str:
-  return f"{x / 1e9:.1f} B"
-
-
-def markdown(results: Path | str = Path("bench/results/compiled")) -> str:
-  """The memory table: a row a mode."""
-  compiled = _compiled(Path(results))
-  n12 = figures("adamw", "1.2B")["params"]
-  head = ["family", "stores", "call", "B/param p + state, 1.2 B", "8.8 B"]
-  head += [f"step temp / moved B/param ({t})" for t in STEP_TARGETS]
-  head += [f"largest model, {c}" for c in CHIPS]
-  rows = ["| " + " | ".join(head) + " |", "| " + " | ".join(["---"] * 3 + ["---:"] * (
-      len(head) - 3)) + " |"]
-  for mode in MODES:
-    cells = [mode.family, mode.stores, f"`{mode.call}`"]
-    cells += [f"{figures(mode.key, t)['stored']:.2f}" for t in ("1.2B", "8.8B")]
-    for target in STEP_TARGETS:
-      r = compiled.get(target, {}).get(f"step/memory/{mode.key}/llama1.2b")
-      if r is None:
-        cells.append("-")
-        continue
-      moved = (r["argument_bytes"] + r["output_bytes"]) / n12
-      cells.append(f"{r['temp_bytes']:,} B / {moved:.2f}")
-    cells += [_gb(largest_model(mode.key, chip)) for chip in CHIPS]
-    rows.append("| " + " | ".join(cells) + " |")
-  return "\n".join(rows) + "\n"
-
-
-def render(page: Path | str = "docs/adam.md",
-           results: Path | str = Path("bench/results/compiled")) -> bool | None:
-  """Rewrites the table between the memory-table markers of ``page``."""
-  from fuseopt.benchmarks import compiled
-  return compiled.render_between(page, MEMORY_START, MEMORY_END, markdown(results))
