@@ -47,6 +47,15 @@ def _inputs(request, shape, p_dtype, g_dtype):
   return (p, g) + _moments(k[2], shape)
 
 
+def _same(a, b, what):
+  """Bitwise equal: codes (uint8) and scales or params (NaN-safe)."""
+  assert a.dtype == b.dtype and a.shape == b.shape, what
+  if a.dtype.itemsize == 1:
+    np.testing.assert_array_equal(a, b, err_msg=what)
+  else:
+    harness.assert_bitwise_equal(a, b, what)
+
+
 def _check_params(got, want):
   """The parameter (or direction) within the few fp32 ulps two programs of
   Adam's division chain may differ by (one bf16 ulp for bf16 params: an fp32
@@ -84,10 +93,7 @@ def test_mosaic_tpu_4bit_matches_reference(request, shape, p_dtype, g_dtype, nes
   for a, b, like in zip(jax.tree.leaves(got[1:]), jax.tree.leaves(want[1:]),
                         jax.tree.leaves((mu, nu))):
     assert a.shape == like.shape and a.dtype == like.dtype
-    if a.dtype == jnp.uint8:
-      np.testing.assert_array_equal(a, b, err_msg=f"codes {shape}")
-    else:
-      harness.assert_bitwise_equal(a, b, f"scales {shape}")
+    _same(a, b, f"moments {shape}")
   _check_params(got[0], want[0])
 
 
@@ -111,3 +117,13 @@ def test_mosaic_tpu_4bit_runs_its_kernel(request, caplog):
     assert np.mean(np.asarray(a.codes) != np.asarray(b.codes)) <= 1e-3
     x, y = int4.dequantize(a, signed=signed), int4.dequantize(b, signed=signed)
     np.testing.assert_allclose(x, y, atol=0.3 * float(jnp.max(jnp.abs(y))))
+
+
+def test_mosaic_tpu_4bit_skipped_step_keeps_codes_and_scales(request):
+  """``apply=False`` (a skipped step): the parameter, the packed codes and the
+  scales come back bit for bit (the stored state selected, not requantised)."""
+  p, g, mu, nu = _inputs(request, (4, 512), F32, F32)
+  got = adam_update(p, g, mu, nu, count=2, implementation="mosaic_tpu", interpret=True,
+                    apply=jnp.asarray(False), **HYPER)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves((p, mu, nu))):
+    _same(a, b, "skipped step")
