@@ -399,6 +399,8 @@ def test_mosaic_gpu_8bit_lowers_for_h200_in_place():
     ((384, 256), None, True),        # all rows one step, scales (1, 384) on lanes
     ((512, 256), 128, True),         # 128-row steps: four, scales blocks (1, 128)
     ((4, 16640), None, False),       # a row past the transposed scales' VMEM: untransposed
+    ((16, 32, 64), None, True),      # nnx-shaped: blocked over (32, 64), a (16, 2048) view
+    ((4, 8, 64), None, True),        # blocked over (8, 64), a (4, 512) view
 ])
 @pytest.mark.fma_off
 def test_mosaic_tpu_8bit_both_scale_layouts_match_reference(request, shape, config, transposed):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,8 @@ from fuseopt.kernels import dispatch
 from fuseopt.kernels import elementwise_tiling
 from fuseopt.kernels import pallas_common
 from fuseopt.kernels import sharding as sharding_lib
+from fuseopt.kernels.adam import blocks
+from fuseopt.kernels.adam import int4
 from fuseopt.kernels.adam import quantized
 from fuseopt.kernels.adam.math import (APPLY, SEED_BASE, adam_cost, adam_math, in_place_aliases,
                                        kernel_body, store, store_outputs)
@@ -112,30 +115,69 @@ def update(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpr
   return tuple(o.reshape(g.shape) for o in outs)
 
 
-# ------------------------------------------------- Mosaic TPU, 8-bit moments --
-# The leaf as (M, L): its leading dims merged, the last axis whole (a 1-D
-# leaf as (L / BLOCK, BLOCK)), so the view keeps the TPU layout (no relayout
-# copies). A grid step holds whole rows. The scales, (M, L / BLOCK) in the
-# state, go to the kernel transposed, (L / BLOCK, M), rows on lanes: libtpu
-# lays a step's (M, L / BLOCK) scales arguments out with the long axis minor,
-# so the transpose is a bitcast of them; taken (M, L / BLOCK) the kernel's
-# lanes would be L / BLOCK wide (8 for a 2048-wide row), padded to 128, and
-# libtpu copies every leaf's scales into that layout (docs/adam.md). The
-# scales block's lanes make the rows a multiple of 128 (or all M). 128 rows of
-# a row longer than _TRANSPOSED_MAX_LENGTH exceed VMEM (seven double-buffered
-# streams): such a leaf (a vocabulary-wide head) takes its scales untransposed,
-# whose minor axis is then long itself, with rows a multiple of 32 (int8's
-# sublane tiling).
+# ------------------------------------ Mosaic TPU, 8-bit and 4-bit moments --
+# The leaf as (M, L): its blocked view (kernels/adam/blocks.py) with the
+# leading dims merged (a 1-D leaf as (L / ROW, ROW)); where the last axis
+# alone holds whole rows of ROW elements the view keeps the TPU layout (no
+# relayout copies). A grid step holds whole rows, each cut into row groups of
+# ROW lanes, a format's blocks static lane slices of a group (8-bit: the
+# group, one scale; 4-bit: its two halves, two scales, and ROW / 2 code bytes
+# holding both halves' nibbles). The codes go to the kernel as (M, L) or
+# (M, L / 2), the scales, (M, S) in the state (S = L / block), transposed,
+# (S, M), rows on lanes: libtpu lays a step's (M, S) scales arguments out with
+# the long axis minor, so the transpose is a bitcast of them; taken (M, S) the
+# kernel's lanes would be S wide (8 for a 2048-wide row of 8-bit scales),
+# padded to 128, and libtpu copies every leaf's scales into that layout
+# (docs/adam.md). The scales block's lanes make the rows a multiple of 128 (or
+# all M). 128 rows of a row longer than _TRANSPOSED_MAX_LENGTH exceed VMEM
+# (seven double-buffered streams, the 8-bit ones the widest): such a leaf (a
+# vocabulary-wide head) takes its scales untransposed, whose minor axis is then
+# long itself, with rows a multiple of 32 (the sublane tiling of 8-bit codes,
+# both formats' code bytes).
 _INT8_ROWS = 32
 _TRANSPOSED_ROWS = 128
 _TRANSPOSED_MAX_LENGTH = 16384
 
 
+class _Layout(NamedTuple):
+  """How a blockwise moment format lies in a row group of ``ROW`` lanes."""
+  name: str
+  # the block math (:mod:`.quantized` or :mod:`.int4`): ``dequantize_mu(codes,
+  # scale)``, ``quantize_mu(x, bits) -> (codes, scale)``, the same for nu
+  math: Any
+  block: int            # elements a scale
+  codes_per_byte: int
+  # a row group's code bytes -> its blocks' codes, in lane order; and back
+  unpack: Callable
+  pack: Callable
+  moment: type
+
+  @property
+  def blocks_per_row(self) -> int:
+    return blocks.ROW // self.block
+
+  @property
+  def code_lanes(self) -> int:
+    """Code bytes of a row group."""
+    return blocks.ROW // self.codes_per_byte
+
+
+_INT8 = _Layout("int8", quantized, quantized.BLOCK, 1, lambda c: (c,), lambda cs: cs[0],
+                quantized.QuantizedMoment)
+_INT4 = _Layout("int4", int4, int4.BLOCK, 2, int4.unpack, lambda cs: int4.pack(*cs),
+                int4.PackedMoment)
+
+
 def quantized_view(shape) -> tuple[int, int]:
-  """``(M, L)``: the 2-D view of a leaf the 8-bit kernel runs on."""
+  """``(M, L)``: the 2-D view of a leaf the blockwise kernels run on: its
+  blocked view (:func:`.blocks.blocked_shape`, the fewest trailing axes that
+  hold whole rows of ``ROW`` merged) with its leading axes merged, so every
+  block lies inside one row of the view. A 1-D leaf as ``(L / ROW, ROW)``:
+  rows are what a grid step divides, and ``(1, L)`` would be one row."""
   if len(shape) == 1:
-    return shape[0] // quantized.BLOCK, quantized.BLOCK
-  return math.prod(shape[:-1]), shape[-1]
+    return shape[0] // blocks.ROW, blocks.ROW
+  b = blocks.blocked_shape(shape)
+  return math.prod(b[:-1]), b[-1]
 
 
 def _rows(m: int, budget: int, unit: int) -> int | None:
@@ -151,7 +193,8 @@ def _rows(m: int, budget: int, unit: int) -> int | None:
 
 def quantized_tiling(view, config: MosaicTPUConfig) -> tuple[int, bool] | None:
   """``(rows a grid step, scales transposed)`` of an ``(M, L)`` view (None: no
-  such tiling, the reference runs)."""
+  such tiling, the reference runs); the same for both blockwise formats (their
+  element and code blocks are whole rows, their scales a few lanes a row)."""
   m, length = view
   budget = config.block_elements // length
   if length <= _TRANSPOSED_MAX_LENGTH:
@@ -163,7 +206,8 @@ def quantized_tiling(view, config: MosaicTPUConfig) -> tuple[int, bool] | None:
 
 
 def quantized_leaf_reason(g, config, index_map) -> str | None:
-  """Why this backend leaves an 8-bit leaf to the reference, or None."""
+  """Why this backend leaves a leaf with blockwise (8-bit or 4-bit) moments
+  to the reference, or None."""
   if sharding_lib.needs_division(index_map):
     return "a shard's global index needs a vector integer division"
   if quantized_tiling(quantized_view(g.shape), config) is None:
@@ -171,6 +215,10 @@ def quantized_leaf_reason(g, config, index_map) -> str | None:
             f"neither a multiple of {_TRANSPOSED_ROWS} rows nor all of them (scales transposed) "
             f"nor a multiple of {_INT8_ROWS} (untransposed) divides it")
   return None
+
+
+# (the 4-bit kernel tiles its leaves as the 8-bit one)
+int4_leaf_reason = quantized_leaf_reason
 
 
 def _column(row):
@@ -185,59 +233,71 @@ def _row(column):
   return jnp.broadcast_to(column, (column.shape[0], 128)).T[:1, :]
 
 
-def _quantized_kernel(s_ref, seed_ref, *refs, rows, length, transposed, nesterov, apply,
-                      index_map):
+def _blockwise_kernel(s_ref, seed_ref, *refs, layout, rows, length, transposed, nesterov,
+                      apply, index_map):
+  """One grid step of whole rows, row group by row group: each group's code
+  bytes read once and unpacked into its blocks' codes, each block (a static
+  lane slice of the group) dequantised, stepped and quantised with its scale
+  reduced over its lanes, the new codes packed back into the group's bytes."""
   p_ref, (g_ref, muc_ref, mus_ref, nuc_ref, nus_ref), (o_ref, muc_out, mus_out, nuc_out, nus_out) = (
       quantized.split_kernel_refs(refs, apply))
-  block = quantized.BLOCK
+  block = layout.block
   shape = (rows, block)
   seed = lambda k: seed_ref[k].astype(jnp.uint32)
   row = ((pl.program_id(0) * rows).astype(jnp.uint32)
          + jax.lax.broadcasted_iota(jnp.uint32, shape, 0)) * jnp.uint32(length)
   col = jax.lax.broadcasted_iota(jnp.uint32, shape, 1)
-  # Block j's scales, one per row: row j of transposed scales, else column j.
+  # Scale column k of every row: row k of transposed scales, else column k.
   if transposed:
-    read = lambda ref, j: _column(ref[j:j + 1, :])
-    def write(ref, j, column):
-      ref[j:j + 1, :] = _row(column)
+    read = lambda ref, k: _column(ref[k:k + 1, :])
+    def write(ref, k, column):
+      ref[k:k + 1, :] = _row(column)
   else:
-    read = lambda ref, j: ref[:, j:j + 1]
-    def write(ref, j, column):
-      ref[:, j:j + 1] = column
-  # One quantisation block of every row at a time: static lane slices, each
-  # block's absmax a row reduction in VMEM.
-  for j in range(length // block):
-    lanes = slice(j * block, (j + 1) * block)
-    f32 = lambda r: r[:, lanes].astype(jnp.float32)
-    mu32 = quantized.dequantize_mu(muc_ref[:, lanes], read(mus_ref, j))
-    nu32 = quantized.dequantize_nu(nuc_ref[:, lanes], read(nus_ref, j))
-    out, mu_new, nu_new = adam_math(lambda k: s_ref[k], f32(p_ref) if apply else None,
-                                    f32(g_ref), mu32, nu32, nesterov=nesterov, apply=apply,
-                                    reciprocal=True)
-    index = sharding_lib.global_index(row + (col + jnp.uint32(j * block)), index_map,
-                                      seed(SEED_BASE))
-    o_ref[:, lanes] = store(out, o_ref.dtype, index, seed(0))
-    keep = lambda new, old: quantized.kept_on_skip(s_ref[APPLY] == 0, new, old)
-    mu_codes, mu_scale = quantized.quantize_mu(mu_new, counter_hash.hash_bits(index, seed(1)))
-    nu_codes, nu_scale = quantized.quantize_nu(nu_new, counter_hash.hash_bits(index, seed(2)))
-    muc_out[:, lanes] = keep(mu_codes, muc_ref[:, lanes])
-    nuc_out[:, lanes] = keep(nu_codes, nuc_ref[:, lanes])
-    write(mus_out, j, keep(mu_scale, read(mus_ref, j)))
-    write(nus_out, j, keep(nu_scale, read(nus_ref, j)))
+    read = lambda ref, k: ref[:, k:k + 1]
+    def write(ref, k, column):
+      ref[:, k:k + 1] = column
+  keep = lambda new, old: blocks.kept_on_skip(s_ref[APPLY] == 0, new, old)
+  f32 = lambda r, lanes: r[:, lanes].astype(jnp.float32)
+  fmt = layout.math
+  for j in range(length // blocks.ROW):
+    code_lanes = slice(j * layout.code_lanes, (j + 1) * layout.code_lanes)
+    mu_in, nu_in = layout.unpack(muc_ref[:, code_lanes]), layout.unpack(nuc_ref[:, code_lanes])
+    mu_codes, nu_codes = [], []
+    for h in range(layout.blocks_per_row):
+      k = j * layout.blocks_per_row + h
+      first = j * blocks.ROW + h * block
+      lanes = slice(first, first + block)
+      mu32 = fmt.dequantize_mu(mu_in[h], read(mus_ref, k))
+      nu32 = fmt.dequantize_nu(nu_in[h], read(nus_ref, k))
+      out, mu_new, nu_new = adam_math(lambda i: s_ref[i], f32(p_ref, lanes) if apply else None,
+                                      f32(g_ref, lanes), mu32, nu32, nesterov=nesterov,
+                                      apply=apply, reciprocal=True)
+      index = sharding_lib.global_index(row + (col + jnp.uint32(first)), index_map,
+                                        seed(SEED_BASE))
+      o_ref[:, lanes] = store(out, o_ref.dtype, index, seed(0))
+      c, mu_scale = fmt.quantize_mu(mu_new, counter_hash.hash_bits(index, seed(1)))
+      mu_codes.append(c)
+      write(mus_out, k, keep(mu_scale, read(mus_ref, k)))
+      c, nu_scale = fmt.quantize_nu(nu_new, counter_hash.hash_bits(index, seed(2)))
+      nu_codes.append(c)
+      write(nus_out, k, keep(nu_scale, read(nus_ref, k)))
+    muc_out[:, code_lanes] = keep(layout.pack(mu_codes), muc_ref[:, code_lanes])
+    nuc_out[:, code_lanes] = keep(layout.pack(nu_codes), nuc_ref[:, code_lanes])
 
 
-def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpret,
-                     index_map=None):
-  """One leaf with 8-bit moments in its own shape (viewed by
-  :func:`quantized_view`); returns ``(out, mu, nu)`` in place, the moments
-  :class:`QuantizedMoment`."""
+def _update_blockwise(layout, scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config,
+                      interpret, index_map):
+  """One leaf with ``layout``'s moments, in its own shape; returns ``(out, mu,
+  nu)`` in place, in the shapes they came in."""
   from jax.experimental.pallas import tpu as pltpu
   shape = g.shape
   m, length = quantized_view(shape)
   rows, transposed = quantized_tiling((m, length), config)
-  n_scales = length // quantized.BLOCK
+  n_scales = length // layout.block
+  n_codes = length // layout.codes_per_byte
   apply = p is not None
   tile = pl.BlockSpec((rows, length), lambda i: (i, 0))
+  code_tile = pl.BlockSpec((rows, n_codes), lambda i: (i, 0))
   # The scales transposed where they fit (above): rows on lanes.
   if transposed:
     vec = pl.BlockSpec((n_scales, rows), lambda i: (0, i))
@@ -248,18 +308,17 @@ def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, confi
     scales_in = lambda sc: sc.reshape(m, n_scales)
     scales_out = lambda sc, like: sc.reshape(like.shape)
   view = lambda a: a.reshape(m, length)
-  qview = lambda q: quantized.QuantizedMoment(view(q.codes), scales_in(q.scales))
+  qview = lambda q: layout.moment(q.codes.reshape(m, n_codes), scales_in(q.scales))
   mu2, nu2 = qview(mu), qview(nu)
   arrays = ((view(p),) if apply else ()) + (view(g), mu2.codes, mu2.scales, nu2.codes,
                                             nu2.scales)
   if not interpret:
     # The operands stay in HBM, where the kernel's pipeline reads them: left
-    # free, libtpu prefetches whole 8-bit operands (codes, scales: small
-    # enough) into on-chip memory ahead of the kernel, and every prefetch
-    # holds a 16 KiB slot of the step's HBM temporaries (1.2 B AdamW step on
-    # v6e: 82.3 MB with them, 12.2 MB without; docs/adam.md).
+    # free, libtpu prefetches whole small operands (codes, scales) into
+    # on-chip memory ahead of the kernel, and every prefetch holds a 16 KiB
+    # slot of the step's HBM temporaries (docs/adam.md).
     arrays = tuple(pltpu.with_memory_space_constraint(a, pltpu.HBM) for a in arrays)
-  specs = ([tile] if apply else []) + [tile, tile, vec, tile, vec]
+  specs = ([tile] if apply else []) + [tile, code_tile, vec, code_tile, vec]
   out_shape = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (
       jax.ShapeDtypeStruct((m, length), out_dtype), mu2.codes, mu2.scales, nu2.codes,
       nu2.scales))
@@ -271,19 +330,42 @@ def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, confi
   # default scoped VMEM (16 MiB on v5e) for 32 rows of 7 double-buffered streams.
   vmem = 2 * sum(rows * length * a.dtype.itemsize for a in arrays[:2 + apply]) * 3
   outs = pl.pallas_call(
-      functools.partial(_quantized_kernel, rows=rows, length=length, transposed=transposed,
-                        nesterov=nesterov, apply=apply, index_map=index_map),
+      functools.partial(_blockwise_kernel, layout=layout, rows=rows, length=length,
+                        transposed=transposed, nesterov=nesterov, apply=apply,
+                        index_map=index_map),
       out_shape=out_shape,
       grid=(m // rows,),
       in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
                 pl.BlockSpec(memory_space=pltpu.SMEM)] + specs,
-      out_specs=(tile, tile, vec, tile, vec),
+      out_specs=(tile, code_tile, vec, code_tile, vec),
       input_output_aliases=aliases,
       compiler_params=pallas_common.mosaic_compiler_params(
           interpret, ("parallel",), vmem_limit_bytes=max(32 << 20, min(vmem, 100 << 20))),
       interpret=interpret,
-      name="fuseopt_adam_update_int8",
+      name=f"fuseopt_adam_update_{layout.name}",
       cost_estimate=adam_cost(arrays, out_shape, n=g.size),
   )(scalars, jax.lax.bitcast_convert_type(seeds, jnp.int32), *arrays)
-  back = lambda c, sc, q: quantized.QuantizedMoment(c.reshape(shape), scales_out(sc, q.scales))
+  back = lambda c, sc, q: layout.moment(c.reshape(q.codes.shape), scales_out(sc, q.scales))
   return outs[0].reshape(shape), back(*outs[1:3], mu), back(*outs[3:5], nu)
+
+
+def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpret,
+                     index_map=None):
+  """One leaf with 8-bit moments in its own shape (viewed by
+  :func:`quantized_view`); returns ``(out, mu, nu)`` in place, the moments
+  :class:`~.quantized.QuantizedMoment`."""
+  return _update_blockwise(_INT8, scalars, seeds, p, g, mu, nu, nesterov=nesterov,
+                           out_dtype=out_dtype, config=config, interpret=interpret,
+                           index_map=index_map)
+
+
+def update_int4(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpret,
+                index_map=None):
+  """One leaf with 4-bit moments in its own shape (viewed by
+  :func:`quantized_view`, the codes as ``(M, L / 2)``, the scales ``(M, L /
+  128)``); returns ``(out, mu, nu)`` in place, the moments
+  :class:`~.int4.PackedMoment`: the codes and scales of
+  :func:`fuseopt.kernels.adam.reference.update_int4`."""
+  return _update_blockwise(_INT4, scalars, seeds, p, g, mu, nu, nesterov=nesterov,
+                           out_dtype=out_dtype, config=config, interpret=interpret,
+                           index_map=index_map)

@@ -1,0 +1,129 @@
+"""Adam on 4-bit moments, the Mosaic TPU kernel (interpret mode) against the
+reference (fuseopt.kernels.adam.reference.update_int4, the specification):
+both scale layouts, a leaf blocked over its trailing axes, the direction
+only, bf16 params, two steps each."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fuseopt.kernels import adam_update
+from fuseopt.kernels import counter_hash
+from fuseopt.kernels.adam import int4
+from fuseopt.kernels.adam import mosaic_tpu
+from fuseopt.kernels.elementwise_tiling import MosaicTPUConfig
+from tests.kernels import harness
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+HYPER = dict(learning_rate=3e-3, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0,
+             weight_decay=0.1, seed=17, leaf_index=5)
+
+
+def _moments(key, shape):
+  """4-bit moments of random fp32 ones (a spread of magnitudes in each block)."""
+  k = jax.random.split(key, 2)
+  bits = counter_hash.hash_bits(jnp.arange(math.prod(shape), dtype=jnp.uint32).reshape(shape),
+                                jnp.uint32(7))
+  mu = int4.quantize(0.1 * jax.random.normal(k[0], shape), bits, signed=True)
+  nu = int4.quantize(0.01 * jax.random.uniform(k[1], shape) ** 4, bits, signed=False)
+  return mu, nu
+
+
+def _steps(impl, p, g, mu, nu, steps=2, **kw):
+  f = jax.jit(lambda p, g, mu, nu, c: adam_update(p, g, mu, nu, count=c, implementation=impl,
+                                                  interpret=True, **HYPER, **kw))
+  for c in range(1, steps + 1):
+    p, mu, nu = f(p, g * c, mu, nu, c)
+  return p, mu, nu
+
+
+def _inputs(request, shape, p_dtype, g_dtype):
+  k = jax.random.split(harness.fresh_key(request), 3)
+  p = jax.random.normal(k[0], shape).astype(p_dtype) if p_dtype else None
+  g = jax.random.normal(k[1], shape).astype(g_dtype)
+  return (p, g) + _moments(k[2], shape)
+
+
+def _same(a, b, what):
+  """Bitwise equal: codes (uint8) and scales or params (NaN-safe)."""
+  assert a.dtype == b.dtype and a.shape == b.shape, what
+  if a.dtype.itemsize == 1:
+    np.testing.assert_array_equal(a, b, err_msg=what)
+  else:
+    harness.assert_bitwise_equal(a, b, what)
+
+
+def _check_params(got, want):
+  """The parameter (or direction) within the few fp32 ulps two programs of
+  Adam's division chain may differ by (one bf16 ulp for bf16 params: an fp32
+  ulp can move the stochastic rounding's threshold)."""
+  a, b = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  if got.dtype == BF16:
+    assert np.all(np.abs(a - b) <= np.abs(b) * 2.0 ** -7)
+  else:
+    harness.assert_close(a, b, rtol=1e-6, atol=1e-7 * float(np.abs(b).max()), what="params")
+
+
+CASES = [  # shape, p dtype (None: direction only), g dtype, nesterov, block_rows, transposed
+    ((256, 256), F32, F32, False, 128, True),        # two 128-row steps, scales (2, 128) blocks
+    ((160, 256), F32, BF16, False, 128, False),      # no 128-row step divides: untransposed, 32 rows
+    ((16, 32, 64), F32, F32, True, None, True),      # nnx-shaped: blocked over (32, 64)
+    ((4, 8, 64), None, F32, False, None, True),      # the direction only, blocked over (8, 64)
+    ((1024,), BF16, F32, False, None, True),         # 1-D: (4, 256) rows, bf16 params
+]
+
+
+@pytest.mark.parametrize("shape,p_dtype,g_dtype,nesterov,block_rows,transposed", CASES)
+@pytest.mark.fma_off
+def test_mosaic_tpu_4bit_matches_reference(request, shape, p_dtype, g_dtype, nesterov,
+                                           block_rows, transposed):
+  """Codes and scales bitwise against the reference over two steps (the same
+  fp32 operations on the same values, then the same hash), in the state's
+  own shapes; the parameter within a few ulps."""
+  cfg = None if block_rows is None else MosaicTPUConfig(block_rows=block_rows)
+  view = mosaic_tpu.quantized_view(shape)
+  assert mosaic_tpu.int4_leaf_reason(jnp.zeros(shape), cfg or mosaic_tpu.heuristic(0), None) is None
+  assert mosaic_tpu.quantized_tiling(view, cfg or mosaic_tpu.heuristic(0))[1] is transposed
+  p, g, mu, nu = _inputs(request, shape, p_dtype, g_dtype)
+  got = _steps("mosaic_tpu", p, g, mu, nu, nesterov=nesterov, config=cfg)
+  want = _steps("xla", p, g, mu, nu, nesterov=nesterov)
+  for a, b, like in zip(jax.tree.leaves(got[1:]), jax.tree.leaves(want[1:]),
+                        jax.tree.leaves((mu, nu))):
+    assert a.shape == like.shape and a.dtype == like.dtype
+    _same(a, b, f"moments {shape}")
+  _check_params(got[0], want[0])
+
+
+def test_mosaic_tpu_4bit_runs_its_kernel(request, caplog):
+  """With the CPU's FMA on (the default, which the fma_off tests leave out):
+  the kernel itself runs, no fallback, and lands next to the reference (the
+  kernel's products may be contracted into FMAs in interpret mode, the
+  reference's never: scales a few ulps apart, a rare code one level apart)."""
+  shape = (16, 32, 64)
+  p, g, mu, nu = _inputs(request, shape, F32, F32)
+  fn = lambda p, g, mu, nu: adam_update(p, g, mu, nu, count=1, implementation="mosaic_tpu",
+                                        interpret=True, **HYPER)
+  assert "fuseopt_adam_update_int4" in str(jax.make_jaxpr(fn)(p, g, mu, nu))
+  with caplog.at_level("DEBUG", logger="fuseopt"):
+    got = _steps("mosaic_tpu", p, g, mu, nu)
+  assert "reference" not in caplog.text
+  want = _steps("xla", p, g, mu, nu)
+  _check_params(got[0], want[0])
+  for a, b, signed in ((got[1], want[1], True), (got[2], want[2], False)):
+    np.testing.assert_allclose(a.scales, b.scales, rtol=4 * 2.0 ** -23)
+    assert np.mean(np.asarray(a.codes) != np.asarray(b.codes)) <= 1e-3
+    x, y = int4.dequantize(a, signed=signed), int4.dequantize(b, signed=signed)
+    np.testing.assert_allclose(x, y, atol=0.3 * float(jnp.max(jnp.abs(y))))
+
+
+def test_mosaic_tpu_4bit_skipped_step_keeps_codes_and_scales(request):
+  """``apply=False`` (a skipped step): the parameter, the packed codes and the
+  scales come back bit for bit (the stored state selected, not requantised)."""
+  p, g, mu, nu = _inputs(request, (4, 512), F32, F32)
+  got = adam_update(p, g, mu, nu, count=2, implementation="mosaic_tpu", interpret=True,
+                    apply=jnp.asarray(False), **HYPER)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves((p, mu, nu))):
+    _same(a, b, "skipped step")
