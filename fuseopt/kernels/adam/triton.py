@@ -135,7 +135,7 @@ GROUP_SEARCH_SPACE = tuple(TritonGroupConfig(b, w, k) for b in (512, 1024, 2048,
 QUANTIZED_GROUP_SEARCH_SPACE = tuple(c for c in GROUP_SEARCH_SPACE
                                      if c.block // (c.num_warps * 32) <= 16)
 # The per-leaf 4-bit launch (:func:`update_int4`) spills at 32 elements a
-# thread (block 4096, 4 warps), as the grouped launches do: its space is the
+# thread (block 4096, 4 warps), as the grouped 8-bit launch does: its space is the
 # per-leaf space's configs of at most 16 elements a thread.
 INT4_SEARCH_SPACE = tuple(c for c in SEARCH_SPACE if c.block // (c.num_warps * 32) <= 16)
 
