@@ -2,6 +2,7 @@
 interpret mode: the per-leaf kernel against the reference, the grouped
 launch against one launch a leaf, a skipped step."""
 
+import functools
 import math
 
 import jax
@@ -143,3 +144,40 @@ def test_a_skipped_step_keeps_codes_and_scales():
   for got in (one, tuple(t[0] for t in tree)):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves((p, mu, nu))):
       _same(a, b, "skipped step")
+
+
+@pytest.mark.parametrize("moments", ["int8", "int4"])
+@pytest.mark.parametrize("companion", [jnp.int16, jnp.int8], ids=["int16", "int8"])
+@pytest.mark.fma_off
+def test_triton_with_a_companion_is_the_reference(request, moments, companion):
+  """A bf16 leaf with a companion (an fp32 or 24-bit master) on 8-bit or
+  4-bit moments: the per-leaf Triton kernel (not a fallback) gives the
+  reference's p, lo, codes and scales bit for bit over two steps (the same
+  master read, the same fp32 step, the same split)."""
+  from fuseopt.kernels import mantissa
+  from fuseopt.kernels.adam import quantized
+  shape = (8, 512)
+  k = jax.random.split(harness.fresh_key(request), 2)
+  hi, lo = mantissa.split(jax.random.normal(k[0], shape), companion)
+  g = jax.random.normal(k[1], shape)
+  if moments == "int4":
+    mu, nu = int4.zeros(shape), int4.zeros(shape)
+  else:
+    mu, nu = quantized.zeros(shape, signed=True), quantized.zeros(shape, signed=False)
+
+  def step(impl, p, g, mu, nu, lo, c):
+    return adam_update(p, g, mu, nu, count=c, implementation=impl, interpret=True,
+                       params_lo=lo, **HYPER)
+
+  assert _kernel_names(lambda: step("triton", hi, g, mu, nu, lo, 1)) == [
+      f"fuseopt_adam_update_{moments}"]
+  got, want = [], []
+  for impl, res in (("triton", got), ("xla", want)):
+    f = jax.jit(functools.partial(step, impl))
+    state = (hi, mu, nu, lo)
+    for c in (1, 2):
+      state = f(state[0], g * c, *state[1:], c)
+    res += jax.tree.leaves(state)
+  assert got[0].dtype == BF16 and got[-1].dtype == companion
+  for a, b in zip(got, want):
+    _same(a, b, f"{moments} moments, {jnp.dtype(companion)} companion")

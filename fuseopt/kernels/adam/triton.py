@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from fuseopt.kernels import counter_hash
 from fuseopt.kernels import dispatch
 from fuseopt.kernels import elementwise_tiling
+from fuseopt.kernels import mantissa
 from fuseopt.kernels import sharding as sharding_lib
 from fuseopt.kernels.adam import blocks
 from fuseopt.kernels.adam import int4
@@ -133,6 +134,10 @@ GROUP_SEARCH_SPACE = tuple(TritonGroupConfig(b, w, k) for b in (512, 1024, 2048,
 # llama-1-layer-int4 cases compile without spills at every config of it.
 QUANTIZED_GROUP_SEARCH_SPACE = tuple(c for c in GROUP_SEARCH_SPACE
                                      if c.block // (c.num_warps * 32) <= 16)
+# The per-leaf 4-bit launch (:func:`update_int4`) spills at 32 elements a
+# thread (block 4096, 4 warps), as the grouped 8-bit launch does: its space is the
+# per-leaf space's configs of at most 16 elements a thread.
+INT4_SEARCH_SPACE = tuple(c for c in SEARCH_SPACE if c.block // (c.num_warps * 32) <= 16)
 
 
 def leaf_config(group: TritonGroupConfig) -> TritonConfig:
@@ -340,22 +345,27 @@ class _Blockwise:
     a row, program ``i`` at row block ``at(i)``."""
     return pl.BlockSpec((rows,) + per_row, lambda i: (at(i),) + (0,) * len(per_row))
 
-  def specs(self, rows: int, apply: bool, at=lambda i: i):
+  def specs(self, rows: int, apply: bool, at=lambda i: i, tracked: bool = False):
     """The inputs' specs, ``(p,) g, mu codes, mu scales, nu codes, nu
-    scales``; the outputs' are the last five."""
+    scales, (lo)``; the outputs' are those after ``g`` (``out`` first, tiled
+    as ``g``)."""
     tile, codes, scales = (self.tile(rows, s, at) for s in (self.row, self.codes, self.scales))
-    return [tile] * apply + [tile, codes, scales, codes, scales]
+    return [tile] * apply + [tile, codes, scales, codes, scales] + [tile] * tracked
 
-  def operands(self, p, g, mu, nu):
-    """A leaf's arrays in the kernel's layout (``p`` None: not read); a
-    reshape of the ``(R, ROW)`` rows, so the outputs still alias the operands."""
+  def operands(self, p, g, mu, nu, lo=None):
+    """A leaf's arrays in the kernel's layout (``p`` None: not read; ``lo``,
+    a companion of ``p``, last); a reshape of the ``(R, ROW)`` rows, so the
+    outputs still alias the operands."""
     rows = lambda a: a.reshape((a.shape[0],) + self.row)
-    return (() if p is None else (rows(p),)) + (rows(g), mu.codes, mu.scales, nu.codes,
-                                                 nu.scales)
+    return ((() if p is None else (rows(p),))
+            + (rows(g), mu.codes, mu.scales, nu.codes, nu.scales)
+            + (() if lo is None else (rows(lo),)))
 
   def results(self, outs, g):
-    """The kernel's five outputs as ``(out, mu, nu)``, ``out`` as ``g``'s rows."""
-    return (outs[0].reshape(g.shape), self.moment(*outs[1:3]), self.moment(*outs[3:5]))
+    """The kernel's outputs as ``(out, mu, nu)``, and ``(out, mu, nu, lo)``
+    where there is a sixth (the companion); ``out`` and ``lo`` as ``g``'s rows."""
+    res = (outs[0].reshape(g.shape), self.moment(*outs[1:3]), self.moment(*outs[3:5]))
+    return res + tuple(o.reshape(g.shape) for o in outs[5:])
 
 
 def _block_index(row, index_map, base, layout=(quantized.BLOCK,)):
@@ -440,54 +450,78 @@ def _rows_a_program(config) -> int:
   return max(1, config.block // blocks.ROW)
 
 
-def _blockwise_aliases(apply: bool, first_in: int, first_out: int) -> dict[int, int]:
-  """One leaf's in-place outputs: the parameter (when read) and the four
-  moment arrays; its inputs from operand ``first_in``, its outputs from
-  ``first_out``."""
-  n_in = 6 if apply else 5
-  aliases = {first_in + n_in - 4 + j: first_out + 1 + j for j in range(4)}
+def _blockwise_aliases(apply: bool, first_in: int, first_out: int,
+                       tracked: bool = False) -> dict[int, int]:
+  """One leaf's in-place outputs: the parameter (when read), the four
+  moment arrays and the companion (``tracked``: the last input and output);
+  its inputs from operand ``first_in``, its outputs from ``first_out``."""
+  n_in = (6 if apply else 5) + tracked
+  moments = first_in + n_in - 4 - tracked
+  aliases = {moments + j: first_out + 1 + j for j in range(4)}
   if apply:
     aliases[first_in] = first_out
+  if tracked:
+    aliases[first_in + n_in - 1] = first_out + 5
   return aliases
 
 
 def _blockwise_kernel(s_ref, seed_ref, *refs, fmt, rows, n_rows, masked, nesterov, apply,
-                      index_map):
-  """``rows`` whole rows a program, tiled as ``fmt`` says."""
+                      index_map, tracked):
+  """``rows`` whole rows a program, tiled as ``fmt`` says. ``tracked``: the
+  refs end with a companion ``lo`` among the inputs and among the outputs;
+  the step reads the master ``join(p, lo)`` and writes it split (no
+  rounding), as the reference does."""
   first = (pl.program_id(0) * rows).astype(jnp.uint32)
   row = first + jax.lax.iota(jnp.uint32, rows)
   # The last program's rows past the leaf's end: masked loads and stores.
   refs = elementwise_tiling.triton_bound(refs, row < n_rows, masked)
-  p_ref, ins, outs = quantized.split_kernel_refs(refs, apply)
-  loaded = ((p_ref[...] if apply else None),) + tuple(r[...] for r in ins)
+  n_in = (6 if apply else 5) + tracked
+  lo_ref, lo_out = (refs[n_in - 1], refs[-1]) if tracked else (None, None)
+  ins, outs = refs[:n_in - tracked], refs[n_in:len(refs) - tracked]
+  p_ref, ins, outs = quantized.split_kernel_refs(ins + outs, apply)
+  # (an fp32 p: the step's widening of it is the identity)
+  p32 = load_param(p_ref[...], lo_ref[...] if tracked else None) if apply else None
+  loaded = (p32,) + tuple(r[...] for r in ins)
   index = _block_index(row, index_map, seed_ref[SEED_BASE], fmt.row)
   out, *moments = fmt.step(lambda k: s_ref[k], lambda k: seed_ref[k], loaded, index,
                            nesterov=nesterov, apply=apply)
-  outs[0][...] = store(out, outs[0].dtype, index, seed_ref[0])
+  if tracked:
+    outs[0][...], lo_out[...] = mantissa.split(out, lo_out.dtype)
+  else:
+    outs[0][...] = store(out, outs[0].dtype, index, seed_ref[0])
   for r, v in zip(outs[1:], moments):
     r[...] = v
 
 
 def _update_blockwise(fmt, scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config,
-                      interpret, index_map):
+                      interpret, index_map, lo=None):
   from jax.experimental.pallas import triton as plgpu
   n_rows = g.shape[0]
   rows = _rows_a_program(config)
   apply = p is not None
-  arrays = fmt.operands(p, g, mu, nu)
-  specs = fmt.specs(rows, apply)
-  out_shape = (jax.ShapeDtypeStruct(arrays[apply].shape, out_dtype),) + tuple(
-      jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays[-4:])
+  tracked = lo is not None
+  if tracked and not apply:
+    raise ValueError("lo (a companion of p) needs p; got p=None")
+  if tracked and lo.shape != p.shape:
+    raise ValueError(f"lo has shape {lo.shape}, p {p.shape}: a companion is p's shape")
+  if tracked and lo.dtype not in mantissa.COMPANION_DTYPES:
+    raise TypeError(f"lo must be int16 or int8 (a companion), got {lo.dtype}")
+  arrays = fmt.operands(p, g, mu, nu, lo)
+  specs = fmt.specs(rows, apply, tracked=tracked)
+  moments = arrays[1 + apply:5 + apply]
+  out_shape = ((jax.ShapeDtypeStruct(arrays[apply].shape, out_dtype),)
+               + tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in moments)
+               + ((jax.ShapeDtypeStruct(arrays[-1].shape, lo.dtype),) if tracked else ()))
   outs = pl.pallas_call(
       functools.partial(_blockwise_kernel, fmt=fmt, rows=rows, n_rows=n_rows,
-                        nesterov=nesterov, apply=apply, index_map=index_map,
+                        nesterov=nesterov, apply=apply, index_map=index_map, tracked=tracked,
                         masked=elementwise_tiling.triton_masks(n_rows, rows, interpret)),
       out_shape=out_shape,
       grid=(pl.cdiv(n_rows, rows),),
       in_specs=[pl.BlockSpec((N_SCALARS,), lambda i: (0,)),
                 pl.BlockSpec((N_SEEDS,), lambda i: (0,))] + specs,
       out_specs=tuple(specs[apply:]),
-      input_output_aliases=_blockwise_aliases(apply, 2, 0),
+      input_output_aliases=_blockwise_aliases(apply, 2, 0, tracked),
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
       interpret=interpret,
       name=f"fuseopt_adam_update_{fmt.name}",
@@ -497,18 +531,22 @@ def _update_blockwise(fmt, scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype,
 
 
 def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpret,
-                     index_map=None):
+                     index_map=None, lo=None):
   """One leaf with 8-bit moments as ``(R, BLOCK)`` rows (``p``, ``g``, the
   codes) and ``(R,)`` scales; returns ``(out, mu, nu)``, the moments
   :class:`QuantizedMoment`, all in place. ``config.block`` elements a
-  program (at least one quantisation block)."""
+  program (at least one quantisation block). ``lo``: a bf16 ``p``'s int16 or
+  int8 companion in ``p``'s rows; the step reads the master ``join(p, lo)``
+  and writes it split into ``p`` and ``lo`` (in place, no rounding), and
+  returns ``(out, mu, nu, lo)``: the reference's
+  (:func:`.reference.update_quantized`)."""
   return _update_blockwise(_INT8, scalars, seeds, p, g, mu, nu, nesterov=nesterov,
                            out_dtype=out_dtype, config=config, interpret=interpret,
-                           index_map=index_map)
+                           index_map=index_map, lo=lo)
 
 
 def update_int4(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpret,
-                index_map=None):
+                index_map=None, lo=None):
   """One leaf with 4-bit moments: ``p``, ``g`` ``(R, ROW)`` rows (``p`` None:
   the direction), ``mu``, ``nu`` :class:`~.int4.PackedMoment` with ``(R,
   BLOCK)`` codes and ``(R, 2)`` scales; returns ``(out, mu, nu)`` in that
@@ -516,10 +554,13 @@ def update_int4(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, in
   (:func:`.reference.update_int4`). ``config.block`` elements a program (at
   least one row). A row's two blocks are an axis of the kernel's tiles
   (``(rows, 2, BLOCK)``, a reshape of the rows). At 32 elements a thread
-  (block 4096, 4 warps) ptxas spills, where the 8-bit kernel does not."""
+  (block 4096, 4 warps) ptxas spills, where the 8-bit kernel does not
+  (:data:`INT4_SEARCH_SPACE` leaves that config out). ``lo``: a companion,
+  as in :func:`update_quantized` (``(R, ROW)`` rows; returns ``(out, mu,
+  nu, lo)``)."""
   return _update_blockwise(_INT4, scalars, seeds, p, g, mu, nu, nesterov=nesterov,
                            out_dtype=out_dtype, config=config, interpret=interpret,
-                           index_map=index_map)
+                           index_map=index_map, lo=lo)
 
 
 def _blockwise_group_kernel(s_ref, seed_ref, *refs, fmt, rows, starts, n_rows, masked,
