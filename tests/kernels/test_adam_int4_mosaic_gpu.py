@@ -1,6 +1,7 @@
 """Adam on 4-bit moments (fuseopt.kernels.adam.int4): the Mosaic GPU kernel
 (interpret mode on the CPU) against the reference, its configs, a skipped
-step, and its lowering for an H200."""
+step, and its lowering for an H200; the blockwise kernels (4-bit and 8-bit)
+with a bf16 parameter's companion."""
 
 import functools
 import math
@@ -13,7 +14,9 @@ import pytest
 from fuseopt import targets
 from fuseopt.kernels import adam_update
 from fuseopt.kernels import counter_hash
+from fuseopt.kernels import mantissa
 from fuseopt.kernels.adam import int4
+from fuseopt.kernels.adam import quantized
 from tests.kernels import harness
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -121,6 +124,41 @@ def test_runs_its_kernel_close_to_reference_with_fma(request, caplog):
     step = 0.3 * step if signed else 31.0 * step * step
     assert np.all(np.abs(a - b) <= step * (1 + 1e-5)), signed
     assert np.mean(np.asarray(m.codes) != np.asarray(w.codes)) < 0.01
+
+
+@pytest.mark.parametrize("moments", ["int8", "int4"])
+@pytest.mark.parametrize("companion", [jnp.int16, jnp.int8], ids=["int16", "int8"])
+@pytest.mark.fma_off
+def test_companion_matches_reference(request, caplog, moments, companion):
+  """A bf16 leaf with its companion (mantissa tracking) on blockwise moments:
+  the kernel itself runs (no fallback) and, two steps on, the bf16 half, the
+  companion, the codes and the scales are the reference's bit for bit (the
+  master is split to nearest, no seed: nothing left to an ulp of rounding)."""
+  shape = (8, 512)
+  k = jax.random.split(harness.fresh_key(request), 2)
+  hi, lo = mantissa.split(jax.random.normal(k[0], shape), companion)
+  g = jax.random.normal(k[1], shape)
+  if moments == "int4":
+    mu, nu = int4.zeros(shape), int4.zeros(shape)
+  else:
+    mu, nu = quantized.zeros(shape, signed=True), quantized.zeros(shape, signed=False)
+
+  def steps(impl):
+    f = jax.jit(lambda p, g, mu, nu, lo, c: adam_update(
+        p, g, mu, nu, count=c, implementation=impl, interpret=True, params_lo=lo, **HYPER))
+    state = (hi, mu, nu, lo)
+    for c in (1, 2):
+      state = f(state[0], g * c, state[1], state[2], state[3], c)
+    return state
+
+  with caplog.at_level("DEBUG", logger="fuseopt"):
+    got = steps(MGPU)
+  assert "reference" not in caplog.text
+  want = steps("xla")
+  assert got[3].dtype == companion
+  for a, b, what in zip(jax.tree.leaves(got), jax.tree.leaves(want),
+                        ("p", "mu codes", "mu scales", "nu codes", "nu scales", "lo")):
+    _same(a, b, f"{moments} moments, {jnp.dtype(companion)} companion: {what}")
 
 
 def test_every_config_same_bits(request):

@@ -36,7 +36,10 @@ with truncation and comparisons, the same bits (:mod:`.quantized`).
 4-bit moments (:func:`update_int4`, :mod:`.int4`): the same loop a block of
 ``int4.BLOCK`` (128) elements, one warpgroup's arrays, the two blocks of a
 row in turn rewriting their nibbles of the row's packed code bytes (integer
-work on the bytes widened to int32), two scales a row.
+work on the bytes widened to int32), two scales a row. Both blockwise
+kernels take a bf16 parameter's companion ``lo`` (:mod:`fuseopt.kernels.mantissa`)
+as one more in-place ref in ``p``'s layout: the step reads the master and
+writes it split, as the dense kernel and the reference do.
 
 Compiles for sm_90 only
 (:func:`supports` refuses other targets before lowering); runs anywhere in
@@ -303,12 +306,32 @@ def update_group(scalars, seeds, ps, gs, mus, nus, *, nesterov, config: MosaicGP
 
 
 # --------------------------------------------------- blockwise moments --
-def _blockwise_refs(refs, apply):
-  """``(p_ref or None, out_ref, moment refs)`` of a blockwise kernel: ``(p,
-  *moments)`` in place, or ``(*moments, direction)``."""
+def _blockwise_refs(refs, apply, tracked=False):
+  """``(p_ref or None, out_ref, moment refs, lo_ref or None)`` of a
+  blockwise kernel: ``(p, *moments)`` or ``(p, *moments, lo)`` in place, or
+  ``(*moments, direction)``."""
   if apply:
-    return refs[0], refs[0], refs[1:]
-  return None, refs[-1], refs[:-1]
+    if tracked:
+      return refs[0], refs[0], refs[1:-1], refs[-1]
+    return refs[0], refs[0], refs[1:], None
+  return None, refs[-1], refs[:-1], None
+
+
+def _blockwise_param(p_ref, lo_ref, elems):
+  """The fp32 parameter of the block ``elems``: ``p`` widened, or with a
+  companion the master ``join(p, lo)`` (:func:`.math.load_param`)."""
+  return adam_lib.load_param(p_ref[elems], None if lo_ref is None else lo_ref[elems])
+
+
+def _blockwise_store(o_ref, lo_ref, elems, out, index, seed):
+  """The block's fp32 ``out`` written: rounded into ``o_ref``'s dtype (bf16
+  stochastically), or with a companion the new master split into ``p`` and
+  ``lo`` (:func:`fuseopt.kernels.mantissa.split`: to nearest, no seed), as
+  the reference does."""
+  if lo_ref is None:
+    o_ref[elems] = adam_lib.store(out, o_ref.dtype, index, seed)
+  else:
+    o_ref[elems], lo_ref[elems] = mantissa.split(out, lo_ref.dtype)
 
 
 def _block_loop(n, block, step, one):
@@ -333,37 +356,53 @@ def _kept_codes(keep_block, new, old):
   return quantized.kept_on_skip(keep_block, i32(new), i32(old)).astype(old.dtype)
 
 
-def _blockwise_launch(body, name, scalars, seeds, p, g, arrays, *, out_dtype, block, interpret):
+def _blockwise_launch(body, name, scalars, seeds, p, g, arrays, *, out_dtype, block, interpret,
+                      lo=None):
   """One ``plgpu.kernel`` launch of the blockwise kernel ``body`` over the
   leaf's ``g.size`` elements, ``block`` a program; ``p`` (None: the
-  direction, a fresh output) and the moment ``arrays`` go in flat as refs,
-  written in place. Returns ``(out, arrays)``, ``out`` in ``g``'s shape and
-  the arrays flat."""
+  direction, a fresh output), the moment ``arrays`` and a companion ``lo``
+  go in flat as refs, written in place. Returns ``(out, arrays, lo)``,
+  ``out`` and ``lo`` (None without one) in their own shapes, the arrays
+  flat."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   n = g.size
   apply = p is not None
+  tracked = lo is not None
+  if tracked:
+    if not apply:
+      raise ValueError("lo needs p: a companion is the master of a parameter, not of a direction")
+    if p.dtype != jnp.bfloat16:
+      raise TypeError(f"lo is the companion of a bfloat16 p, got p of {p.dtype}")
+    if lo.dtype not in mantissa.COMPANION_DTYPES:
+      raise TypeError(f"lo must be int16 or int8, got {lo.dtype}")
+    if lo.shape != p.shape:
+      raise ValueError(f"lo must have p's shape {p.shape}, got {lo.shape}")
   kernel = plgpu.kernel(
-      functools.partial(body, n=n, block=block, apply=apply),
+      functools.partial(body, n=n, block=block, apply=apply, tracked=tracked),
       out_type=() if apply else (jax.ShapeDtypeStruct((n,), out_dtype),),
       grid=(elementwise_tiling.mosaic_gpu_programs(n, block),),
       grid_names=(elementwise_tiling.MOSAIC_GPU_AXIS,),
       interpret=interpret or None,
       kernel_name=name,
   )
-  refs = [jax.new_ref(a.reshape(-1)) for a in ((p,) if apply else ()) + tuple(arrays)]
+  refs = [jax.new_ref(a.reshape(-1))
+          for a in ((p,) if apply else ()) + tuple(arrays) + ((lo,) if tracked else ())]
   results = kernel(scalars, seeds, g.reshape(-1), *refs)
   outs = [jax.freeze(r) for r in refs]
+  new_lo = outs.pop().reshape(lo.shape) if tracked else None
   out = outs.pop(0) if apply else results[0]
-  return out.reshape(g.shape), outs
+  return out.reshape(g.shape), outs, new_lo
 
 
 # ------------------------------------------------------- 8-bit moments --
-def _quantized_kernel(s_ref, seed_ref, g_ref, *refs, n, block, nesterov, apply, index_map):
+def _quantized_kernel(s_ref, seed_ref, g_ref, *refs, n, block, nesterov, apply, index_map,
+                      tracked):
   """``block // BLOCK`` quantisation blocks a program (the last program: what
   is left), one loop iteration each; every ref flat, the scales one per
-  ``BLOCK`` elements."""
+  ``BLOCK`` elements; ``tracked``: a companion ``lo`` ref after the moments."""
   q_block = quantized.BLOCK
-  p_ref, o_ref, (muc_ref, mus_ref, nuc_ref, nus_ref) = _blockwise_refs(refs, apply)
+  p_ref, o_ref, (muc_ref, mus_ref, nuc_ref, nus_ref), lo_ref = _blockwise_refs(
+      refs, apply, tracked)
   apply_flag = s_ref[adam_lib.APPLY]
   s = _scalar_reader([s_ref[k] for k in range(adam_lib.N_SCALARS)], q_block)
   seeds = [seed_ref[k] for k in range(adam_lib.N_SEEDS)]
@@ -376,11 +415,11 @@ def _quantized_kernel(s_ref, seed_ref, g_ref, *refs, n, block, nesterov, apply, 
     mu32 = quantized.dequantize_mu(muc_ref[elems], mus_ref[row])
     nu32 = quantized.dequantize_nu(nuc_ref[elems], nus_ref[row])
     out, mu_new, nu_new = adam_lib.adam_math(
-        s, f32(p_ref) if apply else None, f32(g_ref), mu32, nu32, nesterov=nesterov,
-        apply=apply, reciprocal=True)
+        s, _blockwise_param(p_ref, lo_ref, elems) if apply else None, f32(g_ref), mu32, nu32,
+        nesterov=nesterov, apply=apply, reciprocal=True)
     index = sharding_lib.global_index(elementwise_tiling.mosaic_gpu_flat_index(start, q_block),
                                       index_map, seeds[adam_lib.SEED_BASE])
-    o_ref[elems] = adam_lib.store(out, o_ref.dtype, index, seeds[0])
+    _blockwise_store(o_ref, lo_ref, elems, out, index, seeds[0])
     # The scale is reduced here (a scalar) and handed to the block arithmetic
     # as a block: Mosaic GPU lowers scalar constants only inside vector ops.
     # A skipped step keeps the stored codes and scales (quantized.kept_on_skip):
@@ -403,25 +442,30 @@ def _quantized_kernel(s_ref, seed_ref, g_ref, *refs, n, block, nesterov, apply, 
 
 
 def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype,
-                     config: MosaicGPUConfig, interpret, index_map=None):
+                     config: MosaicGPUConfig, interpret, index_map=None, lo=None):
   """One leaf with 8-bit moments as ``(R, BLOCK)`` rows (``p``, ``g``, the
   codes) and ``(R,)`` scales, as the Triton kernel takes them; returns
   ``(out, mu, nu)``, the moments :class:`~.quantized.QuantizedMoment`, all
-  in place (``p`` None: the direction, a fresh output). ``config.block``
-  elements a program, at least one quantisation block. The caller guards
-  the inputs against differentiation."""
+  in place (``p`` None: the direction, a fresh output). With ``lo``, a bf16
+  ``p``'s int16 or int8 companion in ``p``'s layout: the step reads the
+  master ``join(p, lo)`` and writes it split into ``p`` and ``lo``, both in
+  place, and returns ``(out, mu, nu, lo)``. ``config.block`` elements a
+  program, at least one quantisation block. The caller guards the inputs
+  against differentiation."""
   body = functools.partial(_quantized_kernel, nesterov=nesterov, index_map=index_map)
-  out, (muc, mus, nuc, nus) = _blockwise_launch(
+  out, (muc, mus, nuc, nus), new_lo = _blockwise_launch(
       body, "fuseopt_adam_update_int8", scalars, seeds, p, g,
       (mu.codes, mu.scales, nu.codes, nu.scales), out_dtype=out_dtype,
-      block=max(config.block, quantized.BLOCK), interpret=interpret)
+      block=max(config.block, quantized.BLOCK), interpret=interpret, lo=lo)
   moment = lambda codes, scales, like: quantized.QuantizedMoment(
       codes.reshape(g.shape), scales.reshape(like.scales.shape))
-  return out, moment(muc, mus, mu), moment(nuc, nus, nu)
+  res = (out, moment(muc, mus, mu), moment(nuc, nus, nu))
+  return res if lo is None else res + (new_lo,)
 
 
 # ------------------------------------------------------- 4-bit moments --
-def _int4_kernel(s_ref, seed_ref, g_ref, *refs, n, block, nesterov, apply, index_map):
+def _int4_kernel(s_ref, seed_ref, g_ref, *refs, n, block, nesterov, apply, index_map,
+                 tracked):
   """``block // BLOCK`` quantisation blocks a program (the last program: what
   is left), one loop iteration each, a row's two halves in turn: ``BLOCK``
   elements as one warpgroup's register arrays, their scale (the block's
@@ -433,9 +477,11 @@ def _int4_kernel(s_ref, seed_ref, g_ref, *refs, n, block, nesterov, apply, index
   many times slower). The second half reads the bytes the first wrote, in the
   same program (a program holds whole rows: ``block`` is a multiple of
   ``ROW``), by the same load and store instructions and so the same thread
-  a byte, in program order."""
+  a byte, in program order. ``tracked``: a companion ``lo`` ref after the
+  moments, read and written with ``p``."""
   half = int4.BLOCK
-  p_ref, o_ref, (muc_ref, mus_ref, nuc_ref, nus_ref) = _blockwise_refs(refs, apply)
+  p_ref, o_ref, (muc_ref, mus_ref, nuc_ref, nus_ref), lo_ref = _blockwise_refs(
+      refs, apply, tracked)
   apply_flag = s_ref[adam_lib.APPLY]
   s = _scalar_reader([s_ref[k] for k in range(adam_lib.N_SCALARS)], half)
   seeds = [seed_ref[k] for k in range(adam_lib.N_SEEDS)]
@@ -454,13 +500,13 @@ def _int4_kernel(s_ref, seed_ref, g_ref, *refs, n, block, nesterov, apply, index
     old_nu = nuc_ref[code_bytes].astype(jnp.int32)
     old_mus, old_nus = mus_ref[blk], nus_ref[blk]
     out, mu_new, nu_new = adam_lib.adam_math(
-        s, f32(p_ref) if apply else None, f32(g_ref),
+        s, _blockwise_param(p_ref, lo_ref, elems) if apply else None, f32(g_ref),
         int4.dequantize_mu((old_mu >> shift) & 15, old_mus),
         int4.dequantize_nu((old_nu >> shift) & 15, old_nus), nesterov=nesterov, apply=apply,
         reciprocal=True)
     index = sharding_lib.global_index(elementwise_tiling.mosaic_gpu_flat_index(start, half),
                                       index_map, seeds[adam_lib.SEED_BASE])
-    o_ref[elems] = adam_lib.store(out, o_ref.dtype, index, seeds[0])
+    _blockwise_store(o_ref, lo_ref, elems, out, index, seeds[0])
     # As in the 8-bit kernel: the scale reduced as a scalar and handed to the
     # block arithmetic as a block; on a skip the scale kept on the scalar
     # flag, the bytes on the flag's block.
@@ -483,19 +529,21 @@ def _int4_kernel(s_ref, seed_ref, g_ref, *refs, n, block, nesterov, apply, index
 
 
 def update_int4(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config: MosaicGPUConfig,
-                interpret, index_map=None):
+                interpret, index_map=None, lo=None):
   """One leaf with 4-bit moments (:mod:`.int4`) as ``(R, ROW)`` rows (``p``,
   ``g``), ``(R, BLOCK)`` code bytes and ``(R, 2)`` scales; returns ``(out,
   mu, nu)``, the moments :class:`~.int4.PackedMoment` in that layout, all in
-  place (``p`` None: the direction, a fresh output). ``config.block``
+  place (``p`` None: the direction, a fresh output). With a companion ``lo``
+  (as :func:`update_quantized`): ``(out, mu, nu, lo)``. ``config.block``
   elements a program, at least one row: a program holds whole rows, so the
   two blocks that share a row's code bytes are written by one program.
   The caller guards the inputs against differentiation."""
   body = functools.partial(_int4_kernel, nesterov=nesterov, index_map=index_map)
-  out, (muc, mus, nuc, nus) = _blockwise_launch(
+  out, (muc, mus, nuc, nus), new_lo = _blockwise_launch(
       body, "fuseopt_adam_update_int4", scalars, seeds, p, g,
       (mu.codes, mu.scales, nu.codes, nu.scales), out_dtype=out_dtype,
-      block=max(config.block, int4.ROW), interpret=interpret)
+      block=max(config.block, int4.ROW), interpret=interpret, lo=lo)
   moment = lambda codes, scales, like: int4.PackedMoment(codes.reshape(like.codes.shape),
                                                          scales.reshape(like.scales.shape))
-  return out, moment(muc, mus, mu), moment(nuc, nus, nu)
+  res = (out, moment(muc, mus, mu), moment(nuc, nus, nu))
+  return res if lo is None else res + (new_lo,)
