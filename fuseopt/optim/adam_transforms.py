@@ -30,7 +30,6 @@ import jax.numpy as jnp
 import optax
 
 from fuseopt import kernels
-from fuseopt.kernels import mantissa as kernels_mantissa
 from fuseopt.kernels import sharding as kernel_sharding
 from fuseopt.kernels.adam import blocks as kernel_blocks
 from fuseopt.kernels.adam import formats as kernel_formats

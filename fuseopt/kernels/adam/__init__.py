@@ -39,7 +39,6 @@ from fuseopt.kernels import dispatch
 from fuseopt.kernels import sharding as sharding_lib
 from fuseopt.kernels.adam.backends import BACKENDS
 from fuseopt.kernels.adam import mosaic_tpu  # each backend's SEARCH_SPACE and heuristic
-from fuseopt.kernels.adam import formats
 from fuseopt.kernels.adam import tree as _tree
 from fuseopt.kernels.adam import triton
 from fuseopt.kernels.adam.math import adam_scalars

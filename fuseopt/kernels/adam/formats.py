@@ -26,7 +26,6 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 
 from fuseopt.kernels.adam import blocks
 from fuseopt.kernels.adam import int4

@@ -353,13 +353,13 @@ def update_leaves(impl, scalars, seeds, ps, gs, mus, nus, placements, *, nestero
   answers, one per leaf), whatever its moments' format: kernels on unsharded
   leaves, shard-local kernels (one ``shard_map`` per mesh) on evenly sharded
   ones, the reference on the rest. A leaf whose shards would split its
-  moments' quantisation blocks runs shard-local with its last axis whole
+  moments' quantisation blocks runs shard-local with its blocked axes whole
   (a block's scale is its absmax), its results placed back as it was.
   ``los``: None, or one companion (or None) per leaf. Returns four lists:
-  out, mu, nu (in their format: :class:`QuantizedMoment` for 8-bit moments)
-  and the new companions (None where a leaf has none)."""
+  out, mu, nu (in their format: :class:`QuantizedMoment` for 8-bit moments,
+  :class:`PackedMoment` for 4-bit) and the new companions (None where a leaf
+  has none)."""
   n = len(gs)
-  apply = ps is not None
   los = los if los is not None else [None] * n
   outs = ([None] * n, [None] * n, [None] * n, [None] * n)
   run = functools.partial(run_local, nesterov=nesterov, interpret=interpret, config=config,
