@@ -1,7 +1,8 @@
 """Adam on 4-bit moments, the Mosaic TPU kernel (interpret mode) against the
 reference (fuseopt.kernels.adam.reference.update_int4, the specification):
 both scale layouts, a leaf blocked over its trailing axes, the direction
-only, bf16 params, two steps each."""
+only, bf16 params, two steps each; and a bf16 leaf with a companion (8-bit
+and 4-bit moments) against the reference bit for bit."""
 
 import math
 

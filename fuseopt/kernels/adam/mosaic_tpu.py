@@ -379,7 +379,7 @@ def _update_blockwise(layout, scalars, seeds, p, g, mu, nu, *, nesterov, out_dty
   )(scalars, jax.lax.bitcast_convert_type(seeds, jnp.int32), *arrays)
   back = lambda c, sc, q: layout.moment(c.reshape(q.codes.shape), scales_out(sc, q.scales))
   res = outs[0].reshape(shape), back(*outs[1:3], mu), back(*outs[3:5], nu)
-  return res + (outs[5].reshape(shape),) if tracked else res
+  return (res + (outs[5].reshape(shape),)) if tracked else res
 
 
 def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpret,
