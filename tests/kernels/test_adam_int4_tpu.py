@@ -1,7 +1,8 @@
 """Adam on 4-bit moments, the Mosaic TPU kernel (interpret mode) against the
 reference (fuseopt.kernels.adam.reference.update_int4, the specification):
 both scale layouts, a leaf blocked over its trailing axes, the direction
-only, bf16 params, two steps each."""
+only, bf16 params, two steps each; and a bf16 leaf with a companion (8-bit
+and 4-bit moments) against the reference bit for bit."""
 
 import math
 
@@ -127,3 +128,41 @@ def test_mosaic_tpu_4bit_skipped_step_keeps_codes_and_scales(request):
                     apply=jnp.asarray(False), **HYPER)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves((p, mu, nu))):
     _same(a, b, "skipped step")
+
+
+@pytest.mark.parametrize("moments", ["int8", "int4"])
+@pytest.mark.parametrize("companion", [jnp.int16, jnp.int8], ids=["int16", "int8"])
+@pytest.mark.fma_off
+def test_mosaic_tpu_with_a_companion_is_the_reference(request, moments, companion):
+  """A bf16 leaf with a companion (an fp32 or 24-bit master) on 8-bit or
+  4-bit moments: the Mosaic TPU kernel in the leaf's own shape (not a
+  fallback) gives the reference's p, lo, codes and scales bit for bit over
+  two steps (the same master read, the same fp32 step, the same split)."""
+  import re
+  from fuseopt.kernels import mantissa
+  from fuseopt.kernels.adam import quantized
+  shape = (256, 256)
+  k = jax.random.split(harness.fresh_key(request), 2)
+  hi, lo = mantissa.split(jax.random.normal(k[0], shape), companion)
+  g = jax.random.normal(k[1], shape)
+  if moments == "int4":
+    mu, nu = int4.zeros(shape), int4.zeros(shape)
+  else:
+    mu, nu = quantized.zeros(shape, signed=True), quantized.zeros(shape, signed=False)
+
+  def step(impl, p, g, mu, nu, lo, c):
+    return adam_update(p, g, mu, nu, count=c, implementation=impl, interpret=True,
+                       params_lo=lo, **HYPER)
+
+  jaxpr = str(jax.make_jaxpr(lambda: step("mosaic_tpu", hi, g, mu, nu, lo, 1))())
+  assert re.findall(r"name=(fuseopt_\w+)", jaxpr) == [f"fuseopt_adam_update_{moments}"]
+  got, want = [], []
+  for impl, res in (("mosaic_tpu", got), ("xla", want)):
+    f = jax.jit(lambda p, g, mu, nu, lo, c, impl=impl: step(impl, p, g, mu, nu, lo, c))
+    state = (hi, mu, nu, lo)
+    for c in (1, 2):
+      state = f(state[0], g * c, *state[1:], c)
+    res += jax.tree.leaves(state)
+  assert got[0].dtype == BF16 and got[-1].dtype == companion
+  for a, b in zip(got, want):
+    _same(a, b, f"{moments} moments, {jnp.dtype(companion)} companion")

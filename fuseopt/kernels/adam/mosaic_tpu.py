@@ -29,13 +29,14 @@ from jax.experimental import pallas as pl
 from fuseopt.kernels import counter_hash
 from fuseopt.kernels import dispatch
 from fuseopt.kernels import elementwise_tiling
+from fuseopt.kernels import mantissa
 from fuseopt.kernels import pallas_common
 from fuseopt.kernels import sharding as sharding_lib
 from fuseopt.kernels.adam import blocks
 from fuseopt.kernels.adam import int4
 from fuseopt.kernels.adam import quantized
 from fuseopt.kernels.adam.math import (APPLY, SEED_BASE, adam_cost, adam_math, in_place_aliases,
-                                       kernel_body, store, store_outputs)
+                                       kernel_body, load_param, store, store_outputs)
 from fuseopt.kernels.elementwise_tiling import MosaicTPUConfig
 
 Config = MosaicTPUConfig
@@ -234,11 +235,19 @@ def _row(column):
 
 
 def _blockwise_kernel(s_ref, seed_ref, *refs, layout, rows, length, transposed, nesterov,
-                      apply, index_map):
+                      apply, index_map, tracked):
   """One grid step of whole rows, row group by row group: each group's code
   bytes read once and unpacked into its blocks' codes, each block (a static
   lane slice of the group) dequantised, stepped and quantised with its scale
-  reduced over its lanes, the new codes packed back into the group's bytes."""
+  reduced over its lanes, the new codes packed back into the group's bytes.
+  ``tracked``: the companion ``lo`` is the last input and the last output,
+  read and written on the parameter's lanes (the master ``join(p, lo)`` in,
+  the new master split out, no rounding)."""
+  lo_ref = lo_out = None
+  if tracked:
+    n_in = 7 if apply else 6
+    lo_ref, lo_out = refs[n_in - 1], refs[-1]
+    refs = refs[:n_in - 1] + refs[n_in:-1]
   p_ref, (g_ref, muc_ref, mus_ref, nuc_ref, nus_ref), (o_ref, muc_out, mus_out, nuc_out, nus_out) = (
       quantized.split_kernel_refs(refs, apply))
   block = layout.block
@@ -258,6 +267,7 @@ def _blockwise_kernel(s_ref, seed_ref, *refs, layout, rows, length, transposed, 
       ref[:, k:k + 1] = column
   keep = lambda new, old: blocks.kept_on_skip(s_ref[APPLY] == 0, new, old)
   f32 = lambda r, lanes: r[:, lanes].astype(jnp.float32)
+  param = lambda lanes: load_param(p_ref[:, lanes], lo_ref[:, lanes] if tracked else None)
   fmt = layout.math
   for j in range(length // blocks.ROW):
     code_lanes = slice(j * layout.code_lanes, (j + 1) * layout.code_lanes)
@@ -269,12 +279,15 @@ def _blockwise_kernel(s_ref, seed_ref, *refs, layout, rows, length, transposed, 
       lanes = slice(first, first + block)
       mu32 = fmt.dequantize_mu(mu_in[h], read(mus_ref, k))
       nu32 = fmt.dequantize_nu(nu_in[h], read(nus_ref, k))
-      out, mu_new, nu_new = adam_math(lambda i: s_ref[i], f32(p_ref, lanes) if apply else None,
+      out, mu_new, nu_new = adam_math(lambda i: s_ref[i], param(lanes) if apply else None,
                                       f32(g_ref, lanes), mu32, nu32, nesterov=nesterov,
                                       apply=apply, reciprocal=True)
       index = sharding_lib.global_index(row + (col + jnp.uint32(first)), index_map,
                                         seed(SEED_BASE))
-      o_ref[:, lanes] = store(out, o_ref.dtype, index, seed(0))
+      if tracked:
+        o_ref[:, lanes], lo_out[:, lanes] = mantissa.split(out, lo_out.dtype)
+      else:
+        o_ref[:, lanes] = store(out, o_ref.dtype, index, seed(0))
       c, mu_scale = fmt.quantize_mu(mu_new, counter_hash.hash_bits(index, seed(1)))
       mu_codes.append(c)
       write(mus_out, k, keep(mu_scale, read(mus_ref, k)))
@@ -286,16 +299,26 @@ def _blockwise_kernel(s_ref, seed_ref, *refs, layout, rows, length, transposed, 
 
 
 def _update_blockwise(layout, scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config,
-                      interpret, index_map):
+                      interpret, index_map, lo=None):
   """One leaf with ``layout``'s moments, in its own shape; returns ``(out, mu,
-  nu)`` in place, in the shapes they came in."""
+  nu)`` in place, in the shapes they came in, and ``(out, mu, nu, lo)`` with
+  a companion ``lo`` (p's view and tile, the last input and output)."""
   from jax.experimental.pallas import tpu as pltpu
   shape = g.shape
+  apply = p is not None
+  tracked = lo is not None
+  if tracked and not apply:
+    raise ValueError("lo (a companion of p) needs p; got p=None")
+  if tracked and lo.shape != p.shape:
+    raise ValueError(f"lo has shape {lo.shape}, p {p.shape}: a companion is p's shape")
+  if tracked and lo.dtype not in mantissa.COMPANION_DTYPES:
+    raise TypeError(f"lo must be int16 or int8 (a companion), got {lo.dtype}")
+  if tracked and p.dtype != jnp.bfloat16:
+    raise TypeError(f"p must be bfloat16 with a companion lo, got {p.dtype}")
   m, length = quantized_view(shape)
   rows, transposed = quantized_tiling((m, length), config)
   n_scales = length // layout.block
   n_codes = length // layout.codes_per_byte
-  apply = p is not None
   tile = pl.BlockSpec((rows, length), lambda i: (i, 0))
   code_tile = pl.BlockSpec((rows, n_codes), lambda i: (i, 0))
   # The scales transposed where they fit (above): rows on lanes.
@@ -310,34 +333,43 @@ def _update_blockwise(layout, scalars, seeds, p, g, mu, nu, *, nesterov, out_dty
   view = lambda a: a.reshape(m, length)
   qview = lambda q: layout.moment(q.codes.reshape(m, n_codes), scales_in(q.scales))
   mu2, nu2 = qview(mu), qview(nu)
-  arrays = ((view(p),) if apply else ()) + (view(g), mu2.codes, mu2.scales, nu2.codes,
-                                            nu2.scales)
+  arrays = (((view(p),) if apply else ()) + (view(g), mu2.codes, mu2.scales, nu2.codes,
+                                             nu2.scales)
+            + ((view(lo),) if tracked else ()))
   if not interpret:
     # The operands stay in HBM, where the kernel's pipeline reads them: left
     # free, libtpu prefetches whole small operands (codes, scales) into
     # on-chip memory ahead of the kernel, and every prefetch holds a 16 KiB
     # slot of the step's HBM temporaries (docs/adam.md).
     arrays = tuple(pltpu.with_memory_space_constraint(a, pltpu.HBM) for a in arrays)
-  specs = ([tile] if apply else []) + [tile, code_tile, vec, code_tile, vec]
+  specs = ([tile] if apply else []) + [tile, code_tile, vec, code_tile, vec] + (
+      [tile] if tracked else [])
   out_shape = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (
       jax.ShapeDtypeStruct((m, length), out_dtype), mu2.codes, mu2.scales, nu2.codes,
-      nu2.scales))
+      nu2.scales) + ((arrays[-1],) if tracked else ()))
   first = 2 + apply
   aliases = {first + 1 + j: 1 + j for j in range(4)}
   if apply:
     aliases[2] = 0
+  if tracked:
+    aliases[first + 5] = 5
   # Whole rows a step: a long last axis (a vocabulary) needs more than the
   # default scoped VMEM (16 MiB on v5e) for 32 rows of 7 double-buffered streams.
+  # A companion adds a stream read and written beside p's, double-buffered;
+  # a bf16 p with its companion is no wider than an fp32 p, so the rows a
+  # step (quantized_tiling) stay those of an fp32 leaf.
   vmem = 2 * sum(rows * length * a.dtype.itemsize for a in arrays[:2 + apply]) * 3
+  if tracked:
+    vmem += 2 * 2 * rows * length * lo.dtype.itemsize
   outs = pl.pallas_call(
       functools.partial(_blockwise_kernel, layout=layout, rows=rows, length=length,
                         transposed=transposed, nesterov=nesterov, apply=apply,
-                        index_map=index_map),
+                        index_map=index_map, tracked=tracked),
       out_shape=out_shape,
       grid=(m // rows,),
       in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
                 pl.BlockSpec(memory_space=pltpu.SMEM)] + specs,
-      out_specs=(tile, code_tile, vec, code_tile, vec),
+      out_specs=(tile, code_tile, vec, code_tile, vec) + ((tile,) if tracked else ()),
       input_output_aliases=aliases,
       compiler_params=pallas_common.mosaic_compiler_params(
           interpret, ("parallel",), vmem_limit_bytes=max(32 << 20, min(vmem, 100 << 20))),
@@ -346,26 +378,32 @@ def _update_blockwise(layout, scalars, seeds, p, g, mu, nu, *, nesterov, out_dty
       cost_estimate=adam_cost(arrays, out_shape, n=g.size),
   )(scalars, jax.lax.bitcast_convert_type(seeds, jnp.int32), *arrays)
   back = lambda c, sc, q: layout.moment(c.reshape(q.codes.shape), scales_out(sc, q.scales))
-  return outs[0].reshape(shape), back(*outs[1:3], mu), back(*outs[3:5], nu)
+  res = outs[0].reshape(shape), back(*outs[1:3], mu), back(*outs[3:5], nu)
+  return (res + (outs[5].reshape(shape),)) if tracked else res
 
 
 def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpret,
-                     index_map=None):
+                     index_map=None, lo=None):
   """One leaf with 8-bit moments in its own shape (viewed by
   :func:`quantized_view`); returns ``(out, mu, nu)`` in place, the moments
-  :class:`~.quantized.QuantizedMoment`."""
+  :class:`~.quantized.QuantizedMoment`. ``lo``: a bf16 ``p``'s int16 or int8
+  companion in ``p``'s shape; the step reads the master ``join(p, lo)`` and
+  writes it split into ``p`` and ``lo`` (in place, no rounding), and returns
+  ``(out, mu, nu, lo)``: the reference's
+  (:func:`.reference.update_quantized`)."""
   return _update_blockwise(_INT8, scalars, seeds, p, g, mu, nu, nesterov=nesterov,
                            out_dtype=out_dtype, config=config, interpret=interpret,
-                           index_map=index_map)
+                           index_map=index_map, lo=lo)
 
 
 def update_int4(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpret,
-                index_map=None):
+                index_map=None, lo=None):
   """One leaf with 4-bit moments in its own shape (viewed by
   :func:`quantized_view`, the codes as ``(M, L / 2)``, the scales ``(M, L /
   128)``); returns ``(out, mu, nu)`` in place, the moments
   :class:`~.int4.PackedMoment`: the codes and scales of
-  :func:`fuseopt.kernels.adam.reference.update_int4`."""
+  :func:`fuseopt.kernels.adam.reference.update_int4`. ``lo``: a companion,
+  as in :func:`update_quantized` (returns ``(out, mu, nu, lo)``)."""
   return _update_blockwise(_INT4, scalars, seeds, p, g, mu, nu, nesterov=nesterov,
                            out_dtype=out_dtype, config=config, interpret=interpret,
-                           index_map=index_map)
+                           index_map=index_map, lo=lo)
