@@ -15,7 +15,6 @@ or group takes, and how its moments are laid out and placed.
 from __future__ import annotations
 
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -283,16 +282,12 @@ def _run_quantized_group(impl, members, scalars, seeds, ps, gs, mus, nus, *, nes
   return out
 
 
-def _takes_companion(fn) -> bool:
-  return "lo" in inspect.signature(fn).parameters
-
-
 def _run_quantized(impl, scalars, seeds, p, g, mu, nu, *, nesterov, interpret, config,
                    index_map=None, lo=None):
   """One local leaf with blockwise moments on ``impl`` (the reference where
-  that backend leaves this leaf, or has no kernel for the format or for a
-  companion, logged); returns ``(out, mu, nu)``, and with a companion ``lo``
-  ``(out, mu, nu, lo)``."""
+  that backend leaves this leaf, or has no kernel for the format, logged);
+  returns ``(out, mu, nu)``, and with a companion ``lo`` ``(out, mu, nu,
+  lo)``."""
   out_dtype = (g if p is None else p).dtype
   fmt = formats.of(mu)
   companion = {} if lo is None else {"lo": lo}
@@ -307,8 +302,6 @@ def _run_quantized(impl, scalars, seeds, p, g, mu, nu, *, nesterov, interpret, c
     why = fmt.entry(backend, "{}_leaf_reason")
     if fmt.entry(backend) is None:
       reason = f"no kernel for {fmt.name} moments"
-    elif lo is not None and not _takes_companion(fmt.entry(backend)):
-      reason = f"no kernel for {fmt.name} moments with a companion"
     else:
       reason = why(g, config, index_map) if why is not None else None
     if reason is not None:
