@@ -315,7 +315,8 @@ def like(y, x):
   spec = _type_spec(x)
   if spec is None or spec == _type_spec(y):
     return y
-  return jax.sharding.reshard(y, spec)
+  # (x's own mesh named: no mesh context, jax.set_mesh, is needed)
+  return jax.sharding.reshard(y, NamedSharding(jax.typeof(x).sharding.mesh, spec))
 
 
 def put_back(y, x, given: Placement):

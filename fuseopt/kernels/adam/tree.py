@@ -480,5 +480,6 @@ def _run_sharded(run, impl, mesh, idx, placements, given, scalars, seeds, ps, gs
            for y, i in zip(res_p, idx)]
   new_lo = [None] * len(idx)
   for j, y in zip(tracked, res_lo):
-    new_lo[j] = sharding_lib.like(y, los[idx[j]])
+    # (a companion is placed as its parameter, gathered with it where it ran so)
+    new_lo[j] = back(y, los[idx[j]], idx[j])
   return res_p, res_mu, res_nu, new_lo
