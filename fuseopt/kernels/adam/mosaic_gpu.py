@@ -369,14 +369,7 @@ def _blockwise_launch(body, name, scalars, seeds, p, g, arrays, *, out_dtype, bl
   apply = p is not None
   tracked = lo is not None
   if tracked:
-    if not apply:
-      raise ValueError("lo needs p: a companion is the master of a parameter, not of a direction")
-    if p.dtype != jnp.bfloat16:
-      raise TypeError(f"lo is the companion of a bfloat16 p, got p of {p.dtype}")
-    if lo.dtype not in mantissa.COMPANION_DTYPES:
-      raise TypeError(f"lo must be int16 or int8, got {lo.dtype}")
-    if lo.shape != p.shape:
-      raise ValueError(f"lo must have p's shape {p.shape}, got {lo.shape}")
+    adam_lib.check_companion(p, lo, name="lo")
   kernel = plgpu.kernel(
       functools.partial(body, n=n, block=block, apply=apply, tracked=tracked),
       out_type=() if apply else (jax.ShapeDtypeStruct((n,), out_dtype),),

@@ -35,8 +35,9 @@ from fuseopt.kernels import sharding as sharding_lib
 from fuseopt.kernels.adam import blocks
 from fuseopt.kernels.adam import int4
 from fuseopt.kernels.adam import quantized
-from fuseopt.kernels.adam.math import (APPLY, SEED_BASE, adam_cost, adam_math, in_place_aliases,
-                                       kernel_body, load_param, store, store_outputs)
+from fuseopt.kernels.adam.math import (APPLY, SEED_BASE, adam_cost, adam_math, check_companion,
+                                       in_place_aliases, kernel_body, load_param, store,
+                                       store_outputs)
 from fuseopt.kernels.elementwise_tiling import MosaicTPUConfig
 
 Config = MosaicTPUConfig
@@ -307,14 +308,8 @@ def _update_blockwise(layout, scalars, seeds, p, g, mu, nu, *, nesterov, out_dty
   shape = g.shape
   apply = p is not None
   tracked = lo is not None
-  if tracked and not apply:
-    raise ValueError("lo (a companion of p) needs p; got p=None")
-  if tracked and lo.shape != p.shape:
-    raise ValueError(f"lo has shape {lo.shape}, p {p.shape}: a companion is p's shape")
-  if tracked and lo.dtype not in mantissa.COMPANION_DTYPES:
-    raise TypeError(f"lo must be int16 or int8 (a companion), got {lo.dtype}")
-  if tracked and p.dtype != jnp.bfloat16:
-    raise TypeError(f"p must be bfloat16 with a companion lo, got {p.dtype}")
+  if tracked:
+    check_companion(p, lo, name="lo")
   m, length = quantized_view(shape)
   rows, transposed = quantized_tiling((m, length), config)
   n_scales = length // layout.block

@@ -21,7 +21,7 @@ from fuseopt.kernels.adam import blocks
 from fuseopt.kernels.adam import int4
 from fuseopt.kernels.adam import quantized
 from fuseopt.kernels.adam.math import (APPLY, N_SCALARS, N_SEEDS, SEED_BASE, adam_cost,
-                                       adam_math, load_param, store)
+                                       adam_math, check_companion, load_param, store)
 from fuseopt.kernels.adam.triton_grid import (bisect, clamped, group_leaf, leaf_rows,
                                               program_starts)
 
@@ -212,12 +212,8 @@ def _update_blockwise(fmt, scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype,
   rows = _rows_a_program(config)
   apply = p is not None
   tracked = lo is not None
-  if tracked and not apply:
-    raise ValueError("lo (a companion of p) needs p; got p=None")
-  if tracked and lo.shape != p.shape:
-    raise ValueError(f"lo has shape {lo.shape}, p {p.shape}: a companion is p's shape")
-  if tracked and lo.dtype not in mantissa.COMPANION_DTYPES:
-    raise TypeError(f"lo must be int16 or int8 (a companion), got {lo.dtype}")
+  if tracked:
+    check_companion(p, lo, name="lo")
   arrays = fmt.operands(p, g, mu, nu, lo)
   specs = fmt.specs(rows, apply, tracked=tracked)
   moments = arrays[1 + apply:5 + apply]
