@@ -181,3 +181,71 @@ def test_triton_with_a_companion_is_the_reference(request, moments, companion):
   assert got[0].dtype == BF16 and got[-1].dtype == companion
   for a, b in zip(got, want):
     _same(a, b, f"{moments} moments, {jnp.dtype(companion)} companion")
+
+
+# ------------------------------------------------------ the format's codes --
+N_DRAWS, T_HOEFFDING = 2048, 0.09    # |mean - x| <= 0.09 * (level gap): 2048 draws
+
+
+def _nu_draws(v):
+  """``quantize_nu(v, bits)`` for N_DRAWS independent seeds of the nu stream."""
+  idx = jnp.arange(v.size, dtype=jnp.uint32).reshape(v.shape)
+  seeds = counter_hash.derive_seed(jnp.arange(N_DRAWS, dtype=jnp.uint32), 1, 0,
+                                   counter_hash.STREAM_NU)
+  return jax.jit(jax.vmap(lambda s: int4.quantize_nu(v, counter_hash.hash_bits(idx, s))))(seeds)
+
+
+def test_nu_codes_are_unbiased():
+  """E[dequantised nu] = the fp32 nu above the first level (rounded in nu's
+  own domain, between (k s)^2 and ((k+1) s)^2); below it, never less."""
+  v = jax.random.uniform(jax.random.key(3), (2, int4.BLOCK)) ** 3 * jnp.array([[1e-8], [3.0]])
+  codes, scale = _nu_draws(v)
+  assert bool(jnp.all(scale == scale[0]))        # the block's max: not random
+  mean = np.asarray(jnp.mean(int4.dequantize_nu(codes, scale), axis=0), np.float64)
+  s, x = np.asarray(scale[0], np.float64), np.asarray(v, np.float64)
+  k = np.clip(np.floor(np.sqrt(x) / s), 1, int4.NU_LEVELS - 1)
+  gap = ((k + 1) * s) ** 2 - (k * s) ** 2
+  above = x >= s ** 2
+  err = np.abs(mean - x)
+  assert np.all((err <= T_HOEFFDING * gap + 1e-5 * x)[above]), (err / gap)[above].max()
+  assert np.all(mean[~above] >= x[~above])
+
+
+def test_mu_codes_are_the_nearest_level_whatever_the_bits():
+  """mu rounds to nearest: the stored value is the level nearest the fp32
+  one (within fp32 rounding of the level arithmetic), the same for any hash
+  bits, the sign kept, 0 stored only where 0 is the nearest level."""
+  x = jax.random.normal(jax.random.key(4), (4, int4.BLOCK)) * jnp.array([[1e-6], [1e-2], [1.0], [50.0]])
+  x = x * 10.0 ** jax.random.uniform(jax.random.key(5), x.shape, minval=-2.0, maxval=0.0)
+  idx = jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape)
+  got = [int4.quantize_mu(x, counter_hash.hash_bits(idx, jnp.uint32(seed))) for seed in (1, 2)]
+  np.testing.assert_array_equal(np.asarray(got[0][0]), np.asarray(got[1][0]))
+  codes, scale = got[0]
+  back = np.asarray(int4.dequantize_mu(codes, scale), np.float64)
+  xs, s = np.asarray(x, np.float64), np.asarray(scale, np.float64)
+  levels = (np.arange(int4.MU_LEVELS + 1) / int4.MU_LEVELS) ** 2        # of |x| / s
+  nearest = np.abs(np.abs(xs / s)[..., None] - levels).min(axis=-1) * s
+  assert np.all(np.abs(np.abs(back) - np.abs(xs)) <= nearest * (1 + 1e-5) + 1e-6 * s)
+  assert np.all((np.sign(back) == np.sign(xs)) | (back == 0))
+  assert np.all(np.abs(back).max(axis=-1) == s[:, 0])     # the largest value is a level
+
+
+def test_nu_never_zero_where_fp32_nu_is_positive():
+  """Blocks whose largest nu spans 1e-24 .. 1e30, each with elements 12
+  decades below it (normal fp32): every stored nu > 0 where the fp32 one is,
+  0 where it is 0 only in an all-zero block; and through the kernels, a
+  gradient of tiny values after a large one."""
+  maxima = 10.0 ** np.arange(-24, 31, 3)
+  rel = np.concatenate([[1.0, 0.0], 10.0 ** -np.linspace(0, 12, int4.BLOCK - 2)])
+  v = jnp.asarray(maxima[:, None] * rel[None, :], F32)
+  bits = counter_hash.hash_bits(jnp.arange(v.size, dtype=jnp.uint32).reshape(v.shape),
+                                jnp.uint32(5))
+  codes, scale = int4.quantize_nu(v, bits)
+  assert np.all(np.asarray(int4.dequantize_nu(codes, scale)) > 0)
+  zero, _ = int4.quantize_nu(jnp.zeros((1, int4.BLOCK), F32), bits[:1])
+  assert np.all(np.asarray(int4.dequantize_nu(zero, jnp.zeros((1, 1), F32))) == 0)
+  g = jnp.asarray(np.concatenate([[1e3], np.full(int4.ROW - 1, 1e-9)]), F32)
+  for impl in ("xla", "triton", "mosaic_tpu", "mosaic_gpu"):
+    _, _, new_nu = adam_update(None, g, int4.zeros(g.shape), int4.zeros(g.shape), count=1,
+                               implementation=impl, interpret=True)
+    assert np.all(np.asarray(int4.dequantize(new_nu, signed=False)) > 0), impl
