@@ -3,7 +3,6 @@ interpret mode: the per-leaf kernel against the reference, the grouped
 launch against one launch a leaf, a skipped step."""
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -13,40 +12,10 @@ import pytest
 from fuseopt.kernels import adam_update, adam_update_tree
 from fuseopt.kernels import counter_hash
 from fuseopt.kernels.adam import int4
+from tests.kernels import blockwise as bw
 from tests.kernels import harness
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-HYPER = dict(learning_rate=3e-3, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0,
-             weight_decay=0.1, seed=17, leaf_index=5)
-
-
-def _same(a, b, what=""):
-  """Bitwise equal (codes: bytes; scales and params: NaN-safe)."""
-  a, b = np.asarray(a), np.asarray(b)
-  assert a.dtype == b.dtype and a.shape == b.shape, what
-  if a.dtype.itemsize == 1:
-    np.testing.assert_array_equal(a, b, err_msg=what)
-  else:
-    harness.assert_bitwise_equal(a, b, what)
-
-
-def _moments(key, shape):
-  """4-bit moments of random fp32 ones (values over a few decades, so codes
-  sit on many levels), quantised once with the format's own functions."""
-  k = jax.random.split(key, 2)
-  bits = counter_hash.hash_bits(jnp.arange(math.prod(shape), dtype=jnp.uint32).reshape(shape),
-                                jnp.uint32(7))
-  mu32 = 0.1 * jax.random.normal(k[0], shape)
-  nu32 = 0.01 * jax.random.uniform(k[1], shape) ** 4
-  return int4.quantize(mu32, bits, signed=True), int4.quantize(nu32, bits, signed=False)
-
-
-def _steps(impl, p, g, mu, nu, steps=2, **kw):
-  f = jax.jit(lambda p, g, mu, nu, c: adam_update(p, g, mu, nu, count=c, implementation=impl,
-                                                  interpret=True, **HYPER, **kw))
-  for c in range(1, steps + 1):
-    p, mu, nu = f(p, g * c, mu, nu, c)
-  return p, mu, nu
 
 
 CASES = [  # shape, p dtype (None: direction only), g dtype, nesterov
@@ -70,11 +39,11 @@ def test_triton_matches_reference(request, shape, p_dtype, g_dtype, nesterov):
   k = jax.random.split(harness.fresh_key(request), 3)
   p = jax.random.normal(k[0], shape).astype(p_dtype) if p_dtype else None
   g = jax.random.normal(k[1], shape).astype(g_dtype)
-  mu, nu = _moments(k[2], shape)
-  got = _steps("triton", p, g, mu, nu, nesterov=nesterov)
-  want = _steps("xla", p, g, mu, nu, nesterov=nesterov)
+  mu, nu = bw.moments(k[2], shape, "int4")
+  got = bw.steps("triton", p, g, mu, nu, nesterov=nesterov)
+  want = bw.steps("xla", p, g, mu, nu, nesterov=nesterov)
   for a, b in zip(jax.tree.leaves(got[1:]), jax.tree.leaves(want[1:])):
-    _same(a, b, f"moments {shape}")
+    bw.same(a, b, f"moments {shape}")
   a, b = np.asarray(got[0], np.float32), np.asarray(want[0], np.float32)
   if got[0].dtype == BF16:
     # one bf16 ulp where an fp32 ulp moved the stochastic rounding's threshold
@@ -99,7 +68,7 @@ def test_grouped_launch_matches_one_launch_a_leaf():
   ps = [jax.random.normal(jax.random.fold_in(k[0], i), s).astype(BF16 if i == 2 else F32)
         for i, s in enumerate(shapes)]
   gs = [jax.random.normal(jax.random.fold_in(k[1], i), s) for i, s in enumerate(shapes)]
-  mus, nus = zip(*[_moments(jax.random.fold_in(k[2], i), s) for i, s in enumerate(shapes)])
+  mus, nus = zip(*[bw.moments(jax.random.fold_in(k[2], i), s, "int4") for i, s in enumerate(shapes)])
   small = TritonGroupConfig(512, 4, 2)
 
   def run(**kw):
@@ -123,7 +92,7 @@ def test_grouped_launch_matches_one_launch_a_leaf():
   for kw in (dict(group=True), dict(config=small)):
     got = run(**kw)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-      _same(a, b, str(kw))
+      bw.same(a, b, str(kw))
 
 
 def test_a_skipped_step_keeps_codes_and_scales():
@@ -134,16 +103,16 @@ def test_a_skipped_step_keeps_codes_and_scales():
   k = jax.random.split(jax.random.key(5), 3)
   p = jax.random.normal(k[0], shape)
   g = jax.random.normal(k[1], shape)
-  mu, nu = _moments(k[2], shape)
+  mu, nu = bw.moments(k[2], shape, "int4")
   skip = jnp.asarray(False)
   one = adam_update(p, g, mu, nu, count=2, implementation="triton", interpret=True, apply=skip,
-                    **HYPER)
-  hp = {k_: v for k_, v in HYPER.items() if k_ != "leaf_index"}
+                    **bw.HYPER)
+  hp = {k_: v for k_, v in bw.HYPER.items() if k_ != "leaf_index"}
   tree = adam_update_tree([p], [g], [mu], [nu], count=2, implementation="triton",
                           interpret=True, group=True, apply=skip, **hp)
   for got in (one, tuple(t[0] for t in tree)):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves((p, mu, nu))):
-      _same(a, b, "skipped step")
+      bw.same(a, b, "skipped step")
 
 
 @pytest.mark.parametrize("moments", ["int8", "int4"])
@@ -167,7 +136,7 @@ def test_triton_with_a_companion_is_the_reference(request, moments, companion):
 
   def step(impl, p, g, mu, nu, lo, c):
     return adam_update(p, g, mu, nu, count=c, implementation=impl, interpret=True,
-                       params_lo=lo, **HYPER)
+                       params_lo=lo, **bw.HYPER)
 
   assert _kernel_names(lambda: step("triton", hi, g, mu, nu, lo, 1)) == [
       f"fuseopt_adam_update_{moments}"]
@@ -180,7 +149,7 @@ def test_triton_with_a_companion_is_the_reference(request, moments, companion):
     res += jax.tree.leaves(state)
   assert got[0].dtype == BF16 and got[-1].dtype == companion
   for a, b in zip(got, want):
-    _same(a, b, f"{moments} moments, {jnp.dtype(companion)} companion")
+    bw.same(a, b, f"{moments} moments, {jnp.dtype(companion)} companion")
 
 
 # ------------------------------------------------------ the format's codes --

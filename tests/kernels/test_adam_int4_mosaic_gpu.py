@@ -3,8 +3,6 @@
 step, and its lowering for an H200; the blockwise kernels (4-bit and 8-bit)
 with a bf16 parameter's companion."""
 
-import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -13,64 +11,14 @@ import pytest
 
 from fuseopt import targets
 from fuseopt.kernels import adam_update
-from fuseopt.kernels import counter_hash
 from fuseopt.kernels import mantissa
 from fuseopt.kernels.adam import int4
 from fuseopt.kernels.adam import quantized
+from tests.kernels import blockwise as bw
 from tests.kernels import harness
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 MGPU = "mosaic_gpu"
-HYPER = dict(learning_rate=3e-3, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0,
-             weight_decay=0.1, seed=17, leaf_index=5)
-
-
-def _same(a, b, what=""):
-  """Bitwise equal (code bytes; fp32 scales and params NaN-safe)."""
-  a, b = np.asarray(a), np.asarray(b)
-  assert a.dtype == b.dtype and a.shape == b.shape, what
-  if a.dtype.itemsize == 1:
-    np.testing.assert_array_equal(a, b, err_msg=what)
-  else:
-    harness.assert_bitwise_equal(a, b, what)
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _moments(key, shape):
-  """4-bit moments of random fp32 ones (mu of both signs over a decade or
-  two, nu spread over several decades), quantised once (one program, not
-  op by op)."""
-  k = jax.random.split(key, 2)
-  bits = counter_hash.hash_bits(
-      jnp.arange(math.prod(shape), dtype=jnp.uint32).reshape(shape), jnp.uint32(7))
-  mu32 = 0.1 * jax.random.normal(k[0], shape)
-  nu32 = 0.01 * jax.random.uniform(k[1], shape) ** 4
-  return int4.quantize(mu32, bits, signed=True), int4.quantize(nu32, bits, signed=False)
-
-
-def _steps(impl, p, g, mu, nu, steps=2, **kw):
-  f = jax.jit(lambda p, g, mu, nu, c: adam_update(p, g, mu, nu, count=c, implementation=impl,
-                                                  interpret=True, **HYPER, **kw))
-  for c in range(1, steps + 1):
-    p, mu, nu = f(p, g * c, mu, nu, c)
-  return p, mu, nu
-
-
-def _inputs(request, shape, p_dtype=F32, g_dtype=F32):
-  k = jax.random.split(harness.fresh_key(request), 3)
-  p = jax.random.normal(k[0], shape).astype(p_dtype) if p_dtype else None
-  g = jax.random.normal(k[1], shape).astype(g_dtype)
-  return (p, g) + _moments(k[2], shape)
-
-
-def _params_close(got, want, what):
-  """The tolerance of test_adam_int8.test_kernel_matches_reference."""
-  a, b = np.asarray(got, np.float32), np.asarray(want, np.float32)
-  if got.dtype == BF16:
-    # one bf16 ulp where an fp32 ulp moved the stochastic rounding's threshold
-    assert np.all(np.abs(a - b) <= np.abs(b) * 2.0 ** -7), what
-  else:
-    harness.assert_close(a, b, rtol=1e-6, atol=1e-7 * float(np.abs(b).max()), what=what)
 
 
 CASES = [  # shape, p dtype (None: direction only), g dtype, nesterov
@@ -91,12 +39,12 @@ def test_kernel_matches_reference(request, shape, p_dtype, g_dtype, nesterov):
   division chain may differ by. Needs FMA off: in interpret mode XLA:CPU
   contracts the kernel body's unfenced ``b1 * mu + (1 - b1) * g`` into an
   FMA, which moves a block's absmax (its scale) by an ulp."""
-  p, g, mu, nu = _inputs(request, shape, p_dtype, g_dtype)
-  got = _steps(MGPU, p, g, mu, nu, nesterov=nesterov)
-  want = _steps("xla", p, g, mu, nu, nesterov=nesterov)
+  p, g, mu, nu = bw.inputs(request, shape, "int4", p_dtype, g_dtype)
+  got = bw.steps(MGPU, p, g, mu, nu, nesterov=nesterov)
+  want = bw.steps("xla", p, g, mu, nu, nesterov=nesterov)
   for a, b in zip(jax.tree.leaves(got[1:]), jax.tree.leaves(want[1:])):
-    _same(a, b, f"moments {shape}")
-  _params_close(got[0], want[0], f"params {shape}")
+    bw.same(a, b, f"moments {shape}")
+  bw.params_close(got[0], want[0], f"params {shape}")
 
 
 def test_runs_its_kernel_close_to_reference_with_fma(request, caplog):
@@ -105,15 +53,15 @@ def test_runs_its_kernel_close_to_reference_with_fma(request, caplog):
   ulps (a contracted product in the moment update), the dequantised moments
   within one level of the codes where a moved scale tipped a rounding."""
   shape = (8, 512)
-  p, g, mu, nu = _inputs(request, shape)
+  p, g, mu, nu = bw.inputs(request, shape, "int4")
   fn = lambda p, g, mu, nu: adam_update(p, g, mu, nu, count=1, implementation=MGPU,
-                                        interpret=True, **HYPER)
+                                        interpret=True, **bw.HYPER)
   assert "fuseopt_adam_update_int4" in str(jax.make_jaxpr(fn)(p, g, mu, nu))
   with caplog.at_level("DEBUG", logger="fuseopt"):
-    got = _steps(MGPU, p, g, mu, nu)
+    got = bw.steps(MGPU, p, g, mu, nu)
   assert "reference" not in caplog.text
-  want = _steps("xla", p, g, mu, nu)
-  _params_close(got[0], want[0], "params")
+  want = bw.steps("xla", p, g, mu, nu)
+  bw.params_close(got[0], want[0], "params")
   for m, w, signed in ((got[1], want[1], True), (got[2], want[2], False)):
     s, t = np.asarray(m.scales), np.asarray(w.scales)
     np.testing.assert_allclose(s, t, rtol=2.0 ** -20, atol=0)
@@ -145,7 +93,7 @@ def test_companion_matches_reference(request, caplog, moments, companion):
 
   def steps(impl):
     f = jax.jit(lambda p, g, mu, nu, lo, c: adam_update(
-        p, g, mu, nu, count=c, implementation=impl, interpret=True, params_lo=lo, **HYPER))
+        p, g, mu, nu, count=c, implementation=impl, interpret=True, params_lo=lo, **bw.HYPER))
     state = (hi, mu, nu, lo)
     for c in (1, 2):
       state = f(state[0], g * c, state[1], state[2], state[3], c)
@@ -158,7 +106,7 @@ def test_companion_matches_reference(request, caplog, moments, companion):
   assert got[3].dtype == companion
   for a, b, what in zip(jax.tree.leaves(got), jax.tree.leaves(want),
                         ("p", "mu codes", "mu scales", "nu codes", "nu scales", "lo")):
-    _same(a, b, f"{moments} moments, {jnp.dtype(companion)} companion: {what}")
+    bw.same(a, b, f"{moments} moments, {jnp.dtype(companion)} companion: {what}")
 
 
 def test_every_config_same_bits(request):
@@ -166,22 +114,22 @@ def test_every_config_same_bits(request):
   and params (10 rows: a ragged last program from block 1024 up, one
   program holding only the rest at 4096)."""
   from fuseopt.kernels.adam import mosaic_gpu
-  p, g, mu, nu = _inputs(request, (5, 512))
-  outs = [_steps(MGPU, p, g, mu, nu, config=cfg) for cfg in mosaic_gpu.SEARCH_SPACE]
+  p, g, mu, nu = bw.inputs(request, (5, 512), "int4")
+  outs = [bw.steps(MGPU, p, g, mu, nu, config=cfg) for cfg in mosaic_gpu.SEARCH_SPACE]
   for cfg, out in zip(mosaic_gpu.SEARCH_SPACE[1:], outs[1:]):
     for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(outs[0])):
-      _same(a, b, str(cfg))
+      bw.same(a, b, str(cfg))
 
 
 def test_a_skipped_step_keeps_codes_and_scales(request):
   """``apply=False``: the parameter, the code bytes and the scales come back
   bit for bit (requantising the stored moments would move a scale by an ulp
   and redraw codes)."""
-  p, g, mu, nu = _inputs(request, (3, 512))
+  p, g, mu, nu = bw.inputs(request, (3, 512), "int4")
   got = adam_update(p, g, mu, nu, count=2, implementation=MGPU, interpret=True,
-                    apply=jnp.asarray(False), **HYPER)
+                    apply=jnp.asarray(False), **bw.HYPER)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves((p, mu, nu))):
-    _same(a, b, "skipped")
+    bw.same(a, b, "skipped")
 
 
 @pytest.mark.skipif(targets.missing("h200") is not None, reason="the CUDA plugin is not installed")

@@ -4,7 +4,6 @@ both scale layouts, a leaf blocked over its trailing axes, the direction
 only, bf16 params, two steps each; and a bf16 leaf with a companion (8-bit
 and 4-bit moments) against the reference bit for bit."""
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -12,60 +11,13 @@ import numpy as np
 import pytest
 
 from fuseopt.kernels import adam_update
-from fuseopt.kernels import counter_hash
 from fuseopt.kernels.adam import int4
 from fuseopt.kernels.adam import mosaic_tpu
 from fuseopt.kernels.elementwise_tiling import MosaicTPUConfig
+from tests.kernels import blockwise as bw
 from tests.kernels import harness
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-HYPER = dict(learning_rate=3e-3, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0,
-             weight_decay=0.1, seed=17, leaf_index=5)
-
-
-def _moments(key, shape):
-  """4-bit moments of random fp32 ones (a spread of magnitudes in each block)."""
-  k = jax.random.split(key, 2)
-  bits = counter_hash.hash_bits(jnp.arange(math.prod(shape), dtype=jnp.uint32).reshape(shape),
-                                jnp.uint32(7))
-  mu = int4.quantize(0.1 * jax.random.normal(k[0], shape), bits, signed=True)
-  nu = int4.quantize(0.01 * jax.random.uniform(k[1], shape) ** 4, bits, signed=False)
-  return mu, nu
-
-
-def _steps(impl, p, g, mu, nu, steps=2, **kw):
-  f = jax.jit(lambda p, g, mu, nu, c: adam_update(p, g, mu, nu, count=c, implementation=impl,
-                                                  interpret=True, **HYPER, **kw))
-  for c in range(1, steps + 1):
-    p, mu, nu = f(p, g * c, mu, nu, c)
-  return p, mu, nu
-
-
-def _inputs(request, shape, p_dtype, g_dtype):
-  k = jax.random.split(harness.fresh_key(request), 3)
-  p = jax.random.normal(k[0], shape).astype(p_dtype) if p_dtype else None
-  g = jax.random.normal(k[1], shape).astype(g_dtype)
-  return (p, g) + _moments(k[2], shape)
-
-
-def _same(a, b, what):
-  """Bitwise equal: codes (uint8) and scales or params (NaN-safe)."""
-  assert a.dtype == b.dtype and a.shape == b.shape, what
-  if a.dtype.itemsize == 1:
-    np.testing.assert_array_equal(a, b, err_msg=what)
-  else:
-    harness.assert_bitwise_equal(a, b, what)
-
-
-def _check_params(got, want):
-  """The parameter (or direction) within the few fp32 ulps two programs of
-  Adam's division chain may differ by (one bf16 ulp for bf16 params: an fp32
-  ulp can move the stochastic rounding's threshold)."""
-  a, b = np.asarray(got, np.float32), np.asarray(want, np.float32)
-  if got.dtype == BF16:
-    assert np.all(np.abs(a - b) <= np.abs(b) * 2.0 ** -7)
-  else:
-    harness.assert_close(a, b, rtol=1e-6, atol=1e-7 * float(np.abs(b).max()), what="params")
 
 
 CASES = [  # shape, p dtype (None: direction only), g dtype, nesterov, block_rows, transposed
@@ -88,14 +40,14 @@ def test_mosaic_tpu_4bit_matches_reference(request, shape, p_dtype, g_dtype, nes
   view = mosaic_tpu.quantized_view(shape)
   assert mosaic_tpu.int4_leaf_reason(jnp.zeros(shape), cfg or mosaic_tpu.heuristic(0), None) is None
   assert mosaic_tpu.quantized_tiling(view, cfg or mosaic_tpu.heuristic(0))[1] is transposed
-  p, g, mu, nu = _inputs(request, shape, p_dtype, g_dtype)
-  got = _steps("mosaic_tpu", p, g, mu, nu, nesterov=nesterov, config=cfg)
-  want = _steps("xla", p, g, mu, nu, nesterov=nesterov)
+  p, g, mu, nu = bw.inputs(request, shape, "int4", p_dtype, g_dtype)
+  got = bw.steps("mosaic_tpu", p, g, mu, nu, nesterov=nesterov, config=cfg)
+  want = bw.steps("xla", p, g, mu, nu, nesterov=nesterov)
   for a, b, like in zip(jax.tree.leaves(got[1:]), jax.tree.leaves(want[1:]),
                         jax.tree.leaves((mu, nu))):
     assert a.shape == like.shape and a.dtype == like.dtype
-    _same(a, b, f"moments {shape}")
-  _check_params(got[0], want[0])
+    bw.same(a, b, f"moments {shape}")
+  bw.params_close(got[0], want[0])
 
 
 def test_mosaic_tpu_4bit_runs_its_kernel(request, caplog):
@@ -104,15 +56,15 @@ def test_mosaic_tpu_4bit_runs_its_kernel(request, caplog):
   kernel's products may be contracted into FMAs in interpret mode, the
   reference's never: scales a few ulps apart, a rare code one level apart)."""
   shape = (16, 32, 64)
-  p, g, mu, nu = _inputs(request, shape, F32, F32)
+  p, g, mu, nu = bw.inputs(request, shape, "int4", F32, F32)
   fn = lambda p, g, mu, nu: adam_update(p, g, mu, nu, count=1, implementation="mosaic_tpu",
-                                        interpret=True, **HYPER)
+                                        interpret=True, **bw.HYPER)
   assert "fuseopt_adam_update_int4" in str(jax.make_jaxpr(fn)(p, g, mu, nu))
   with caplog.at_level("DEBUG", logger="fuseopt"):
-    got = _steps("mosaic_tpu", p, g, mu, nu)
+    got = bw.steps("mosaic_tpu", p, g, mu, nu)
   assert "reference" not in caplog.text
-  want = _steps("xla", p, g, mu, nu)
-  _check_params(got[0], want[0])
+  want = bw.steps("xla", p, g, mu, nu)
+  bw.params_close(got[0], want[0])
   for a, b, signed in ((got[1], want[1], True), (got[2], want[2], False)):
     np.testing.assert_allclose(a.scales, b.scales, rtol=4 * 2.0 ** -23)
     assert np.mean(np.asarray(a.codes) != np.asarray(b.codes)) <= 1e-3
@@ -123,11 +75,11 @@ def test_mosaic_tpu_4bit_runs_its_kernel(request, caplog):
 def test_mosaic_tpu_4bit_skipped_step_keeps_codes_and_scales(request):
   """``apply=False`` (a skipped step): the parameter, the packed codes and the
   scales come back bit for bit (the stored state selected, not requantised)."""
-  p, g, mu, nu = _inputs(request, (4, 512), F32, F32)
+  p, g, mu, nu = bw.inputs(request, (4, 512), "int4", F32, F32)
   got = adam_update(p, g, mu, nu, count=2, implementation="mosaic_tpu", interpret=True,
-                    apply=jnp.asarray(False), **HYPER)
+                    apply=jnp.asarray(False), **bw.HYPER)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves((p, mu, nu))):
-    _same(a, b, "skipped step")
+    bw.same(a, b, "skipped step")
 
 
 @pytest.mark.parametrize("moments", ["int8", "int4"])
@@ -152,7 +104,7 @@ def test_mosaic_tpu_with_a_companion_is_the_reference(request, moments, companio
 
   def step(impl, p, g, mu, nu, lo, c):
     return adam_update(p, g, mu, nu, count=c, implementation=impl, interpret=True,
-                       params_lo=lo, **HYPER)
+                       params_lo=lo, **bw.HYPER)
 
   jaxpr = str(jax.make_jaxpr(lambda: step("mosaic_tpu", hi, g, mu, nu, lo, 1))())
   assert re.findall(r"name=(fuseopt_\w+)", jaxpr) == [f"fuseopt_adam_update_{moments}"]
@@ -165,4 +117,4 @@ def test_mosaic_tpu_with_a_companion_is_the_reference(request, moments, companio
     res += jax.tree.leaves(state)
   assert got[0].dtype == BF16 and got[-1].dtype == companion
   for a, b in zip(got, want):
-    _same(a, b, f"{moments} moments, {jnp.dtype(companion)} companion")
+    bw.same(a, b, f"{moments} moments, {jnp.dtype(companion)} companion")

@@ -12,43 +12,10 @@ import pytest
 from fuseopt.kernels import adam_update, adam_update_reference, adam_update_tree
 from fuseopt.kernels import counter_hash
 from fuseopt.kernels.adam import quantized as Q
+from tests.kernels import blockwise as bw
 from tests.kernels import harness
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-HYPER = dict(learning_rate=3e-3, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0,
-             weight_decay=0.1, seed=17, leaf_index=5)
-
-
-def _same(a, b, what=""):
-  """Bitwise equal (codes: integers; scales: fp32, NaN-safe)."""
-  a, b = np.asarray(a), np.asarray(b)
-  assert a.dtype == b.dtype and a.shape == b.shape, what
-  if a.dtype.itemsize == 1:
-    np.testing.assert_array_equal(a, b, err_msg=what)
-  else:
-    harness.assert_bitwise_equal(a, b, what)
-
-
-def _moments(key, shape):
-  """8-bit moments of random fp32 ones, quantised once with the reference."""
-  k = jax.random.split(key, 2)
-  blocks = Q.scales_shape(shape) + (Q.BLOCK,)
-  mu32 = (0.1 * jax.random.normal(k[0], shape)).reshape(blocks)
-  nu32 = (0.01 * jax.random.uniform(k[1], shape) ** 4).reshape(blocks)
-  bits = counter_hash.hash_bits(jnp.arange(math.prod(shape), dtype=jnp.uint32).reshape(blocks),
-                                jnp.uint32(7))
-  mc, ms = Q.quantize_mu(mu32, bits)
-  vc, vs = Q.quantize_nu(nu32, bits)
-  return (Q.QuantizedMoment(mc.reshape(shape), ms[..., 0]),
-          Q.QuantizedMoment(vc.reshape(shape), vs[..., 0]))
-
-
-def _steps(impl, p, g, mu, nu, steps=2, **kw):
-  f = jax.jit(lambda p, g, mu, nu, c: adam_update(p, g, mu, nu, count=c, implementation=impl,
-                                                  interpret=True, **HYPER, **kw))
-  for c in range(1, steps + 1):
-    p, mu, nu = f(p, g * c, mu, nu, c)
-  return p, mu, nu
 
 
 CASES = [  # shape, p dtype (None: direction only), g dtype, nesterov
@@ -72,11 +39,11 @@ def test_kernel_matches_reference(request, impl, shape, p_dtype, g_dtype, nester
   k = jax.random.split(harness.fresh_key(request), 3)
   p = jax.random.normal(k[0], shape).astype(p_dtype) if p_dtype else None
   g = jax.random.normal(k[1], shape).astype(g_dtype)
-  mu, nu = _moments(k[2], shape)
-  got = _steps(impl, p, g, mu, nu, nesterov=nesterov)
-  want = _steps("xla", p, g, mu, nu, nesterov=nesterov)
+  mu, nu = bw.moments(k[2], shape, "int8")
+  got = bw.steps(impl, p, g, mu, nu, nesterov=nesterov)
+  want = bw.steps("xla", p, g, mu, nu, nesterov=nesterov)
   for a, b in zip(jax.tree.leaves(got[1:]), jax.tree.leaves(want[1:])):
-    _same(a, b, f"moments {shape}")
+    bw.same(a, b, f"moments {shape}")
   a, b = np.asarray(got[0], np.float32), np.asarray(want[0], np.float32)
   if got[0].dtype == BF16:
     # one bf16 ulp where an fp32 ulp moved the stochastic rounding's threshold
@@ -92,14 +59,14 @@ def test_tree_mixes_8bit_and_bf16_leaves_like_single_calls():
   gs = [jax.random.normal(jax.random.fold_in(k[1], i), s) for i, s in enumerate(shapes)]
   mus = [Q.zeros(s, signed=True) if Q.fits(s) else jnp.zeros(s, BF16) for s in shapes]
   nus = [Q.zeros(s, signed=False) if Q.fits(s) else jnp.zeros(s, BF16) for s in shapes]
-  hp = {k_: v for k_, v in HYPER.items() if k_ != "leaf_index"}
+  hp = {k_: v for k_, v in bw.HYPER.items() if k_ != "leaf_index"}
   for impl in ("xla", *KERNELS):
     tree = adam_update_tree(ps, gs, mus, nus, count=1, implementation=impl, interpret=True, **hp)
     for i in range(3):
       one = adam_update(ps[i], gs[i], mus[i], nus[i], count=1, implementation=impl,
                         interpret=True, leaf_index=i, **hp)
       for a, b in zip(jax.tree.leaves([o[i] for o in tree]), jax.tree.leaves(one)):
-        _same(a, b, f"{impl} leaf {i}")
+        bw.same(a, b, f"{impl} leaf {i}")
 
 
 def _ulps(a, b):
@@ -153,14 +120,14 @@ def test_grouped_8bit_launch_matches_one_launch_a_leaf():
   for kw in (dict(group=True), dict(config=TritonGroupConfig(512, 4, 2))):
     got = run(**kw)
     for i in range(len(shapes)):
-      _same(got[0][i], want[0][i], f"{kw} param {i}")
+      bw.same(got[0][i], want[0][i], f"{kw} param {i}")
       for j in (1, 2):
         a, b = got[j][i], want[j][i]
         if Q.is_quantized(a):
-          _same(a.codes, b.codes, f"{kw} codes {i}")
+          bw.same(a.codes, b.codes, f"{kw} codes {i}")
           assert _ulps(a.scales, b.scales).max() <= 1, f"{kw} scales {i}"
         else:
-          _same(a, b, f"{kw} bf16 moment {i}")
+          bw.same(a, b, f"{kw} bf16 moment {i}")
 
 
 # Hoeffding: the mean of N draws of a variable in an interval of width w is
@@ -230,8 +197,8 @@ def test_nonfinite_gradient_poisons_its_block_only(impl):
   p = jax.random.normal(k[0], shape)
   g = jax.random.normal(k[1], shape)
   mu, nu = Q.zeros(shape, signed=True), Q.zeros(shape, signed=False)
-  clean = _steps(impl, p, g, mu, nu, steps=1)
-  bad = _steps(impl, p, g.at[0, 3].set(jnp.nan).at[1, 300].set(jnp.inf), mu, nu, steps=1)
+  clean = bw.steps(impl, p, g, mu, nu, n=1)
+  bad = bw.steps(impl, p, g.at[0, 3].set(jnp.nan).at[1, 300].set(jnp.inf), mu, nu, n=1)
   pb = np.asarray(bad[0])
   assert np.isnan(pb[0, 3]) and np.isnan(pb[1, 300])
   others = np.ones(shape, bool)
@@ -257,11 +224,11 @@ def test_a_skipped_step_keeps_codes_and_scales(impl):
   k = jax.random.split(jax.random.key(5), 3)
   p = jax.random.normal(k[0], shape)
   g = jax.random.normal(k[1], shape)
-  mu, nu = _moments(k[2], shape)
+  mu, nu = bw.moments(k[2], shape, "int8")
   got = adam_update(p, g, mu, nu, count=2, implementation=impl, interpret=True,
-                    apply=jnp.asarray(False), **HYPER)
+                    apply=jnp.asarray(False), **bw.HYPER)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves((p, mu, nu))):
-    _same(a, b, impl)
+    bw.same(a, b, impl)
 
 
 def test_reference_is_the_specification():
@@ -271,7 +238,7 @@ def test_reference_is_the_specification():
   a = adam_update_reference(None, g, mu, nu, count=1)
   b = adam_update(None, g, mu, nu, count=1, implementation="xla")
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    _same(x, y)
+    bw.same(x, y)
   # all-equal gradients: every code at the block's maximum, the scale exact
   assert np.all(np.asarray(a[1].codes) == 127) and np.all(np.asarray(a[2].codes) == 255)
 
@@ -360,7 +327,7 @@ def test_mosaic_gpu_runs_its_8bit_kernel(caplog):
   assert "fuseopt_adam_update_int8" in str(jax.make_jaxpr(fn)(g, mu, nu))
   want = adam_update_reference(None, g, mu, nu, count=1)
   for a, b in zip(jax.tree.leaves(got[1:]), jax.tree.leaves(want[1:])):
-    _same(a, b)
+    bw.same(a, b)
 
 
 def test_mosaic_gpu_8bit_every_config_same_bits(request):
@@ -370,11 +337,11 @@ def test_mosaic_gpu_8bit_every_config_same_bits(request):
   shape = (37, 512)
   k = jax.random.split(harness.fresh_key(request), 3)
   p, g = jax.random.normal(k[0], shape), jax.random.normal(k[1], shape)
-  mu, nu = _moments(k[2], shape)
-  outs = [_steps("mosaic_gpu", p, g, mu, nu, config=cfg) for cfg in mosaic_gpu.SEARCH_SPACE]
+  mu, nu = bw.moments(k[2], shape, "int8")
+  outs = [bw.steps("mosaic_gpu", p, g, mu, nu, config=cfg) for cfg in mosaic_gpu.SEARCH_SPACE]
   for cfg, out in zip(mosaic_gpu.SEARCH_SPACE[1:], outs[1:]):
     for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(outs[0])):
-      _same(a, b, str(cfg))
+      bw.same(a, b, str(cfg))
 
 
 @pytest.mark.skipif(__import__("fuseopt.targets", fromlist=["missing"]).missing("h200") is not None,
@@ -415,9 +382,9 @@ def test_mosaic_tpu_8bit_both_scale_layouts_match_reference(request, shape, conf
   assert mosaic_tpu.quantized_tiling(view, cfg or mosaic_tpu.heuristic(math.prod(shape)))[1] is transposed
   k = jax.random.split(harness.fresh_key(request), 3)
   p, g = jax.random.normal(k[0], shape), jax.random.normal(k[1], shape)
-  mu, nu = _moments(k[2], shape)
-  got = _steps("mosaic_tpu", p, g, mu, nu, config=cfg)
-  want = _steps("xla", p, g, mu, nu)
+  mu, nu = bw.moments(k[2], shape, "int8")
+  got = bw.steps("mosaic_tpu", p, g, mu, nu, config=cfg)
+  want = bw.steps("xla", p, g, mu, nu)
   assert got[1].scales.shape == want[1].scales.shape == mu.scales.shape
   for a, b in zip(jax.tree.leaves(got[1:]), jax.tree.leaves(want[1:])):
-    _same(a, b, f"moments {shape}")
+    bw.same(a, b, f"moments {shape}")

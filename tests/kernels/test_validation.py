@@ -6,14 +6,12 @@ Mosaic kernels, Newton-Schulz normalisation without overflow, scalar checks,
 the Adam direction's rounding seed, derivatives.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fuseopt.kernels import adam as A
 from fuseopt.kernels import adam_update, newton_schulz, newton_schulz_reference
 from fuseopt.kernels import stochastic_round as sr
 from fuseopt.kernels import stochastic_round_bf16
