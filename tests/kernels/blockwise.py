@@ -71,3 +71,15 @@ def params_close(got, want, what="params"):
     assert np.all(np.abs(a - b) <= np.abs(b) * 2.0 ** -7), what
   else:
     harness.assert_close(a, b, rtol=1e-6, atol=1e-7 * float(np.abs(b).max()), what=what)
+
+
+def wide_nu(block: int):
+  """Blocks of ``block`` second moments whose largest spans 1e-24 .. 1e30,
+  each with a 0 and elements down to 12 decades below it (all normal fp32:
+  XLA and the GPUs flush subnormals to zero), and hash bits to round them."""
+  maxima = 10.0 ** np.arange(-24, 31, 3)
+  rel = np.concatenate([[1.0, 0.0], 10.0 ** -np.linspace(0, 12, block - 2)])
+  v = jnp.asarray(maxima[:, None] * rel[None, :], F32)
+  bits = counter_hash.hash_bits(jnp.arange(v.size, dtype=jnp.uint32).reshape(v.shape),
+                                jnp.uint32(5))
+  return v, bits

@@ -204,11 +204,7 @@ def test_nu_never_zero_where_fp32_nu_is_positive():
   decades below it (normal fp32): every stored nu > 0 where the fp32 one is,
   0 where it is 0 only in an all-zero block; and through the kernels, a
   gradient of tiny values after a large one."""
-  maxima = 10.0 ** np.arange(-24, 31, 3)
-  rel = np.concatenate([[1.0, 0.0], 10.0 ** -np.linspace(0, 12, int4.BLOCK - 2)])
-  v = jnp.asarray(maxima[:, None] * rel[None, :], F32)
-  bits = counter_hash.hash_bits(jnp.arange(v.size, dtype=jnp.uint32).reshape(v.shape),
-                                jnp.uint32(5))
+  v, bits = bw.wide_nu(int4.BLOCK)
   codes, scale = int4.quantize_nu(v, bits)
   assert np.all(np.asarray(int4.dequantize_nu(codes, scale)) > 0)
   zero, _ = int4.quantize_nu(jnp.zeros((1, int4.BLOCK), F32), bits[:1])

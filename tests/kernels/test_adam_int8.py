@@ -173,11 +173,7 @@ def test_nu_never_zero_where_fp32_nu_is_positive():
   """Blocks whose largest nu spans 1e-24 .. 1e30, each with elements 12
   decades below it (all normal fp32: XLA and the GPUs flush subnormals to
   zero): every stored nu > 0 where the fp32 one is (and 0 where it is 0)."""
-  maxima = 10.0 ** np.arange(-24, 31, 3)
-  rel = np.concatenate([[1.0, 0.0], 10.0 ** -np.linspace(0, 12, Q.BLOCK - 2)])
-  v = jnp.asarray(maxima[:, None] * rel[None, :], F32)
-  bits = counter_hash.hash_bits(jnp.arange(v.size, dtype=jnp.uint32).reshape(v.shape),
-                                jnp.uint32(5))
+  v, bits = bw.wide_nu(Q.BLOCK)
   codes, scale = Q.quantize_nu(v, bits)
   back = np.asarray(Q.dequantize_nu(codes, scale))
   assert np.all((back > 0) == (np.asarray(v) > 0))
