@@ -205,9 +205,23 @@ SUBLANES = 16
 # tile; bf16 then fills half its packed vreg tiles).
 ROW_MULTIPLES = (SUBLANES, 8)
 # Double-buffered pipeline blocks of all a kernel's operands must fit the
-# scoped VMEM limit with room for Mosaic's own scratch: 16 MiB is v5e's
-# default scoped limit (v6e: 32 MiB), 12 MiB of it for the blocks.
-MOSAIC_VMEM_BYTES = 12 * 2**20
+# scoped VMEM limit with room for Mosaic's own scratch. The kernels raise the
+# limit to what their blocks take (:func:`mosaic_vmem_limit`): a grid step
+# has a fixed cost, so a streaming kernel needs blocks of megabytes to run
+# near the HBM bandwidth (docs/kernels.md, "TPU block sizes"). 32 MiB of
+# blocks leaves room on every TPU the compile tier targets (v5e and v6e: 128
+# MiB of VMEM a core; v5p: 95 MiB).
+MOSAIC_VMEM_BYTES = 32 * 2**20
+# Mosaic's internal scratch and the kernel's temporaries beside the blocks.
+MOSAIC_VMEM_HEADROOM = 8 * 2**20
+# The default scoped VMEM limit of v5e (v6e: 32 MiB); never asked below it.
+MOSAIC_VMEM_DEFAULT = 16 * 2**20
+
+
+def mosaic_vmem_limit(block_bytes: int) -> int:
+  """The scoped VMEM limit a kernel whose double-buffered blocks take
+  ``block_bytes`` asks for."""
+  return max(MOSAIC_VMEM_DEFAULT, block_bytes + MOSAIC_VMEM_HEADROOM)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,6 +243,12 @@ class MosaicTiling:
 
   def spec(self) -> pl.BlockSpec:
     return pl.BlockSpec(self.block, lambda *ids: ids)
+
+  def vmem_bytes(self, stream_bytes: int) -> int:
+    """VMEM of the double-buffered blocks of operands and results taking
+    ``stream_bytes`` bytes an element together, rows padded to the 8 of an
+    fp32 tile and columns to the 128 lanes."""
+    return block_vmem_bytes(self.block, stream_bytes)
 
   @property
   def semantics(self) -> tuple[str, ...]:
@@ -255,6 +275,12 @@ class MosaicTiling:
 
 def _round_up(n: int, m: int) -> int:
   return -(-n // m) * m
+
+
+def block_vmem_bytes(block, stream_bytes: int) -> int:
+  """VMEM of a grid step's blocks (``None`` dims squeezed), double-buffered."""
+  return 2 * stream_bytes * math.prod(
+      _round_up(b or 1, m) for b, m in zip(block, (1,) * (len(block) - 2) + (8, LANES)))
 
 
 def _divisor(extent: int, most: int, multiple: int) -> int | None:
@@ -304,11 +330,8 @@ def mosaic_tiling(shape, config: MosaicTPUConfig, *, stream_bytes: int,
   # (a budget past VMEM shrinks to it: only a minimal block that does not fit
   # leaves the native layout)
   budget = min(config.block_elements, MOSAIC_VMEM_BYTES // (2 * stream_bytes))
-  # VMEM of a block, rows padded to the 8 of an fp32 tile (a bf16 block of
-  # 8 rows would pad to 16: the headroom under the scoped limit covers it).
-  fits = lambda block: 2 * stream_bytes * math.prod(
-      _round_up(b or 1, m) for b, m in zip(block, (1,) * (len(block) - 2) + (8, LANES))
-  ) <= MOSAIC_VMEM_BYTES
+  # (a bf16 block of 8 rows would pad to 16: the headroom covers it)
+  fits = lambda block: block_vmem_bytes(block, stream_bytes) <= MOSAIC_VMEM_BYTES
   if len(shape) >= 2 and shape[-1] >= LANES and math.prod(shape):
     *lead, r, c = (int(d) for d in shape)
     a = math.prod(lead)

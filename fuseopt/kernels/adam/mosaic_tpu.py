@@ -77,13 +77,20 @@ def _kernel(s_ref, seed_ref, *refs, tiling, nesterov, apply, index_map, tracked)
   store_outputs(out_refs, out, mu_new, nu_new, index, seed, tracked=tracked)
 
 
+def stream_bytes_of(p, g, mu, nu, out_dtype, lo=None) -> int:
+  """Bytes a kernel step reads and writes an element: the operands and the
+  results (Adam with fp32 p and g and bf16 moments: 4 + 4 + 2 + 2 in, 4 + 2
+  + 2 out)."""
+  ins = ((p, g, mu, nu) if p is not None else (g, mu, nu)) + ((lo,) if lo is not None else ())
+  return (sum(a.dtype.itemsize for a in ins)
+          + jnp.dtype(out_dtype).itemsize + mu.dtype.itemsize + nu.dtype.itemsize
+          + (lo.dtype.itemsize if lo is not None else 0))
+
+
 def tiling_of(p, g, mu, nu, out_dtype, config, lo=None) -> elementwise_tiling.MosaicTiling | None:
   """The leaf's tiling (None: no tiling covers it, the reference runs)."""
-  ins = ((p, g, mu, nu) if p is not None else (g, mu, nu)) + ((lo,) if lo is not None else ())
-  stream_bytes = (sum(a.dtype.itemsize for a in ins)
-                  + jnp.dtype(out_dtype).itemsize + mu.dtype.itemsize + nu.dtype.itemsize
-                  + (lo.dtype.itemsize if lo is not None else 0))
-  return elementwise_tiling.mosaic_tiling(g.shape, config, stream_bytes=stream_bytes)
+  return elementwise_tiling.mosaic_tiling(
+      g.shape, config, stream_bytes=stream_bytes_of(p, g, mu, nu, out_dtype, lo))
 
 
 def update(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpret,
@@ -109,7 +116,9 @@ def update(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpr
                 pl.BlockSpec(memory_space=pltpu.SMEM)] + [spec] * len(arrays),
       out_specs=(spec,) * len(out_shape),
       input_output_aliases=in_place_aliases(2, 0, apply=apply, tracked=tracked),
-      compiler_params=pallas_common.mosaic_compiler_params(interpret, tiling.semantics),
+      compiler_params=pallas_common.mosaic_compiler_params(
+          interpret, tiling.semantics, vmem_limit_bytes=elementwise_tiling.mosaic_vmem_limit(
+              tiling.vmem_bytes(stream_bytes_of(p, g, mu, nu, out_dtype, lo)))),
       interpret=interpret,
       name="fuseopt_adam_update",
       cost_estimate=adam_cost(arrays, out_shape, n=g.size),

@@ -59,7 +59,9 @@ def _round_tiled(x, scalars, *, tiling: elementwise_tiling.MosaicTiling, interpr
       grid=tiling.grid,
       in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), tiling.spec()],
       out_specs=tiling.spec(),
-      compiler_params=pallas_common.mosaic_compiler_params(interpret, tiling.semantics),
+      compiler_params=pallas_common.mosaic_compiler_params(
+          interpret, tiling.semantics, vmem_limit_bytes=elementwise_tiling.mosaic_vmem_limit(
+              tiling.vmem_bytes(_TILING["stream_bytes"]))),
       interpret=interpret,
       name="fuseopt_stochastic_round",
       cost_estimate=pallas_common.cost_estimate(

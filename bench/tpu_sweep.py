@@ -1,0 +1,321 @@
+"""Block sizes and paths of fuseopt's TPU kernels, timed on one chip.
+
+  PYTHONPATH=$PWD python bench/tpu_sweep.py OUT.json [--parts adam tree sr ns muon] [--dry-run]
+
+The measurements behind the TPU defaults (docs/measurements.md, "TPU v5e"):
+the elementwise kernels at several block budgets beside XLA's own fusion of
+the same math and a Pallas copy (the streaming rate a block size can reach),
+the optimizer steps a user runs on a Llama tree that fits the chip, every
+Newton–Schulz path per shape, and the Muon step. Each case is compiled and
+timed in this one process (median of 10 runs after 2 warm-ups, donated
+inputs refreshed outside the timing), its compile time recorded; a case that
+fails is recorded with its error and the next one runs. The JSON is
+rewritten after every case, so a run cut short keeps what it finished.
+``--dry-run``: the same cases at CPU sizes in interpret mode (CI's smoke).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+HBM_GBS = 819.0   # TPU v5e's HBM bandwidth (spec)
+
+
+def _block(x):
+  return jax.tree.map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
+
+
+def timed(fn, make_args, *, iters=10, donate=()):
+  """(compile_s, median ms, min ms) of ``jax.jit(fn)``; ``make_args()`` builds
+  fresh arguments (donated ones are consumed by each call)."""
+  jf = jax.jit(fn, donate_argnums=donate)
+  args = make_args()
+  t0 = time.perf_counter()
+  compiled = jf.lower(*args).compile()
+  compile_s = time.perf_counter() - t0
+  times = []
+  for i in range(iters + 2):
+    a = make_args() if (donate and i) else args
+    _block(a)
+    t0 = time.perf_counter()
+    out = compiled(*a)
+    _block(out)
+    if i >= 2:
+      times.append((time.perf_counter() - t0) * 1e3)
+    del out
+  return compile_s, statistics.median(times), min(times)
+
+
+class Recorder:
+  def __init__(self, path, meta):
+    self.path, self.doc = path, {"meta": meta, "rows": []}
+
+  def run(self, part, name, fn, make_args, *, bytes_moved=None, flops=None, donate=(), **extra):
+    row = {"part": part, "name": name, **extra}
+    try:
+      compile_s, ms, min_ms = timed(fn, make_args, donate=donate)
+      row.update(status="ok", compile_s=round(compile_s, 2), ms=round(ms, 4), min_ms=round(min_ms, 4))
+      if bytes_moved:
+        row["bytes"] = int(bytes_moved)
+        row["gbs"] = round(bytes_moved / ms / 1e6, 1)
+        row["pct_floor"] = round(100 * bytes_moved / ms / 1e6 / HBM_GBS, 1)
+      if flops:
+        row["tflops"] = round(flops / ms / 1e9, 1)
+    except Exception as e:  # noqa: BLE001 (a failed case is a record)
+      row.update(status="error", error=f"{type(e).__name__}: {str(e)[:600]}")
+      traceback.print_exc()
+    self.doc["rows"].append(row)
+    print(json.dumps(row), flush=True)
+    with open(self.path, "w") as f:
+      json.dump(self.doc, f, indent=1)
+    return row
+
+
+def _normal(shape, dtype, seed=0, scale=0.02):
+  return (jax.random.normal(jax.random.key(seed), shape, jnp.float32) * scale).astype(dtype)
+
+
+def part_adam(rec, dry, interpret):
+  from fuseopt.kernels import adam
+  from fuseopt.kernels.elementwise_tiling import MosaicTPUConfig
+  shape = (256, 1024) if dry else (8192, 8192)
+  n = shape[0] * shape[1]
+
+  def leaf(p_dtype, m_dtype):
+    return lambda: (_normal(shape, p_dtype), _normal(shape, jnp.float32, 1),
+                    jnp.zeros(shape, m_dtype), jnp.zeros(shape, m_dtype))
+
+  def step(impl, config):
+    def f(p, g, mu, nu):
+      return adam.adam_update(p, g, mu, nu, count=jnp.int32(1), learning_rate=1e-3,
+                              weight_decay=0.1, implementation=impl, config=config,
+                              interpret=interpret)
+    return f
+
+  rows = (16, 64) if dry else (512, 1024, 2048, 4096, 8192)
+  for p_dtype, m_dtype in ((jnp.float32, jnp.bfloat16), (jnp.float32, jnp.float32),
+                           (jnp.bfloat16, jnp.bfloat16)):
+    b = n * (2 * jnp.dtype(p_dtype).itemsize + 4 + 4 * jnp.dtype(m_dtype).itemsize)
+    tag = f"p={jnp.dtype(p_dtype).name},m={jnp.dtype(m_dtype).name}"
+    for r in rows:
+      rec.run("adam_leaf", f"mosaic_tpu rows={r} {tag}", step("mosaic_tpu", MosaicTPUConfig(r)),
+              leaf(p_dtype, m_dtype), bytes_moved=b, donate=(0, 2, 3), block_rows=r)
+    rec.run("adam_leaf", f"xla {tag}", step("xla", None), leaf(p_dtype, m_dtype), bytes_moved=b,
+            donate=(0, 2, 3))
+
+  # A Pallas copy at each block size: what streaming can reach here.
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import tpu as pltpu
+
+  def copy(rows_):
+    def kernel(x_ref, o_ref):
+      o_ref[...] = x_ref[...] + 1.0
+    def f(x):
+      spec = pl.BlockSpec((rows_, shape[1]), lambda i: (i, 0))
+      return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(shape, jnp.float32),
+                            grid=(shape[0] // rows_,), in_specs=[spec], out_specs=spec,
+                            input_output_aliases={0: 0}, interpret=interpret,
+                            compiler_params=None if interpret else pltpu.CompilerParams(
+                                dimension_semantics=("parallel",), vmem_limit_bytes=64 << 20))(x)
+    return f
+
+  for r in ((8, 32) if dry else (8, 32, 64, 128, 256, 512)):
+    rec.run("copy", f"pallas copy rows={r}x{shape[1]}", copy(r),
+            lambda: (_normal(shape, jnp.float32),), bytes_moved=8 * n, donate=(0,), block_rows=r)
+  rec.run("copy", "xla x+1", lambda x: x + 1.0, lambda: (_normal(shape, jnp.float32),),
+          bytes_moved=8 * n, donate=(0,))
+  rec.run("copy", "xla p - lr*g (3 streams)", lambda p, g: p - 1e-3 * g,
+          lambda: (_normal(shape, jnp.float32), _normal(shape, jnp.float32, 1)),
+          bytes_moved=12 * n, donate=(0,))
+
+
+def _tree(dry, dtype=jnp.float32):
+  from fuseopt.benchmarks import workloads
+  dims = dict(d=64, ff=256, layers=2, vocab=512) if dry else dict(d=2048, ff=8192, layers=6,
+                                                                  vocab=32000)
+  return workloads.llama_tree(dtype, abstract=True, **dims)
+
+
+def _maker(structs, seed=0):
+  """A jitted function making fresh arrays for ``structs`` on the device (no
+  host copy, no second copy kept alive)."""
+  leaves, treedef = jax.tree.flatten(structs)
+  return jax.jit(lambda: jax.tree.unflatten(
+      treedef, [_normal(s.shape, s.dtype, seed + i) for i, s in enumerate(leaves)]))
+
+
+def _materialize(structs, seed=0):
+  return _maker(structs, seed)()
+
+
+def part_tree(rec, dry, interpret, block_rows):
+  import optax
+  import fuseopt.optim as fo
+  from fuseopt.kernels.adam import mosaic_tpu as adam_tpu
+  from fuseopt.kernels.elementwise_tiling import MosaicTPUConfig
+
+  def case(name, tx, p_dtype, fused, b_per_param, **extra):
+    structs = _tree(dry, p_dtype)
+    n = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(structs))
+    grads = _materialize(structs, 7)
+    init, gen = jax.jit(tx.init), _maker(structs)
+
+    def make():
+      p = gen()
+      return p, init(p), grads
+
+    if fused:
+      f = lambda p, s, g: fo.step(tx, g, s, p)
+    else:
+      def f(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+    rec.run("tree", name, f, make, bytes_moved=b_per_param * n, donate=(0, 1), params=n, **extra)
+    del grads
+
+  ex = lambda impl: fo.Execution(implementation=impl)
+  case("optax_adamw", optax.adamw(1e-3, weight_decay=0.1), jnp.float32, False, 28)
+  case("optax_adamw_mu_bf16", optax.adamw(1e-3, weight_decay=0.1, mu_dtype=jnp.bfloat16),
+       jnp.float32, False, 24)
+  case("optax_adamw_bf16_params", optax.adamw(1e-3, weight_decay=0.1), jnp.bfloat16, False, 14)
+  default = adam_tpu.heuristic
+  for r in ((None,) if dry else (None,) + tuple(block_rows)):
+    if r is not None:
+      adam_tpu.heuristic = lambda size, r=r: MosaicTPUConfig(block_rows=r)
+    tag = "" if r is None else f" rows={r}"
+    try:
+      case(f"fo_step{tag}", fo.adamw(1e-3, weight_decay=0.1), jnp.float32, True, 20)
+      case(f"fo_step_bf16_params{tag}", fo.adamw(1e-3, weight_decay=0.1), jnp.bfloat16, True, 14)
+      case(f"fo_dropin{tag}", fo.adamw(1e-3, weight_decay=0.1), jnp.float32, False, 28)
+    finally:
+      adam_tpu.heuristic = default
+  case("fo_step[xla]", fo.adamw(1e-3, weight_decay=0.1, execution=ex("xla")), jnp.float32, True, 20)
+  case("fo_dropin[xla]", fo.adamw(1e-3, weight_decay=0.1, execution=ex("xla")), jnp.float32,
+       False, 20)
+  case("fo_step_bf16_params[xla]", fo.adamw(1e-3, weight_decay=0.1, execution=ex("xla")),
+       jnp.bfloat16, True, 14)
+  case("fo_step_fp32_moments", fo.adamw(1e-3, weight_decay=0.1, moment_dtype="float32"),
+       jnp.float32, True, 28)
+
+
+def part_sr(rec, dry, interpret):
+  from fuseopt.kernels import stochastic_round as sr
+  from fuseopt.kernels.elementwise_tiling import MosaicTPUConfig
+  shape = (256, 1024) if dry else (16384, 16384)
+  n = shape[0] * shape[1]
+  make = lambda: (_normal(shape, jnp.float32),)
+  for r in ((16,) if dry else (1024, 2048, 4096, 8192)):
+    rec.run("sr", f"mosaic_tpu rows={r}", lambda x, r=r: sr.stochastic_round_bf16(
+        x, 0, implementation="mosaic_tpu", config=MosaicTPUConfig(r), interpret=interpret),
+            make, bytes_moved=6 * n, block_rows=r)
+  rec.run("sr", "default", lambda x: sr.stochastic_round_bf16(x, 0, interpret=interpret), make,
+          bytes_moved=6 * n)
+  rec.run("sr", "xla", lambda x: sr.stochastic_round_bf16(x, 0, implementation="xla"), make,
+          bytes_moved=6 * n)
+  rec.run("sr", "xla convert", lambda x: x.astype(jnp.bfloat16), make, bytes_moved=6 * n)
+
+
+def part_ns(rec, dry, interpret):
+  from fuseopt.benchmarks.cases import newton_schulz as ns_case
+  from fuseopt.kernels.newton_schulz import api as ns
+  shapes = ([(128, 128), (128, 512)] if dry else
+            [(24, 2048, 2048), (12, 2048, 8192), (6, 8192, 2048), (4096, 4096), (4096, 14336)])
+  for shape in shapes:
+    make = lambda shape=shape: (_normal(shape, jnp.bfloat16, scale=1.0),)
+    fl = ns_case.flops(shape)
+    wide = max(shape[-2:]) >= 2 * min(shape[-2:])
+    variants = {"optax_ns_bf16": ns_case.optax_ns,
+                "default": lambda x: ns.newton_schulz(x, coeffs="jordan", steps=5,
+                                                      interpret=interpret)}
+    for impl in ("xla", "mosaic_tpu"):
+      for gram in ((False, True) if wide else (False,)):
+        variants[f"{impl}{',gram' if gram else ''}"] = (
+            lambda x, impl=impl, gram=gram: ns.newton_schulz(
+                x, coeffs="jordan", steps=5, implementation=impl, gram=gram,
+                interpret=interpret))
+    for label, fn in variants.items():
+      rec.run("ns", f"{'x'.join(map(str, shape))} {label}", fn, make, flops=fl,
+              shape=list(shape), variant=label)
+
+
+def part_muon(rec, dry, interpret):
+  import optax
+  import fuseopt.optim as fo
+  structs = _tree(dry, jnp.float32)
+  n = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(structs))
+  grads = _materialize(structs, 7)
+  gen = _maker(structs)
+
+  def case(name, tx, fused, donate=(0, 1)):
+    init = jax.jit(tx.init)
+    def make():
+      p = gen()
+      return p, init(p), grads
+    if fused:
+      f = lambda p, s, g: fo.step(tx, g, s, p)
+    else:
+      def f(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+    rec.run("muon", name, f, make, donate=donate, params=n)
+
+  def is_matrix(p):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: x.ndim == 2 and "embed" not in jax.tree_util.keystr(path)
+        and "lm_head" not in jax.tree_util.keystr(path), p)
+
+  dims = lambda p: jax.tree.map(lambda m: optax.contrib.MuonDimensionNumbers() if m else None,
+                                is_matrix(p))
+  case("optax_contrib_muon", optax.contrib.muon(1e-3, muon_weight_dimension_numbers=dims), False)
+  fdims = lambda p: jax.tree.map(lambda m: fo.MuonDimensionNumbers() if m else None,
+                                 is_matrix(p))
+  for label, kw in (("", {}),
+                    ("[gram auto]", dict(newton_schulz=fo.NewtonSchulz(gram="auto"))),
+                    ("[xla, gram auto]", dict(execution=fo.Execution(implementation="xla"),
+                                              newton_schulz=fo.NewtonSchulz(gram="auto")))):
+    tx = fo.muon(1e-3, muon_weight_dimension_numbers=fdims, **kw)
+    case(f"fo_muon_step{label}", tx, True)
+    case(f"fo_muon_dropin{label}", tx, False)
+  tx = fo.muon(1e-3, muon_weight_dimension_numbers=fdims)
+  case("fo_muon_step undonated", tx, True, donate=())
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("out")
+  ap.add_argument("--parts", nargs="+", default=["adam", "tree", "sr", "ns", "muon"])
+  ap.add_argument("--tree-block-rows", nargs="*", type=int, default=[4096])
+  ap.add_argument("--dry-run", action="store_true")
+  a = ap.parse_args(argv)
+  interpret = False
+  if a.dry_run:
+    from jax.experimental.pallas import tpu as pltpu
+    interpret = pltpu.InterpretParams()
+  dev = jax.devices()[0]
+  meta = {"device_kind": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
+          "python": sys.version.split()[0], "dry_run": a.dry_run}
+  rec = Recorder(a.out, meta)
+  parts = {"adam": part_adam, "sr": part_sr, "ns": part_ns, "muon": part_muon,
+           "tree": functools.partial(part_tree, block_rows=a.tree_block_rows)}
+  for p in a.parts:
+    t0 = time.perf_counter()
+    try:
+      parts[p](rec, a.dry_run, interpret)
+    except Exception:  # noqa: BLE001
+      traceback.print_exc()
+    print(f"== part {p}: {time.perf_counter() - t0:.1f} s", flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
