@@ -20,26 +20,29 @@ from tests.kernels import harness
 F32, BF16 = jnp.float32, jnp.bfloat16
 
 
-CASES = [  # shape, p dtype (None: direction only), g dtype, nesterov, block_rows, transposed
-    ((256, 256), F32, F32, False, 128, True),        # two 128-row steps, scales (2, 128) blocks
-    ((160, 256), F32, BF16, False, 128, False),      # no 128-row step divides: untransposed, 32 rows
-    ((16, 32, 64), F32, F32, True, None, True),      # nnx-shaped: blocked over (32, 64)
-    ((4, 8, 64), None, F32, False, None, True),      # the direction only, blocked over (8, 64)
-    ((1024,), BF16, F32, False, None, True),         # 1-D: (4, 256) rows, bf16 params
+CASES = [  # shape, p dtype (None: direction only), g dtype, nesterov, block_rows, grid
+    ((256, 256), F32, F32, False, 128, (2, 1)),      # two 128-row steps, scales (2, 128) blocks
+    ((160, 256), F32, BF16, False, 128, (1, 1)),     # no 128-row step divides: all 160 rows
+    ((128, 5120), F32, F32, False, None, (1, 5)),    # 20 row groups: five column steps of 4
+    ((16, 32, 64), F32, F32, True, None, (1, 1)),    # nnx-shaped: blocked over (32, 64)
+    ((4, 8, 64), None, F32, False, None, (1, 1)),    # the direction only, blocked over (8, 64)
+    ((1024,), BF16, F32, False, None, (1, 1)),       # 1-D: (4, 256) rows, bf16 params
 ]
 
 
-@pytest.mark.parametrize("shape,p_dtype,g_dtype,nesterov,block_rows,transposed", CASES)
+@pytest.mark.parametrize("shape,p_dtype,g_dtype,nesterov,block_rows,grid", CASES)
 @pytest.mark.fma_off
 def test_mosaic_tpu_4bit_matches_reference(request, shape, p_dtype, g_dtype, nesterov,
-                                           block_rows, transposed):
+                                           block_rows, grid):
   """Codes and scales bitwise against the reference over two steps (the same
   fp32 operations on the same values, then the same hash), in the state's
   own shapes; the parameter within a few ulps."""
   cfg = None if block_rows is None else MosaicTPUConfig(block_rows=block_rows)
   view = mosaic_tpu.quantized_view(shape)
-  assert mosaic_tpu.int4_leaf_reason(jnp.zeros(shape), cfg or mosaic_tpu.heuristic(0), None) is None
-  assert mosaic_tpu.quantized_tiling(view, cfg or mosaic_tpu.heuristic(0))[1] is transposed
+  assert mosaic_tpu.int4_leaf_reason(jnp.zeros(shape), cfg or mosaic_tpu.heuristic(0), None,
+                                     interpret=True) is None
+  assert mosaic_tpu.quantized_tiling(view, cfg or mosaic_tpu.heuristic(0), "int4",
+                                     ragged=False).grid == grid
   p, g, mu, nu = bw.inputs(request, shape, "int4", p_dtype, g_dtype)
   got = bw.steps("mosaic_tpu", p, g, mu, nu, nesterov=nesterov, config=cfg)
   want = bw.steps("xla", p, g, mu, nu, nesterov=nesterov)

@@ -359,23 +359,25 @@ def test_mosaic_gpu_8bit_lowers_for_h200_in_place():
   assert text.count("tf.aliasing_output") + text.count("output_operand_aliases") >= 1
 
 
-@pytest.mark.parametrize("shape,config,transposed", [
-    ((384, 256), None, True),        # all rows one step, scales (1, 384) on lanes
-    ((512, 256), 128, True),         # 128-row steps: four, scales blocks (1, 128)
-    ((4, 16640), None, False),       # a row past the transposed scales' VMEM: untransposed
-    ((16, 32, 64), None, True),      # nnx-shaped: blocked over (32, 64), a (16, 2048) view
-    ((4, 8, 64), None, True),        # blocked over (8, 64), a (4, 512) view
+@pytest.mark.parametrize("shape,config,grid", [
+    ((384, 256), None, (3, 1)),        # 128-row steps (the budget: 256 rows), scales (1, 128)
+    ((512, 256), 128, (4, 1)),         # 128-row steps: four, scales blocks (1, 128)
+    ((128, 6144), None, (1, 3)),       # 24 row groups: three column steps of 8
+    ((16, 32, 64), None, (1, 1)),      # nnx-shaped: blocked over (32, 64), a (16, 2048) view
+    ((4, 8, 64), None, (1, 1)),        # blocked over (8, 64), a (4, 512) view
 ])
 @pytest.mark.fma_off
-def test_mosaic_tpu_8bit_both_scale_layouts_match_reference(request, shape, config, transposed):
-  """The Mosaic TPU kernel takes the scales transposed (rows on lanes) where
-  128 rows fit VMEM, untransposed past that: both write the reference's codes
-  and scales bitwise, and the state keeps its (M, L / 256) scales."""
+def test_mosaic_tpu_8bit_grids_match_reference(request, shape, config, grid):
+  """The Mosaic TPU kernel's 2-D grid (row blocks, column blocks of at most
+  eight row groups): every grid writes the reference's codes and scales
+  bitwise, and the state keeps its (M, L / 256) scales."""
   from fuseopt.kernels.adam import mosaic_tpu
   from fuseopt.kernels.elementwise_tiling import MosaicTPUConfig
   cfg = None if config is None else MosaicTPUConfig(block_rows=config)
   view = mosaic_tpu.quantized_view(shape)
-  assert mosaic_tpu.quantized_tiling(view, cfg or mosaic_tpu.heuristic(math.prod(shape)))[1] is transposed
+  tiling = mosaic_tpu.quantized_tiling(view, cfg or mosaic_tpu.heuristic(math.prod(shape)),
+                                       ragged=False)
+  assert tiling.grid == grid
   k = jax.random.split(harness.fresh_key(request), 3)
   p, g = jax.random.normal(k[0], shape), jax.random.normal(k[1], shape)
   mu, nu = bw.moments(k[2], shape, "int8")

@@ -130,24 +130,36 @@ def update(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpr
 # The leaf as (M, L): its blocked view (kernels/adam/blocks.py) with the
 # leading dims merged (a 1-D leaf as (L / ROW, ROW)); where the last axis
 # alone holds whole rows of ROW elements the view keeps the TPU layout (no
-# relayout copies). A grid step holds whole rows, each cut into row groups of
-# ROW lanes, a format's blocks static lane slices of a group (8-bit: the
-# group, one scale; 4-bit: its two halves, two scales, and ROW / 2 code bytes
-# holding both halves' nibbles). The codes go to the kernel as (M, L) or
-# (M, L / 2), the scales, (M, S) in the state (S = L / block), transposed,
-# (S, M), rows on lanes: libtpu lays a step's (M, S) scales arguments out with
-# the long axis minor, so the transpose is a bitcast of them; taken (M, S) the
-# kernel's lanes would be S wide (8 for a 2048-wide row of 8-bit scales),
-# padded to 128, and libtpu copies every leaf's scales into that layout
-# (docs/adam.md). The scales block's lanes make the rows a multiple of 128 (or
-# all M). 128 rows of a row longer than _TRANSPOSED_MAX_LENGTH exceed VMEM
-# (seven double-buffered streams, the 8-bit ones the widest): such a leaf (a
-# vocabulary-wide head) takes its scales untransposed, whose minor axis is then
-# long itself, with rows a multiple of 32 (the sublane tiling of 8-bit codes,
-# both formats' code bytes).
-_INT8_ROWS = 32
-_TRANSPOSED_ROWS = 128
-_TRANSPOSED_MAX_LENGTH = 16384
+# relayout copies). A grid step holds a (rows, groups * ROW) block: `groups`
+# row groups of ROW lanes, each cut into a format's blocks, static lane slices
+# of the group (8-bit: the group, one scale; 4-bit: its two halves, two
+# scales, and ROW / 2 code bytes holding both halves' nibbles). The grid is
+# 2-D (row blocks, column blocks), so a step's kernel body unrolls at most
+# _GROUPS row groups whatever the leaf's width: its compile time does not
+# grow with the leaf. The codes go to the kernel as (M, L) or (M, L / 2), the
+# scales, (M, S) in the state (S = L / block), transposed, (S, M), rows on
+# lanes: libtpu lays a step's (M, S) scales arguments out with the long axis
+# minor, so the transpose is a bitcast of them; taken (M, S) the kernel's
+# lanes would be S wide, padded to 128, and libtpu copies every leaf's scales
+# into that layout (docs/adam.md). A step's scales block, (groups * blocks a
+# group, rows), is turned once into rows on sublanes (one transpose of 128
+# sublanes), each block reads its column by a static lane slice, and the new
+# scales go back by one transpose: the transposes cost a fraction of the
+# block's elementwise work (per block and group they cost twice the block's
+# elements).
+_GROUPS = 8            # row groups a grid step, at most (unrolled)
+_SCALE_ROWS = 128      # rows a step: a multiple of the scales' 128 lanes, or all M
+
+
+class BlockwiseTiling(NamedTuple):
+  """A blockwise kernel's grid over an ``(M, L)`` view: ``rows`` rows and
+  ``groups`` row groups of ``ROW`` lanes a step. A dim the steps do not
+  divide has a padded last block (compiled kernels only): Pallas pads its
+  load and clips its store, and the padding's blocks are whole blocks of
+  their own (blocks never straddle a step), so no real element reads it."""
+  rows: int
+  groups: int
+  grid: tuple[int, int]
 
 
 class _Layout(NamedTuple):
@@ -177,6 +189,7 @@ _INT8 = _Layout("int8", quantized, quantized.BLOCK, 1, lambda c: (c,), lambda cs
                 quantized.QuantizedMoment)
 _INT4 = _Layout("int4", int4, int4.BLOCK, 2, int4.unpack, lambda cs: int4.pack(*cs),
                 int4.PackedMoment)
+_LAYOUTS = {"int8": _INT8, "int4": _INT4}
 
 
 def quantized_view(shape) -> tuple[int, int]:
@@ -191,68 +204,96 @@ def quantized_view(shape) -> tuple[int, int]:
   return math.prod(b[:-1]), b[-1]
 
 
-def _rows(m: int, budget: int, unit: int) -> int | None:
-  """All ``m`` rows under the budget, else the largest multiple of ``unit``
-  under it that divides ``m``."""
-  if m <= budget:
-    return m
-  for rows in range(budget - budget % unit, 0, -unit):
-    if m % rows == 0:
-      return rows
-  return None
+def _step_groups(n_groups: int, blocks_per_row: int, ragged: bool) -> int | None:
+  """Row groups a step of a row of ``n_groups``: all of them where few (at
+  most 2 * _GROUPS), else the most up to _GROUPS dividing them whose scales
+  fill whole 8-sublane tiles; else _GROUPS with a padded last column step
+  (``ragged``), or all of them (interpret mode, where the body's size costs
+  nothing but tracing)."""
+  if n_groups <= 2 * _GROUPS:
+    return n_groups
+  for g in range(_GROUPS, 0, -1):
+    if n_groups % g == 0 and g * blocks_per_row % 8 == 0:
+      return g
+  return _GROUPS if ragged else n_groups
 
 
-def quantized_tiling(view, config: MosaicTPUConfig) -> tuple[int, bool] | None:
-  """``(rows a grid step, scales transposed)`` of an ``(M, L)`` view (None: no
-  such tiling, the reference runs); the same for both blockwise formats (their
-  element and code blocks are whole rows, their scales a few lanes a row)."""
+def quantized_tiling(view, config: MosaicTPUConfig, layout: str = "int8", *,
+                     ragged: bool = True) -> BlockwiseTiling | None:
+  """The grid of an ``(M, L)`` view (None: no tiling, the reference runs).
+  ``ragged``: padded last blocks allowed (compiled kernels; jax's TPU
+  interpreter returns an aliased output padded to whole blocks, a shape
+  error)."""
   m, length = view
-  budget = config.block_elements // length
-  if length <= _TRANSPOSED_MAX_LENGTH:
-    rows = _rows(m, max(_TRANSPOSED_ROWS, budget), _TRANSPOSED_ROWS)
-    if rows is not None:
-      return rows, True
-  rows = _rows(m, max(_INT8_ROWS, budget), _INT8_ROWS)
-  return None if rows is None else (rows, False)
+  fmt = _LAYOUTS[layout]
+  n_groups = length // blocks.ROW
+  groups = _step_groups(n_groups, fmt.blocks_per_row, ragged)
+  if groups is None:
+    return None
+  # Rows: the config's element budget over the step's width, a multiple of the
+  # scales' 128 lanes (at least 128); all M where that covers it.
+  budget = max(_SCALE_ROWS, config.block_elements // (groups * blocks.ROW))
+  budget -= budget % _SCALE_ROWS
+  if m <= budget:
+    rows = m
+  else:
+    rows = next((r for r in range(budget, 0, -_SCALE_ROWS) if m % r == 0), None)
+    if rows is None:
+      # (interpret mode, whose VMEM is host memory: all rows in one step)
+      rows = budget if ragged else m
+  return BlockwiseTiling(rows, groups, (pl.cdiv(m, rows), pl.cdiv(n_groups, groups)))
 
 
-def quantized_leaf_reason(g, config, index_map) -> str | None:
+def quantized_leaf_reason(g, config, index_map, layout="int8", interpret=False) -> str | None:
   """Why this backend leaves a leaf with blockwise (8-bit or 4-bit) moments
   to the reference, or None."""
   if sharding_lib.needs_division(index_map):
     return "a shard's global index needs a vector integer division"
-  if quantized_tiling(quantized_view(g.shape), config) is None:
-    return (f"the leaf's {quantized_view(g.shape)} view has no grid step of whole rows: "
-            f"neither a multiple of {_TRANSPOSED_ROWS} rows nor all of them (scales transposed) "
-            f"nor a multiple of {_INT8_ROWS} (untransposed) divides it")
+  view = quantized_view(g.shape)
+  if quantized_tiling(view, config, layout, ragged=not interpret) is None:
+    return f"the leaf's {view} view has no grid of whole row groups"
   return None
 
 
-# (the 4-bit kernel tiles its leaves as the 8-bit one)
-int4_leaf_reason = quantized_leaf_reason
+def int4_leaf_reason(g, config, index_map, interpret=False) -> str | None:
+  return quantized_leaf_reason(g, config, index_map, "int4", interpret)
 
 
-def _column(row):
-  """A ``(1, rows)`` row of transposed scales as the ``(rows, 1)`` column
-  that scales a block's rows: broadcast to 128 sublanes, one native transpose."""
-  return jnp.broadcast_to(row, (128, row.shape[1])).T[:, :1]
+def _scale_columns(scales, n: int):
+  """A step's ``(n, rows)`` scales (rows on lanes) as ``(rows, 128)``, block
+  ``k``'s scales in column ``k``: the rows placed on 128 sublanes by selects,
+  then one native transpose."""
+  rows = scales.shape[1]
+  sub = jax.lax.broadcasted_iota(jnp.int32, (128, rows), 0)
+  full = jnp.zeros((128, rows), scales.dtype)
+  for k in range(n):
+    full = jnp.where(sub == k, jnp.broadcast_to(scales[k:k + 1, :], (128, rows)), full)
+  return full.T
 
 
-def _row(column):
-  """A ``(rows, 1)`` column of scales as the ``(1, rows)`` row of the
-  transposed scales."""
-  return jnp.broadcast_to(column, (column.shape[0], 128)).T[:1, :]
+def _scale_rows(columns, n: int):
+  """:func:`_scale_columns` back: ``(rows, 128)`` columns as ``(n, rows)``."""
+  return columns.T[:n, :]
 
 
-def _blockwise_kernel(s_ref, seed_ref, *refs, layout, rows, length, transposed, nesterov,
-                      apply, index_map, tracked):
-  """One grid step of whole rows, row group by row group: each group's code
-  bytes read once and unpacked into its blocks' codes, each block (a static
-  lane slice of the group) dequantised, stepped and quantised with its scale
-  reduced over its lanes, the new codes packed back into the group's bytes.
-  ``tracked``: the companion ``lo`` is the last input and the last output,
-  read and written on the parameter's lanes (the master ``join(p, lo)`` in,
-  the new master split out, no rounding)."""
+def _column(columns, lane, k):
+  """Column ``k`` (traced) of ``(rows, 128)`` scale columns, as ``(rows, 1)``:
+  a lane reduction over the one lane kept (exact: the others are -inf)."""
+  return jnp.max(jnp.where(lane == k, columns, -jnp.inf), axis=1, keepdims=True)
+
+
+def _blockwise_kernel(s_ref, seed_ref, *refs, layout, tiling, length, nesterov, apply,
+                      index_map, tracked):
+  """One grid step of ``tiling.groups`` row groups of ``tiling.rows`` rows,
+  a loop over the groups (one body, whatever their number: the kernel's
+  compile time does not grow with the leaf): each group's code bytes read
+  once (lanes at a dynamic multiple of 128) and unpacked into its blocks'
+  codes, each block (a static lane slice of the group) dequantised, stepped
+  and quantised with its scale reduced over its lanes, the new codes packed
+  back into the group's bytes; the step's scales read and written once,
+  through :func:`_scale_columns`. ``tracked``: the companion ``lo`` is the
+  last input and the last output, read and written on the parameter's lanes
+  (the master ``join(p, lo)`` in, the new master split out, no rounding)."""
   lo_ref = lo_out = None
   if tracked:
     n_in = 7 if apply else 6
@@ -260,39 +301,39 @@ def _blockwise_kernel(s_ref, seed_ref, *refs, layout, rows, length, transposed, 
     refs = refs[:n_in - 1] + refs[n_in:-1]
   p_ref, (g_ref, muc_ref, mus_ref, nuc_ref, nus_ref), (o_ref, muc_out, mus_out, nuc_out, nus_out) = (
       quantized.split_kernel_refs(refs, apply))
+  rows, groups = tiling.rows, tiling.groups
+  bpr = layout.blocks_per_row
+  n_scales = groups * bpr
   block = layout.block
   shape = (rows, block)
   seed = lambda k: seed_ref[k].astype(jnp.uint32)
   row = ((pl.program_id(0) * rows).astype(jnp.uint32)
          + jax.lax.broadcasted_iota(jnp.uint32, shape, 0)) * jnp.uint32(length)
-  col = jax.lax.broadcasted_iota(jnp.uint32, shape, 1)
-  # Scale column k of every row: row k of transposed scales, else column k.
-  if transposed:
-    read = lambda ref, k: _column(ref[k:k + 1, :])
-    def write(ref, k, column):
-      ref[k:k + 1, :] = _row(column)
-  else:
-    read = lambda ref, k: ref[:, k:k + 1]
-    def write(ref, k, column):
-      ref[:, k:k + 1] = column
-  keep = lambda new, old: blocks.kept_on_skip(s_ref[APPLY] == 0, new, old)
-  f32 = lambda r, lanes: r[:, lanes].astype(jnp.float32)
-  param = lambda lanes: load_param(p_ref[:, lanes], lo_ref[:, lanes] if tracked else None)
+  col = ((pl.program_id(1) * (groups * blocks.ROW)).astype(jnp.uint32)
+         + jax.lax.broadcasted_iota(jnp.uint32, shape, 1))
+  skipped = s_ref[APPLY] == 0
+  keep = lambda new, old: blocks.kept_on_skip(skipped, new, old)
+  mu_scales = _scale_columns(mus_ref[...], n_scales)
+  nu_scales = _scale_columns(nus_ref[...], n_scales)
+  lane = jax.lax.broadcasted_iota(jnp.int32, mu_scales.shape, 1)
   fmt = layout.math
-  for j in range(length // blocks.ROW):
-    code_lanes = slice(j * layout.code_lanes, (j + 1) * layout.code_lanes)
+
+  def group(j, new_scales):
+    new_mu_scales, new_nu_scales = new_scales
+    code_lanes = pl.ds(pl.multiple_of(j * layout.code_lanes, layout.code_lanes),
+                       layout.code_lanes)
     mu_in, nu_in = layout.unpack(muc_ref[:, code_lanes]), layout.unpack(nuc_ref[:, code_lanes])
     mu_codes, nu_codes = [], []
-    for h in range(layout.blocks_per_row):
-      k = j * layout.blocks_per_row + h
+    for h in range(bpr):
+      k = j * bpr + h
       first = j * blocks.ROW + h * block
-      lanes = slice(first, first + block)
-      mu32 = fmt.dequantize_mu(mu_in[h], read(mus_ref, k))
-      nu32 = fmt.dequantize_nu(nu_in[h], read(nus_ref, k))
-      out, mu_new, nu_new = adam_math(lambda i: s_ref[i], param(lanes) if apply else None,
-                                      f32(g_ref, lanes), mu32, nu32, nesterov=nesterov,
-                                      apply=apply, reciprocal=True)
-      index = sharding_lib.global_index(row + (col + jnp.uint32(first)), index_map,
+      lanes = pl.ds(pl.multiple_of(first, block), block)
+      mu32 = fmt.dequantize_mu(mu_in[h], _column(mu_scales, lane, k))
+      nu32 = fmt.dequantize_nu(nu_in[h], _column(nu_scales, lane, k))
+      p32 = load_param(p_ref[:, lanes], lo_ref[:, lanes] if tracked else None) if apply else None
+      out, mu_new, nu_new = adam_math(lambda i: s_ref[i], p32, g_ref[:, lanes].astype(jnp.float32),
+                                      mu32, nu32, nesterov=nesterov, apply=apply, reciprocal=True)
+      index = sharding_lib.global_index(row + (col + first.astype(jnp.uint32)), index_map,
                                         seed(SEED_BASE))
       if tracked:
         o_ref[:, lanes], lo_out[:, lanes] = mantissa.split(out, lo_out.dtype)
@@ -300,12 +341,18 @@ def _blockwise_kernel(s_ref, seed_ref, *refs, layout, rows, length, transposed, 
         o_ref[:, lanes] = store(out, o_ref.dtype, index, seed(0))
       c, mu_scale = fmt.quantize_mu(mu_new, counter_hash.hash_bits(index, seed(1)))
       mu_codes.append(c)
-      write(mus_out, k, keep(mu_scale, read(mus_ref, k)))
+      new_mu_scales = jnp.where(lane == k, mu_scale, new_mu_scales)
       c, nu_scale = fmt.quantize_nu(nu_new, counter_hash.hash_bits(index, seed(2)))
       nu_codes.append(c)
-      write(nus_out, k, keep(nu_scale, read(nus_ref, k)))
+      new_nu_scales = jnp.where(lane == k, nu_scale, new_nu_scales)
     muc_out[:, code_lanes] = keep(layout.pack(mu_codes), muc_ref[:, code_lanes])
     nuc_out[:, code_lanes] = keep(layout.pack(nu_codes), nuc_ref[:, code_lanes])
+    return new_mu_scales, new_nu_scales
+
+  zeros = jnp.zeros_like(mu_scales)
+  new_mu_scales, new_nu_scales = jax.lax.fori_loop(0, groups, group, (zeros, zeros))
+  mus_out[...] = keep(_scale_rows(new_mu_scales, n_scales), mus_ref[...])
+  nus_out[...] = keep(_scale_rows(new_nu_scales, n_scales), nus_ref[...])
 
 
 def _update_blockwise(layout, scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config,
@@ -320,22 +367,17 @@ def _update_blockwise(layout, scalars, seeds, p, g, mu, nu, *, nesterov, out_dty
   if tracked:
     check_companion(p, lo, name="lo")
   m, length = quantized_view(shape)
-  rows, transposed = quantized_tiling((m, length), config)
+  tiling = quantized_tiling((m, length), config, layout.name, ragged=not interpret)
+  rows, groups = tiling.rows, tiling.groups
   n_scales = length // layout.block
   n_codes = length // layout.codes_per_byte
-  tile = pl.BlockSpec((rows, length), lambda i: (i, 0))
-  code_tile = pl.BlockSpec((rows, n_codes), lambda i: (i, 0))
-  # The scales transposed where they fit (above): rows on lanes.
-  if transposed:
-    vec = pl.BlockSpec((n_scales, rows), lambda i: (0, i))
-    scales_in = lambda sc: sc.reshape(m, n_scales).T
-    scales_out = lambda sc, like: sc.T.reshape(like.shape)
-  else:
-    vec = pl.BlockSpec((rows, n_scales), lambda i: (i, 0))
-    scales_in = lambda sc: sc.reshape(m, n_scales)
-    scales_out = lambda sc, like: sc.reshape(like.shape)
+  width = groups * blocks.ROW
+  tile = pl.BlockSpec((rows, width), lambda i, j: (i, j))
+  code_tile = pl.BlockSpec((rows, width // layout.codes_per_byte), lambda i, j: (i, j))
+  # The scales transposed: rows on lanes (above).
+  vec = pl.BlockSpec((groups * layout.blocks_per_row, rows), lambda i, j: (j, i))
   view = lambda a: a.reshape(m, length)
-  qview = lambda q: layout.moment(q.codes.reshape(m, n_codes), scales_in(q.scales))
+  qview = lambda q: layout.moment(q.codes.reshape(m, n_codes), q.scales.reshape(m, n_scales).T)
   mu2, nu2 = qview(mu), qview(nu)
   arrays = (((view(p),) if apply else ()) + (view(g), mu2.codes, mu2.scales, nu2.codes,
                                              nu2.scales)
@@ -357,31 +399,27 @@ def _update_blockwise(layout, scalars, seeds, p, g, mu, nu, *, nesterov, out_dty
     aliases[2] = 0
   if tracked:
     aliases[first + 5] = 5
-  # Whole rows a step: a long last axis (a vocabulary) needs more than the
-  # default scoped VMEM (16 MiB on v5e) for 32 rows of 7 double-buffered streams.
-  # A companion adds a stream read and written beside p's, double-buffered;
-  # a bf16 p with its companion is no wider than an fp32 p, so the rows a
-  # step (quantized_tiling) stay those of an fp32 leaf.
-  vmem = 2 * sum(rows * length * a.dtype.itemsize for a in arrays[:2 + apply]) * 3
-  if tracked:
-    vmem += 2 * 2 * rows * length * lo.dtype.itemsize
+  # VMEM: every operand's and result's block, double-buffered.
+  stream = (sum(a.dtype.itemsize for a in arrays[:1 + apply]) + jnp.dtype(out_dtype).itemsize
+            + 2 * 2 / layout.codes_per_byte + (2 * lo.dtype.itemsize if tracked else 0))
+  block_bytes = int(2 * stream * rows * width) + 8 * 4 * 2 * 128 * max(rows, 128)
   outs = pl.pallas_call(
-      functools.partial(_blockwise_kernel, layout=layout, rows=rows, length=length,
-                        transposed=transposed, nesterov=nesterov, apply=apply,
-                        index_map=index_map, tracked=tracked),
+      functools.partial(_blockwise_kernel, layout=layout, tiling=tiling, length=length,
+                        nesterov=nesterov, apply=apply, index_map=index_map, tracked=tracked),
       out_shape=out_shape,
-      grid=(m // rows,),
+      grid=tiling.grid,
       in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
                 pl.BlockSpec(memory_space=pltpu.SMEM)] + specs,
       out_specs=(tile, code_tile, vec, code_tile, vec) + ((tile,) if tracked else ()),
       input_output_aliases=aliases,
       compiler_params=pallas_common.mosaic_compiler_params(
-          interpret, ("parallel",), vmem_limit_bytes=max(32 << 20, min(vmem, 100 << 20))),
+          interpret, ("parallel", "parallel"),
+          vmem_limit_bytes=elementwise_tiling.mosaic_vmem_limit(block_bytes)),
       interpret=interpret,
       name=f"fuseopt_adam_update_{layout.name}",
       cost_estimate=adam_cost(arrays, out_shape, n=g.size),
   )(scalars, jax.lax.bitcast_convert_type(seeds, jnp.int32), *arrays)
-  back = lambda c, sc, q: layout.moment(c.reshape(q.codes.shape), scales_out(sc, q.scales))
+  back = lambda c, sc, q: layout.moment(c.reshape(q.codes.shape), sc.T.reshape(q.scales.shape))
   res = outs[0].reshape(shape), back(*outs[1:3], mu), back(*outs[3:5], nu)
   return (res + (outs[5].reshape(shape),)) if tracked else res
 

@@ -303,7 +303,8 @@ def _run_quantized(impl, scalars, seeds, p, g, mu, nu, *, nesterov, interpret, c
     if fmt.entry(backend) is None:
       reason = f"no kernel for {fmt.name} moments"
     else:
-      reason = why(g, config, index_map) if why is not None else None
+      reason = (why(g, config, index_map, interpret=bool(dispatch.interpret_arg(impl, interpret)))
+                if why is not None else None)
     if reason is not None:
       dispatch.log_fallback(OP_NAME, impl, reason, runs="the reference")
       impl = "xla"
