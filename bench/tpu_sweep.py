@@ -35,9 +35,11 @@ def _block(x):
   return jax.tree.map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
 
 
-def timed(fn, make_args, *, iters=10, donate=()):
-  """(compile_s, median ms, min ms) of ``jax.jit(fn)``; ``make_args()`` builds
-  fresh arguments (donated ones are consumed by each call)."""
+def timed(fn, make_args, *, iters=10, donate=(), feed=None):
+  """(compile_s, median ms, min ms) of ``jax.jit(fn)`` over ``iters`` calls
+  after 2 warm-ups. ``make_args()`` builds the arguments once; a step that
+  donates them gets the next call's from its own outputs (``feed(out, args)``,
+  as a training loop does), so one copy of the state is alive."""
   jf = jax.jit(fn, donate_argnums=donate)
   args = make_args()
   t0 = time.perf_counter()
@@ -45,13 +47,14 @@ def timed(fn, make_args, *, iters=10, donate=()):
   compile_s = time.perf_counter() - t0
   times = []
   for i in range(iters + 2):
-    a = make_args() if (donate and i) else args
-    _block(a)
+    _block(args)
     t0 = time.perf_counter()
-    out = compiled(*a)
+    out = compiled(*args)
     _block(out)
     if i >= 2:
       times.append((time.perf_counter() - t0) * 1e3)
+    if donate:
+      args = feed(out, args)
     del out
   return compile_s, statistics.median(times), min(times)
 
@@ -60,10 +63,11 @@ class Recorder:
   def __init__(self, path, meta):
     self.path, self.doc = path, {"meta": meta, "rows": []}
 
-  def run(self, part, name, fn, make_args, *, bytes_moved=None, flops=None, donate=(), **extra):
+  def run(self, part, name, fn, make_args, *, bytes_moved=None, flops=None, donate=(), feed=None,
+          **extra):
     row = {"part": part, "name": name, **extra}
     try:
-      compile_s, ms, min_ms = timed(fn, make_args, donate=donate)
+      compile_s, ms, min_ms = timed(fn, make_args, donate=donate, feed=feed)
       row.update(status="ok", compile_s=round(compile_s, 2), ms=round(ms, 4), min_ms=round(min_ms, 4))
       if bytes_moved:
         row["bytes"] = int(bytes_moved)
@@ -83,6 +87,11 @@ class Recorder:
 
 def _normal(shape, dtype, seed=0, scale=0.02):
   return (jax.random.normal(jax.random.key(seed), shape, jnp.float32) * scale).astype(dtype)
+
+
+def _feed_leaf(out, args):
+  p, mu, nu = out
+  return p, args[1], mu, nu
 
 
 def part_adam(rec, dry, interpret):
@@ -109,9 +118,10 @@ def part_adam(rec, dry, interpret):
     tag = f"p={jnp.dtype(p_dtype).name},m={jnp.dtype(m_dtype).name}"
     for r in rows:
       rec.run("adam_leaf", f"mosaic_tpu rows={r} {tag}", step("mosaic_tpu", MosaicTPUConfig(r)),
-              leaf(p_dtype, m_dtype), bytes_moved=b, donate=(0, 2, 3), block_rows=r)
+              leaf(p_dtype, m_dtype), bytes_moved=b, donate=(0, 2, 3), block_rows=r,
+              feed=_feed_leaf)
     rec.run("adam_leaf", f"xla {tag}", step("xla", None), leaf(p_dtype, m_dtype), bytes_moved=b,
-            donate=(0, 2, 3))
+            donate=(0, 2, 3), feed=_feed_leaf)
 
   # A Pallas copy at each block size: what streaming can reach here.
   from jax.experimental import pallas as pl
@@ -131,12 +141,18 @@ def part_adam(rec, dry, interpret):
 
   for r in ((8, 32) if dry else (8, 32, 64, 128, 256, 512)):
     rec.run("copy", f"pallas copy rows={r}x{shape[1]}", copy(r),
-            lambda: (_normal(shape, jnp.float32),), bytes_moved=8 * n, donate=(0,), block_rows=r)
+            lambda: (_normal(shape, jnp.float32),), bytes_moved=8 * n, donate=(0,), block_rows=r,
+            feed=lambda out, a: (out,))
   rec.run("copy", "xla x+1", lambda x: x + 1.0, lambda: (_normal(shape, jnp.float32),),
-          bytes_moved=8 * n, donate=(0,))
+          bytes_moved=8 * n, donate=(0,), feed=lambda out, a: (out,))
   rec.run("copy", "xla p - lr*g (3 streams)", lambda p, g: p - 1e-3 * g,
           lambda: (_normal(shape, jnp.float32), _normal(shape, jnp.float32, 1)),
-          bytes_moved=12 * n, donate=(0,))
+          bytes_moved=12 * n, donate=(0,), feed=lambda out, a: (out, a[1]))
+
+
+def _feed_step(out, args):
+  """A step's (params, state) outputs as the next step's inputs, same grads."""
+  return out[0], out[1], args[2]
 
 
 def _tree(dry, dtype=jnp.float32):
@@ -180,32 +196,36 @@ def part_tree(rec, dry, interpret, block_rows):
       def f(p, s, g):
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s
-    rec.run("tree", name, f, make, bytes_moved=b_per_param * n, donate=(0, 1), params=n, **extra)
+    rec.run("tree", name, f, make, bytes_moved=b_per_param * n, donate=(0, 1), params=n,
+            feed=_feed_step, **extra)
     del grads
 
   ex = lambda impl: fo.Execution(implementation=impl)
+  adamw = lambda **kw: fo.adamw(1e-3, weight_decay=0.1, **kw)
   case("optax_adamw", optax.adamw(1e-3, weight_decay=0.1), jnp.float32, False, 28)
   case("optax_adamw_mu_bf16", optax.adamw(1e-3, weight_decay=0.1, mu_dtype=jnp.bfloat16),
        jnp.float32, False, 24)
   case("optax_adamw_bf16_params", optax.adamw(1e-3, weight_decay=0.1), jnp.bfloat16, False, 14)
-  default = adam_tpu.heuristic
-  for r in ((None,) if dry else (None,) + tuple(block_rows)):
-    if r is not None:
-      adam_tpu.heuristic = lambda size, r=r: MosaicTPUConfig(block_rows=r)
-    tag = "" if r is None else f" rows={r}"
+  case("fo_step", adamw(), jnp.float32, True, 20)
+  case("fo_dropin", adamw(), jnp.float32, False, 28)
+  case("fo_step_bf16_params", adamw(), jnp.bfloat16, True, 14)
+  # 8-bit: p, g 4 + 4, codes 1 + 1 in; p 4, codes 1 + 1 out; fp32 scales per 256 (in and out)
+  case("fo_step_int8", adamw(moment_dtype="int8"), jnp.float32, True, 16 + 16 / 256)
+  # 4-bit: p, g 4 + 4, codes 1/2 + 1/2 in; p 4, codes 1/2 + 1/2 out; fp32 scales per 128
+  case("fo_step_int4", adamw(moment_dtype="int4"), jnp.float32, True, 14 + 16 / 128)
+  for r in block_rows:
+    default = adam_tpu.heuristic
+    adam_tpu.heuristic = lambda size, r=r: MosaicTPUConfig(block_rows=r)
     try:
-      case(f"fo_step{tag}", fo.adamw(1e-3, weight_decay=0.1), jnp.float32, True, 20)
-      case(f"fo_step_bf16_params{tag}", fo.adamw(1e-3, weight_decay=0.1), jnp.bfloat16, True, 14)
-      case(f"fo_dropin{tag}", fo.adamw(1e-3, weight_decay=0.1), jnp.float32, False, 28)
+      case(f"fo_step rows={r}", adamw(), jnp.float32, True, 20, block_rows=r)
+      case(f"fo_step_int8 rows={r}", adamw(moment_dtype="int8"), jnp.float32, True,
+           16 + 16 / 256, block_rows=r)
     finally:
       adam_tpu.heuristic = default
-  case("fo_step[xla]", fo.adamw(1e-3, weight_decay=0.1, execution=ex("xla")), jnp.float32, True, 20)
-  case("fo_dropin[xla]", fo.adamw(1e-3, weight_decay=0.1, execution=ex("xla")), jnp.float32,
-       False, 20)
-  case("fo_step_bf16_params[xla]", fo.adamw(1e-3, weight_decay=0.1, execution=ex("xla")),
-       jnp.bfloat16, True, 14)
-  case("fo_step_fp32_moments", fo.adamw(1e-3, weight_decay=0.1, moment_dtype="float32"),
-       jnp.float32, True, 28)
+  case("fo_step[xla]", adamw(execution=ex("xla")), jnp.float32, True, 20)
+  case("fo_dropin[xla]", adamw(execution=ex("xla")), jnp.float32, False, 20)
+  case("fo_step_int8[xla]", adamw(moment_dtype="int8", execution=ex("xla")), jnp.float32, True,
+       16 + 16 / 256)
 
 
 def part_sr(rec, dry, interpret):
@@ -267,7 +287,7 @@ def part_muon(rec, dry, interpret):
       def f(p, s, g):
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s
-    rec.run("muon", name, f, make, donate=donate, params=n)
+    rec.run("muon", name, f, make, donate=donate, params=n, feed=_feed_step)
 
   def is_matrix(p):
     return jax.tree_util.tree_map_with_path(
@@ -290,11 +310,66 @@ def part_muon(rec, dry, interpret):
   case("fo_muon_step undonated", tx, True, donate=())
 
 
+def part_check(rec, dry, interpret):
+  """Each Mosaic TPU Adam kernel's output on the chip against the reference
+  (``implementation="xla"``) after two steps: codes and scales of the
+  blockwise formats (equal codes, scales to the ulp), bf16 moments and the
+  parameters (relative error)."""
+  from fuseopt.kernels import adam
+  from fuseopt.kernels.adam import int4 as q4, quantized as q8
+
+  shapes = ([(128, 512), (8, 2304)] if dry else
+            [(2048, 8192), (8192, 2048), (2048, 32000), (4096,), (16, 2048, 128)])
+  for fmt in ("bfloat16", "int8", "int4"):
+    for shape in shapes:
+      for p_dtype in (jnp.float32, jnp.bfloat16):
+        row = {"part": "check", "name": f"{fmt} {shape} p={jnp.dtype(p_dtype).name}"}
+        try:
+          p = _normal(shape, p_dtype, 1, 1.0)
+          if fmt == "int8":
+            mu, nu = q8.zeros(shape, signed=True), q8.zeros(shape, signed=False)
+          elif fmt == "int4":
+            mu, nu = q4.zeros(shape), q4.zeros(shape)
+          else:
+            mu = nu = jnp.zeros(shape, jnp.bfloat16)
+
+          def two(impl, p=p, mu=mu, nu=nu):
+            f = jax.jit(lambda p, g, mu, nu, c: adam.adam_update(
+                p, g, mu, nu, count=c, learning_rate=1e-2, weight_decay=0.1, seed=3,
+                implementation=impl, interpret=interpret if impl != "xla" else False))
+            for c in (1, 2):
+              p, mu, nu = f(p, _normal(shape, jnp.float32, 10 + c, 1.0), mu, nu, jnp.int32(c))
+            return p, mu, nu
+          got, want = two("mosaic_tpu"), two("xla")
+          p32 = lambda x: np.asarray(x, np.float32)
+          row["param_max_rel"] = float(np.max(np.abs(p32(got[0]) - p32(want[0])))
+                                       / np.max(np.abs(p32(want[0]))))
+          if fmt == "bfloat16":
+            row["moments_equal"] = float(np.mean(p32(got[1]) == p32(want[1])))
+            ok = row["moments_equal"] > 0.999
+          else:
+            codes = [np.mean(np.asarray(a.codes) == np.asarray(b.codes))
+                     for a, b in ((got[1], want[1]), (got[2], want[2]))]
+            scales = [float(np.max(np.abs(p32(a.scales) - p32(b.scales))
+                                   / np.maximum(np.abs(p32(b.scales)), 1e-30)))
+                      for a, b in ((got[1], want[1]), (got[2], want[2]))]
+            row.update(codes_equal=[float(c) for c in codes], scales_max_rel=scales)
+            ok = min(codes) > 0.999 and max(scales) < 1e-5
+          ok = ok and row["param_max_rel"] < (1e-2 if p_dtype == jnp.bfloat16 else 1e-5)
+          row["status"] = "ok" if ok else "wrong"
+        except Exception as e:  # noqa: BLE001
+          row.update(status="error", error=f"{type(e).__name__}: {str(e)[:600]}")
+        rec.doc["rows"].append(row)
+        print(json.dumps(row), flush=True)
+  with open(rec.path, "w") as f:
+    json.dump(rec.doc, f, indent=1)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("out")
-  ap.add_argument("--parts", nargs="+", default=["adam", "tree", "sr", "ns", "muon"])
-  ap.add_argument("--tree-block-rows", nargs="*", type=int, default=[4096])
+  ap.add_argument("--parts", nargs="+", default=["tree", "muon", "sr", "check", "ns"])
+  ap.add_argument("--tree-block-rows", nargs="*", type=int, default=[])
   ap.add_argument("--dry-run", action="store_true")
   a = ap.parse_args(argv)
   interpret = False
@@ -305,7 +380,7 @@ def main(argv=None):
   meta = {"device_kind": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
           "python": sys.version.split()[0], "dry_run": a.dry_run}
   rec = Recorder(a.out, meta)
-  parts = {"adam": part_adam, "sr": part_sr, "ns": part_ns, "muon": part_muon,
+  parts = {"adam": part_adam, "sr": part_sr, "ns": part_ns, "muon": part_muon, "check": part_check,
            "tree": functools.partial(part_tree, block_rows=a.tree_block_rows)}
   for p in a.parts:
     t0 = time.perf_counter()

@@ -42,10 +42,10 @@ def test_platform_order_picks_the_first_backend(target):
 
 
 def test_an_op_order_puts_its_measured_fastest_first():
-  """Stochastic rounding's own GPU order (stochastic_round/backends.py
+  """Stochastic rounding's own GPU and TPU order (stochastic_round/backends.py
   ``ORDER``): the reference, which XLA fuses into one streaming pass, is the
-  default call on a GPU; the kernel runs when named; other platforms keep
-  the common order."""
+  default call there; the kernel runs when named; the other ops keep the
+  common order."""
   from fuseopt.kernels.stochastic_round.backends import ORDER
   for kind in ("NVIDIA H200", "NVIDIA L4"):
     with jax.sharding.use_abstract_mesh(_gpu_mesh(kind)):
@@ -54,7 +54,9 @@ def test_an_op_order_puts_its_measured_fastest_first():
       assert dispatch.select("adam_update", ADAM_BACKENDS, None) == "triton"
   tpu = next(t for t in harness.TARGETS if t.implementation == "mosaic_tpu")
   with jax.sharding.use_abstract_mesh(harness.abstract_mesh(tpu)):
-    assert dispatch.select("stochastic_round", SR_BACKENDS, None, order=ORDER) == "mosaic_tpu"
+    assert dispatch.select("stochastic_round", SR_BACKENDS, None, order=ORDER) == "xla"
+    assert dispatch.select("stochastic_round", SR_BACKENDS, "mosaic_tpu", order=ORDER) == "mosaic_tpu"
+    assert dispatch.select("adam_update", ADAM_BACKENDS, None) == "mosaic_tpu"
 
 
 def test_cpu_and_unknown_platforms_run_the_reference(monkeypatch):

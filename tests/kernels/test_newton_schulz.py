@@ -322,13 +322,12 @@ def test_every_config_lowers(target, kind, triton_space, mosaic_space):
 @pytest.mark.parametrize("target", harness.TARGETS, ids=harness.TARGET_IDS)
 def test_op_lowers_on_anchor_shapes(target):
   """The default dispatch lowers on the benchmark's shapes: the kernels where
-  the platform's default runs them (a TPU; a GPU's Gram iterations), XLA's
-  matmuls for a GPU's standard iteration (backends.STANDARD_ORDER)."""
-  gpu = target.implementation == "triton"
+  the platform's default runs them (Gram iterations), XLA's matmuls for the
+  standard iteration on a GPU and a TPU (backends.STANDARD_ORDER)."""
   for shape, g in (((4096, 4096), False), ((16, 2048, 2048), False), ((2048, 8192), "auto")):
     harness.lower_for(target, lambda x: ns.newton_schulz(x, gram=g), S(shape, jnp.bfloat16),
-                      expect_kernel=not gpu or g == "auto")
-  # the default call (gram=None): Gram on Triton for the wide matrix on a GPU
+                      expect_kernel=g == "auto")
+  # the default call (gram=None): Gram on the Pallas path for the wide matrix
   for shape in ((2048, 8192), (4096, 4096)):
     harness.lower_for(target, ns.newton_schulz, S(shape, jnp.bfloat16),
-                      expect_kernel=not gpu or shape == (2048, 8192))
+                      expect_kernel=shape == (2048, 8192))

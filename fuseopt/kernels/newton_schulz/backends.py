@@ -55,11 +55,11 @@ BACKENDS = {
 }
 
 # What implementation=None and gram=None mean where a measurement set them
-# apart from dispatch.PLATFORM_ORDER (docs/measurements.md, "Newton–Schulz"):
-# on an H200 the Gram iteration ran fastest on the Triton path for matrices of
-# aspect ratio >= 2 (gram="auto"), and the standard iteration fastest as XLA's
-# own matmuls. Without a measurement (TPU, CPU) the common order and optax's
-# standard iteration stay.
-DEFAULT_GRAM = {"gpu": "auto", "cuda": "auto"}
-STANDARD_ORDER = {"gpu": ("xla",), "cuda": ("xla",)}
+# apart from dispatch.PLATFORM_ORDER (docs/measurements.md, "Newton–Schulz"
+# and "TPU v5e"): on an H200 and on a TPU v5e the Gram iteration ran fastest
+# for matrices of aspect ratio >= 2 (gram="auto"), on the platform's Pallas
+# path, and the standard iteration fastest as XLA's own matmuls. Without a
+# measurement (CPU) the common order and optax's standard iteration stay.
+DEFAULT_GRAM = {"gpu": "auto", "cuda": "auto", "tpu": "auto"}
+STANDARD_ORDER = {"gpu": ("xla",), "cuda": ("xla",), "tpu": ("xla",)}
 
