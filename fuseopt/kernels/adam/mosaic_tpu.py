@@ -104,6 +104,11 @@ def update(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpr
   # Reshapes that keep the TPU layout (elementwise_tiling.mosaic_tiling): no copies.
   leaf = ((p, g, mu, nu) if apply else (g, mu, nu)) + ((lo,) if tracked else ())
   arrays = tuple(a.reshape(tiling.view) for a in leaf)
+  if not interpret:
+    # The operands stay in HBM, where the kernel's pipeline reads them: left
+    # free, libtpu copies or slices whole operands into on-chip memory ahead
+    # of the kernel (an extra pass over them, docs/kernels.md).
+    arrays = tuple(pltpu.with_memory_space_constraint(a, pltpu.HBM) for a in arrays)
   spec = tiling.spec()
   out_shape = tuple(jax.ShapeDtypeStruct(tiling.view, d) for d in (
       (out_dtype, mu.dtype, nu.dtype) + ((lo.dtype,) if tracked else ())))

@@ -1,0 +1,130 @@
+"""Deviceless guards of the TPU kernels' speed: what makes a Mosaic kernel slow
+on a chip, seen without one.
+
+- **Bytes accessed against the byte model.** A fused AdamW step compiled for a
+  v5e by libtpu moves the bytes its format needs and no more (XLA's
+  ``cost_analysis``: each Pallas kernel by its declared cost, every other op
+  by its own traffic): left free, libtpu copies or slices a kernel's whole
+  operands into on-chip memory ahead of it, an extra pass that cost the
+  default step 30 % of its bytes (docs/kernels.md, "TPU: operands in HBM").
+- **No copy of an operand around a kernel**: no top-level ``copy``,
+  ``copy-start``, ``slice-start`` or ``transpose`` of 4 MiB or more in the
+  step's optimised HLO (a relayout or a prefetch is a full pass). Smaller
+  ones remain: the 4-bit scales of the vocabulary-wide head, (2048, 250)
+  fp32, which libtpu lays out row-major (its minor axis is past 128 lanes),
+  are transposed into and out of the kernel, 2 MiB each way, under 1 % of
+  that leaf's traffic.
+- **Block shape, VMEM and grid steps** of every Mosaic elementwise kernel on
+  the Llama tree's leaves: blocks of at least 32 Ki elements (a grid step has
+  a fixed cost), their double-buffered footprint inside the limit the kernel
+  asks for, and at most one grid step per 32 Ki elements of a leaf.
+
+The compile tests need libtpu (the ``compile`` extra) and skip without it;
+the tiling checks run everywhere.
+"""
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import fuseopt.optim as fo
+from fuseopt import targets
+from fuseopt.benchmarks import compile_harness, workloads
+from fuseopt.kernels import elementwise_tiling
+from fuseopt.kernels.adam import mosaic_tpu as adam_tpu
+
+TREE = dict(d=2048, ff=8192, layers=1, vocab=32000)
+MIN_BLOCK = 32 * 1024
+
+# Bytes a parameter of the fused step moves (read + written), by format:
+# p, g in; p out; each moment in and out; 8-bit: fp32 scales a 256-block,
+# 4-bit: a 128-block (docs/adam.md, "Memory").
+BYTE_MODEL = {
+    ("bfloat16", "float32"): 4 + 4 + 4 + 2 * (2 + 2),
+    ("bfloat16", "bfloat16"): 2 + 2 + 2 + 2 * (2 + 2),
+    ("int8", "float32"): 4 + 4 + 4 + 2 * (1 + 1) + 4 * 4 / 256,
+    ("int4", "float32"): 4 + 4 + 4 + 2 * (0.5 + 0.5) + 4 * 4 / 128,
+}
+_COPIES = re.compile(r"^\s*(?:ROOT )?\S+ = (\S+) (copy|copy-start|slice-start|transpose)\(", re.M)
+
+
+def _compiled_step(moment_dtype, p_dtype):
+  t = targets.get("v5e")
+  with targets.lowering_for(t, None):
+    params = workloads.llama_tree(p_dtype, abstract=True, **TREE)
+    tx = fo.adamw(1e-3, weight_decay=0.1, moment_dtype=moment_dtype)
+    args = compile_harness._placed(t, (params, jax.eval_shape(tx.init, params), params))
+    lowered = jax.jit(lambda p, s, g: fo.step(tx, g, s, p), donate_argnums=(0, 1)).trace(
+        *args).lower(lowering_platforms=(t.lowering_platform,))
+  return params, lowered.compile()
+
+
+def _element_bytes(shape_text: str) -> int:
+  """Bytes of an HLO array type such as ``f32[2048,2048]{1,0:T(8,128)}``."""
+  m = re.match(r"\(?(\w+)\[([\d,]*)\]", shape_text)
+  if not m:
+    return 0
+  dims = [int(d) for d in m.group(2).split(",") if d]
+  return math.prod(dims) * max(1, int(re.sub(r"\D", "", m.group(1)) or 8) // 8)
+
+
+@pytest.mark.parametrize("moment_dtype,p_dtype", list(BYTE_MODEL),
+                         ids=[f"{m}-p{jnp.dtype(p).name}" for m, p in BYTE_MODEL])
+def test_fused_step_moves_the_byte_model(moment_dtype, p_dtype):
+  why = targets.missing("v5e")
+  if why:
+    pytest.skip(why)
+  params, compiled = _compiled_step(moment_dtype, jnp.dtype(p_dtype))
+  n = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  per_param = cost["bytes accessed"] / n
+  # (the 1-D norms, which keep bf16 moments under the blockwise formats, and
+  # the step's scalars are the slack)
+  assert per_param == pytest.approx(BYTE_MODEL[moment_dtype, p_dtype], rel=0.01), per_param
+  entry = compiled.as_text()
+  entry = entry[entry.index("ENTRY"):]
+  big = [m.group(0).strip()[:160] for m in _COPIES.finditer(entry)
+         if _element_bytes(m.group(1)) >= 4 << 20]
+  assert not big, f"copies of leaf-sized arrays around the kernels: {big}"
+
+
+def _leaves():
+  return jax.tree.leaves(workloads.llama_tree(jnp.float32, abstract=True, **TREE))
+
+
+@pytest.mark.parametrize("p_dtype,m_dtype", [(jnp.float32, jnp.bfloat16),
+                                             (jnp.bfloat16, jnp.bfloat16)])
+def test_adam_kernel_blocks_fill_vmem_budget(p_dtype, m_dtype):
+  config = adam_tpu.heuristic(0)
+  for leaf in _leaves():
+    p = jax.ShapeDtypeStruct(leaf.shape, p_dtype)
+    mu = jax.ShapeDtypeStruct(leaf.shape, m_dtype)
+    tiling = adam_tpu.tiling_of(p, p, mu, mu, p_dtype, config)
+    assert tiling is not None, leaf.shape
+    block = math.prod(b or 1 for b in tiling.block)
+    size = math.prod(leaf.shape)
+    assert block >= min(MIN_BLOCK, size), (leaf.shape, tiling)
+    assert math.prod(tiling.grid) <= max(1, size // MIN_BLOCK), (leaf.shape, tiling)
+    vmem = tiling.vmem_bytes(adam_tpu.stream_bytes_of(p, p, mu, mu, p_dtype))
+    assert vmem <= elementwise_tiling.MOSAIC_VMEM_BYTES
+    assert elementwise_tiling.mosaic_vmem_limit(vmem) >= vmem
+
+
+@pytest.mark.parametrize("layout", ["int8", "int4"])
+def test_blockwise_kernel_grid_is_bounded(layout):
+  """The blockwise kernels' steps hold whole row groups, at most
+  ``_GROUPS`` a step (the kernel body's loop), and at least 32 Ki elements
+  where the leaf has them."""
+  config = adam_tpu.heuristic(0)
+  for leaf in _leaves():
+    view = adam_tpu.quantized_view(leaf.shape)
+    tiling = adam_tpu.quantized_tiling(view, config, layout)
+    assert tiling is not None, leaf.shape
+    size = math.prod(leaf.shape)
+    assert tiling.groups <= 2 * adam_tpu._GROUPS
+    assert tiling.rows * tiling.groups * 256 >= min(MIN_BLOCK, size), (leaf.shape, tiling)
+    assert math.prod(tiling.grid) <= max(1, size // MIN_BLOCK), (leaf.shape, tiling)
