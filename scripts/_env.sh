@@ -3,7 +3,7 @@
 #
 #   fuseopt_venv LEG EXTRAS     LEG: newest (.venv, Python 3.13, the newest
 #                               supported jax) or floor (.venv-floor, Python
-#                               3.12, jax 0.11.2 and optax 0.2.8, pinned by
+#                               3.11, jax 0.10.2 and optax 0.2.8, pinned by
 #                               scripts/floor-constraints.txt); EXTRAS: a
 #                               comma-separated list (test,bench,compile).
 # Sets VENV and puts its bin/ first on PATH. The supported matrix:
@@ -28,7 +28,7 @@ fuseopt_venv() {
   LEG="$1"; local extras="$2" py constraints=()
   case "$LEG" in
     newest) VENV="$ROOT/.venv"; py=3.13 ;;
-    floor) VENV="$ROOT/.venv-floor"; py=3.12
+    floor) VENV="$ROOT/.venv-floor"; py=3.11
            constraints=(-c "$ROOT/scripts/floor-constraints.txt")
            extras="${extras//compile/compile-floor}" ;;
     *) echo "unknown leg '$LEG' (newest, floor)" >&2; return 2 ;;

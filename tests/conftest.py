@@ -42,18 +42,31 @@ def pytest_configure(config):
   config.addinivalue_line(
       "markers", "fresh_inputs: draws fresh random inputs every run (harness.fresh_key); "
       "set on collection, selected by scripts/seed-sweep")
+  config.addinivalue_line(
+      "markers", "mosaic_gpu_refusal: a Mosaic GPU test that checks what fuseopt refuses or "
+      "chooses without running a Mosaic GPU kernel: runs on every release (the others, every "
+      "test whose id names mosaic_gpu, skip where jax's Mosaic GPU lacks what the kernels use)")
 
 
 def pytest_collection_modifyitems(config, items):
   """Marks the tests that draw fresh random inputs, so that the seed sweep
   (scripts/seed-sweep, docs/testing.md) runs only the tests whose inputs
-  change between runs."""
+  change between runs; skips what the installed release cannot run (FMA,
+  Mosaic GPU)."""
   import inspect
   import pytest
+  from fuseopt import compat
   fma_skip = pytest.mark.skip(reason="needs XLA:CPU without FMA (FUSEOPT_TEST_FMA=0; docs/testing.md)")
+  # A release whose Mosaic GPU lacks what fuseopt's kernels use (jax 0.10.2):
+  # the mosaic_gpu backend refuses every call there (compat.py), and the tests
+  # that run its kernels skip with the same reason.
+  mosaic_gpu_reason = compat.mosaic_gpu_release_reason()
   for item in items:
     if not FMA_OFF and item.get_closest_marker("fma_off") is not None:
       item.add_marker(fma_skip)
+    if (mosaic_gpu_reason and "mosaic_gpu" in item.nodeid
+        and item.get_closest_marker("mosaic_gpu_refusal") is None):
+      item.add_marker(pytest.mark.skip(reason=mosaic_gpu_reason))
     fn = getattr(item, "function", None)
     try:
       fresh = fn is not None and "fresh_key(" in inspect.getsource(fn)

@@ -63,6 +63,7 @@ from typing import Any, Iterable, Mapping
 
 import jax
 
+from fuseopt import compat
 from fuseopt.kernels import interpret as interpret_lib
 
 logger = logging.getLogger("fuseopt")
@@ -300,7 +301,9 @@ def select(op: str, backends: Mapping[str, Any], implementation: str | None,
 
 def mosaic_gpu_reason(call: Call) -> str | None:
   """Why a Mosaic GPU kernel cannot be compiled for ``call``'s target: only
-  an sm_90 GPU (H100, H200) takes one, or any machine in interpret mode.
+  an sm_90 GPU (H100, H200) takes one, or any machine in interpret mode; and
+  only on a jax release whose Mosaic GPU has what the kernels use
+  (:func:`fuseopt.compat.mosaic_gpu_release_reason`: jax 0.10.2 has not).
 
   Checked before anything is traced into a kernel: compiling a Mosaic GPU
   kernel for an sm_89 GPU (L4, RTX 4090) aborts the whole process inside LLVM
@@ -308,7 +311,7 @@ def mosaic_gpu_reason(call: Call) -> str | None:
   it must never be attempted.
   """
   if call.interpret:
-    return None
+    return compat.mosaic_gpu_release_reason()
   t = call.target
   if t.platform not in ("gpu", "cuda"):
     return (f"Mosaic GPU compiles for NVIDIA sm_90 GPUs (H100, H200) only, and the target is a "
@@ -322,7 +325,7 @@ def mosaic_gpu_reason(call: Call) -> str | None:
             f"{t.device_kind!r} has {what}. Compiling a Mosaic GPU kernel for sm_89 (L4, "
             f"RTX 4090) aborts the process inside LLVM, so fuseopt refuses before lowering: use "
             f"implementation='triton' (the GPU default) there")
-  return None
+  return compat.mosaic_gpu_release_reason()
 
 
 def check_mosaic_gpu_target(op: str, interpret: bool, arrays: Iterable[Any] = ()) -> None:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import layout as jax_layout
 
+from fuseopt import compat
 from fuseopt import kernels
 from fuseopt.kernels import counter_hash
 from fuseopt.kernels.adam import quantized
@@ -98,10 +98,12 @@ def in_leaf_layout(x, platform: str):
   output at the end of the step, so every such leaf's new parameter stays
   live until then (docs/fused_step.md has the measured cost). A layout
   changes no value; on other platforms nothing is pinned, so their programs
-  stay as they were.
+  stay as they were. The pin is :func:`fuseopt.compat.pin_layout`, which a
+  jitted step may return and donate into on every supported release (a bare
+  ``with_layout_constraint`` as a donated step's output raises on jax
+  0.10.2).
   """
   if platform != "tpu":
     return x
   # (a mantissa-tracked parameter is a pair: both halves pinned)
-  return jax.tree.map(lambda t: jax_layout.with_layout_constraint(
-      t, jax_layout.Layout(tuple(range(jnp.ndim(t))))), x)
+  return jax.tree.map(lambda t: compat.pin_layout(t, tuple(range(jnp.ndim(t)))), x)

@@ -60,7 +60,7 @@ def test_tree_mixes_8bit_and_bf16_leaves_like_single_calls():
   mus = [Q.zeros(s, signed=True) if Q.fits(s) else jnp.zeros(s, BF16) for s in shapes]
   nus = [Q.zeros(s, signed=False) if Q.fits(s) else jnp.zeros(s, BF16) for s in shapes]
   hp = {k_: v for k_, v in bw.HYPER.items() if k_ != "leaf_index"}
-  for impl in ("xla", *KERNELS):
+  for impl in harness.runnable("xla", *KERNELS):
     tree = adam_update_tree(ps, gs, mus, nus, count=1, implementation=impl, interpret=True, **hp)
     for i in range(3):
       one = adam_update(ps[i], gs[i], mus[i], nus[i], count=1, implementation=impl,
@@ -181,7 +181,7 @@ def test_nu_never_zero_where_fp32_nu_is_positive():
   # Through the kernel: a gradient of tiny values after a large one.
   g = jnp.asarray(np.concatenate([[1e3], np.full(Q.BLOCK - 1, 1e-9)]), F32)
   mu, nu = Q.zeros((Q.BLOCK,), signed=True), Q.zeros((Q.BLOCK,), signed=False)
-  for impl in ("xla", *KERNELS):
+  for impl in harness.runnable("xla", *KERNELS):
     _, _, new_nu = adam_update(None, g, mu, nu, count=1, implementation=impl, interpret=True)
     assert np.all(np.asarray(Q.dequantize(new_nu, signed=False)) > 0), impl
 

@@ -240,7 +240,7 @@ def test_tracked_step_can_be_skipped_bitwise():
   p, g, mu, nu = _leaf(jax.random.key(11), (16, 128))
   p = p.at[0, :3].set(jnp.array([jnp.nan, jnp.inf, -0.0]))
   hi, lo = mantissa.split(p)
-  for impl in ("xla", "triton", "mosaic_tpu", "mosaic_gpu"):
+  for impl in harness.runnable("xla", "triton", "mosaic_tpu", "mosaic_gpu"):
     got = jax.jit(lambda hi, g, mu, nu, lo, a: adam_update(
         hi, g, mu, nu, count=2, apply=a, params_lo=lo, implementation=impl, interpret=True,
         **HYPER))(hi, g, mu, nu, lo, jnp.bool_(False))

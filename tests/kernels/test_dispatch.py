@@ -86,6 +86,30 @@ def test_a_forced_backend_that_cannot_run_raises_with_op_backend_and_reason():
     dispatch.select("newton_schulz", NS_BACKENDS, "mosaic")
 
 
+@pytest.mark.mosaic_gpu_refusal
+def test_mosaic_gpu_is_refused_on_a_release_without_what_its_kernels_use(monkeypatch):
+  """Every op's mosaic_gpu backend, in interpret mode or for an H200, refuses
+  with the release's reason (fuseopt.compat) where jax's Mosaic GPU lacks
+  what the kernels use (jax 0.10.2), naming the op and the backend."""
+  from fuseopt import compat
+  if compat.mosaic_gpu_missing():        # such a release: its own reason
+    reason = compat.mosaic_gpu_release_reason()
+    assert "jax >= 0.11.2's Mosaic GPU" in reason and jax.__version__ in reason
+  else:                                  # else as that release would say
+    monkeypatch.setattr(compat, "mosaic_gpu_missing", lambda: ("plgpu.something",))
+  for op, backends in OPS.items():
+    with pytest.raises(ValueError, match=rf"{op}: implementation='mosaic_gpu' cannot run this "
+                                         r"call: .*need jax >= 0\.11\.2's Mosaic GPU"):
+      dispatch.select(op, backends, "mosaic_gpu", interpret=True)
+    with jax.sharding.use_abstract_mesh(_gpu_mesh("NVIDIA H200")):
+      with pytest.raises(ValueError, match=r"need jax >= 0\.11\.2's Mosaic GPU"):
+        dispatch.select(op, backends, "mosaic_gpu")
+  # The target is still checked first: an L4 is refused for its compute capability.
+  with jax.sharding.use_abstract_mesh(_gpu_mesh("NVIDIA L4")):
+    with pytest.raises(ValueError, match=r"compute capability 8\.9"):
+      dispatch.select("adam_update", ADAM_BACKENDS, "mosaic_gpu")
+
+
 def test_an_untileable_leaf_falls_back_to_the_reference_and_is_logged(caplog):
   p, g, mu, nu = (jnp.full((3, 5), v, jnp.float32) for v in (1.0, 0.5, 0.1, 0.2))
   with caplog.at_level(logging.DEBUG, logger="fuseopt"):

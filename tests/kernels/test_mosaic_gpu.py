@@ -315,6 +315,7 @@ def test_never_the_default_but_selectable(monkeypatch):
                                fromlist=["x"]).InterpretGPUParams)
 
 
+@pytest.mark.mosaic_gpu_refusal
 def test_compute_capabilities():
   assert _backend.compute_capability("NVIDIA H200") == (9, 0)
   assert _backend.compute_capability("NVIDIA H100 80GB HBM3") == (9, 0)
@@ -339,6 +340,7 @@ def _step_call(x):
   return fo.step(tx, {"w": x}, tx.init({"w": x}), {"w": x})
 
 
+@pytest.mark.mosaic_gpu_refusal
 @pytest.mark.parametrize("call", [_sr_call, _adam_call, _step_call], ids=["sr", "adam", "step"])
 @pytest.mark.parametrize("kind", ["NVIDIA L4", "NVIDIA GeForce RTX 4090"])
 def test_refused_on_sm89_before_lowering(call, kind):

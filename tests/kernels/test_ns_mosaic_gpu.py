@@ -102,6 +102,7 @@ def test_fused_every_config(request, config):
   assert _rel_err(got, fused.ns_fused_reference(x, table)) < 2e-2
 
 
+@pytest.mark.mosaic_gpu_refusal
 def test_fused_path_choice():
   assert fused.fits(MGPU, 128, 512) and fused.fits(MGPU, 64, 1536)
   assert not fused.fits(MGPU, 129, 256) and not fused.fits(MGPU, 128, 1024)
@@ -170,6 +171,7 @@ def _ns_call(x):
   return ns.newton_schulz(x, implementation=MGPU)
 
 
+@pytest.mark.mosaic_gpu_refusal
 @pytest.mark.parametrize("kind", ["NVIDIA L4", "NVIDIA GeForce RTX 4090"])
 def test_refused_on_sm89_before_lowering(kind):
   """Traced (never lowered) under an sm_89 device: a clear error naming the
@@ -190,6 +192,7 @@ def test_refused_without_a_gpu_and_for_fp32_iterates():
               interpret=_interp())
 
 
+@pytest.mark.mosaic_gpu_refusal
 def test_never_the_default_but_selectable(monkeypatch):
   """``None`` stays Triton on every GPU (an L4 traces: no Mosaic GPU is
   attempted); the environment override selects Mosaic GPU (and so the L4
