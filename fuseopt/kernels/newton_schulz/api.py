@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from fuseopt.kernels import _validate
 from fuseopt.kernels import dispatch
-from fuseopt.kernels.newton_schulz.backends import BACKENDS, DEFAULT_GRAM, STANDARD_ORDER
+from fuseopt.kernels.newton_schulz.backends import BACKENDS, DEFAULT_GRAM, GRAM_ORDER, STANDARD_ORDER
 from fuseopt.kernels.newton_schulz.coefficients import coefficient_table
 from fuseopt.kernels.newton_schulz.coefficients import DEFAULT_STEPS
 from fuseopt.kernels.newton_schulz.coefficients import GRAM_AUTO_ASPECT
@@ -63,12 +63,13 @@ def newton_schulz(x, *, coeffs="polar_express", steps=None, ns_dtype=jnp.bfloat1
       ``"auto"`` (from aspect ratio 2), a tuple of step indices setting the
       restarts (``(2,)``: one restart, fewer FLOPs, less accurate on
       ill-conditioned inputs), or ``None`` (default): the platform's fastest
-      measured (``backends.DEFAULT_GRAM``): ``"auto"`` on a GPU, ``False``
-      (optax's iteration) elsewhere.
-    implementation: ``None`` (chosen by :mod:`fuseopt.kernels.dispatch`; on a
-      GPU without ``config``, the standard iteration runs as XLA's matmuls and
-      the Gram iteration on Triton, each the faster measured there:
-      ``backends.STANDARD_ORDER``), ``"xla"``, ``"triton"``, ``"mosaic_tpu"``
+      measured (``backends.DEFAULT_GRAM``): ``"auto"`` on a GPU and a TPU,
+      ``False`` (optax's iteration) elsewhere.
+    implementation: ``None`` (chosen by :mod:`fuseopt.kernels.dispatch`;
+      without ``config``, the standard iteration runs as XLA's matmuls on a
+      GPU and a TPU, and the Gram iteration on Triton on a GPU and as XLA's
+      matmuls on a TPU, each the faster measured there:
+      ``backends.STANDARD_ORDER``, ``GRAM_ORDER``), ``"xla"``, ``"triton"``, ``"mosaic_tpu"``
       or ``"mosaic_gpu"`` (sm_90 GPUs only, bf16/f16 iterates:
       :mod:`.mosaic_gpu`; never chosen by ``None``).
     interpret: run a Pallas backend in interpret mode (CPU debugging).
@@ -92,7 +93,7 @@ def newton_schulz(x, *, coeffs="polar_express", steps=None, ns_dtype=jnp.bfloat1
   batch, m, n = xb.shape
   restarts = gram_restarts(gram, m, n, coeffs)
   # (a config asks for a Pallas path: the common order)
-  order = STANDARD_ORDER if restarts is None and config is None else None
+  order = None if config is not None else STANDARD_ORDER if restarts is None else GRAM_ORDER
   impl = dispatch.select(OP_NAME, BACKENDS, implementation, (x,), interpret=interpret,
                          overrides=overrides, order=order, shape=x.shape, dtype=x.dtype,
                          ns_dtype=ns_dtype)

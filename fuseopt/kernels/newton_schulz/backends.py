@@ -57,9 +57,12 @@ BACKENDS = {
 # What implementation=None and gram=None mean where a measurement set them
 # apart from dispatch.PLATFORM_ORDER (docs/measurements.md, "Newton–Schulz"
 # and "TPU v5e"): on an H200 and on a TPU v5e the Gram iteration ran fastest
-# for matrices of aspect ratio >= 2 (gram="auto"), on the platform's Pallas
-# path, and the standard iteration fastest as XLA's own matmuls. Without a
+# for matrices of aspect ratio >= 2 (gram="auto"; on an H200 on the Triton
+# path), and the standard iteration fastest as XLA's own matmuls. Without a
 # measurement (CPU) the common order and optax's standard iteration stay.
 DEFAULT_GRAM = {"gpu": "auto", "cuda": "auto", "tpu": "auto"}
 STANDARD_ORDER = {"gpu": ("xla",), "cuda": ("xla",), "tpu": ("xla",)}
+# On a TPU v5e XLA's matmuls also ran the Gram iteration fastest (its
+# symmetric products on the Mosaic path lost to them at every shape).
+GRAM_ORDER = {"tpu": ("xla",)}
 
