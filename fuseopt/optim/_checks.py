@@ -62,6 +62,16 @@ def static_value(value):
   return value.value if isinstance(value, StaticDefault) else value
 
 
+def passes_through(x) -> bool:
+  """Whether a parameter (or state) leaf is one the optimizers leave alone:
+  an integer or bool leaf (a step counter, a token table kept among the
+  params). It gets a zero update in its own dtype and its state keeps
+  ``init``'s dtypes, step after step, in ``update`` and in the fused step
+  alike (optax's Adam would turn its ``mu`` into float32 and decay the
+  integers)."""
+  return not jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
 def number(owner: str, name: str, value, *, schedule: bool = False,
            optional: bool = False) -> float | None:
   """The concrete float to check in ``value``, or None when there is nothing

@@ -289,11 +289,17 @@ def _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, nu_dtype, seed,
     g = [jnp.asarray(x) for x in treedef.flatten_up_to(updates)]
     mu, nu = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
     count = optax.safe_increment(state.count)
+    # An integer leaf (its nu in the parameter's dtype) gets a zero update in
+    # that dtype and keeps its moments as init made them.
+    idle = {i for i in range(len(g)) if not kernel_formats.is_blockwise(nu[i])
+            and _checks.passes_through(nu[i])}
     # (blockwise moments always take the kernel, which names a gradient dtype it cannot read)
-    fused = {i for i in range(len(g)) if kernel_formats.is_blockwise(mu[i])
-             or {g[i].dtype, mu[i].dtype, nu[i].dtype} <= set(KERNEL_DTYPES)}
-    rest = [i for i in range(len(g)) if i not in fused]
+    fused = {i for i in range(len(g)) if i not in idle and (kernel_formats.is_blockwise(mu[i])
+             or {g[i].dtype, mu[i].dtype, nu[i].dtype} <= set(KERNEL_DTYPES))}
+    rest = [i for i in range(len(g)) if i not in fused and i not in idle]
     u, new_mu, new_nu = [None] * len(g), list(mu), list(nu)
+    for i in idle:
+      u[i] = jnp.zeros(jnp.shape(nu[i]), jnp.result_type(nu[i]))
     leaf_shardings = kernel_sharding.flatten_shardings(execution.shardings, treedef.unflatten(g),
                                                        owner="scale_by_adam", strict=True)
     if fused:
@@ -373,6 +379,16 @@ def _in_place(hp: AdamHyperparams, decay_at: Optional[int], lr_at: int):
     _check_moment_format(name, hp.nu_dtype, adam_state.mu)
     mu_leaves = treedef.flatten_up_to(adam_state.mu)
     nu_leaves = treedef.flatten_up_to(adam_state.nu)
+    # Integer leaves stand in as empty arrays (leaf i keeps rounding seed i, as
+    # in update) and come back as they were: no update, moments as init made them.
+    idle = [_checks.passes_through(p) for p in p_leaves]
+    kept = (list(p_leaves), list(mu_leaves), list(nu_leaves))
+    if any(idle):
+      empty = jnp.zeros((0,), jnp.float32)
+      pick = lambda xs: [empty if d else x for d, x in zip(idle, xs)]
+      p_leaves, g_leaves, mu_leaves, nu_leaves = map(pick, (p_leaves, g_leaves, mu_leaves,
+                                                            nu_leaves))
+      wds = [0.0 if d else w for d, w in zip(idle, wds)]
     for leaves in (p_leaves, g_leaves, mu_leaves, nu_leaves):
       for x in leaves:
         if not kernel_formats.is_blockwise(x) and jnp.result_type(x) not in KERNEL_DTYPES:
@@ -394,13 +410,15 @@ def _in_place(hp: AdamHyperparams, decay_at: Optional[int], lr_at: int):
         interpret=hp.execution.interpret,
         group=ctx.group, grad_scale=1.0 if ctx.grad_scale is None else ctx.grad_scale,
         apply=True if ctx.apply is None else ctx.apply,
-        shardings=kernel_sharding.flatten_shardings(
+        shardings=_but_idle(kernel_sharding.flatten_shardings(
             hp.execution.shardings if ctx.shardings is None else ctx.shardings, visible,
-            owner=name if ctx.shardings is None else "step", strict=True),
+            owner=name if ctx.shardings is None else "step", strict=True), idle),
         **variants)
     new_p, mu, nu = outs[:3]
     if "params_lo" in variants:
       new_p = mantissa.pair(new_p, outs[3])
+    new_p, mu, nu = ([k if d else x for d, k, x in zip(idle, old, new)]
+                     for old, new in zip(kept, (new_p, mu, nu)))
     new_adam = optax.ScaleByAdamState(count=ctx.keep(count, adam_state.count),
                                       mu=treedef.unflatten(mu), nu=treedef.unflatten(nu))
     # The chain's other states (weight-decay and learning-rate schedules,
@@ -410,6 +428,13 @@ def _in_place(hp: AdamHyperparams, decay_at: Optional[int], lr_at: int):
 
   name = "adamw" if decay_at is not None else "adam"
   return fusion.InPlace(name, apply=apply)
+
+
+def _but_idle(leaf_shardings, idle):
+  """Each leaf's sharding, None for the empty stand-ins of integer leaves."""
+  if leaf_shardings is None:
+    return None
+  return [None if d else s for d, s in zip(idle, leaf_shardings)]
 
 
 def _fused(chain, hp: AdamHyperparams, decay_at=None, lr_at=1) -> FusedAdamTransformation:

@@ -465,7 +465,7 @@ def build_muon(args, piece=None, owner="muon") -> optax.GradientTransformation:
   execution = _checks.as_record(owner, "execution", a.execution, Execution)
   adam_learning_rate = a.learning_rate if a.adam_learning_rate is None else a.adam_learning_rate
   weight_decay_mask = a.weight_decay_mask
-  specs, param_labels = _muon_split(a.muon_weight_dimension_numbers)
+  specs, param_labels = _muon_split(a.muon_weight_dimension_numbers, owner)
   decay = _add_decayed_weights(weight_decay, weight_decay_mask, specs, cautious)
 
   direction = muon_direction(dict(
@@ -486,7 +486,7 @@ def build_muon(args, piece=None, owner="muon") -> optax.GradientTransformation:
   )
 
 
-def _muon_split(muon_weight_dimension_numbers):
+def _muon_split(muon_weight_dimension_numbers, owner="muon"):
   """``(specs, param_labels)``: the leaves' specs (a
   :class:`~fuseopt.optim.muon_plan.SpecReader`) and the labels that send each
   leaf to Muon or AdamW, both from one read of the declaration a tree. The
@@ -495,7 +495,9 @@ def _muon_split(muon_weight_dimension_numbers):
   experts' decay gate and NorMuon's state take that same read."""
   if muon_weight_dimension_numbers is None:
     def read(tree):
-      return [MuonDimensionNumbers() if jnp.ndim(x) == 2 else None for x in jax.tree.leaves(tree)]
+      # (an integer leaf goes to the AdamW side, which passes it through)
+      return [MuonDimensionNumbers() if jnp.ndim(x) == 2 and not _checks.passes_through(x)
+              else None for x in jax.tree.leaves(tree)]
   else:
     def dims_fn(tree):
       # ``tree`` the whole tree, or the Muon side's view of it (MaskedNode
@@ -506,7 +508,19 @@ def _muon_split(muon_weight_dimension_numbers):
         return jax.tree.map(lambda _: dims, tree)
       aligned = muon_axes.align_to(dims, tree, muon_plan.is_spec_or_none)  # a dict on nnx state
       return muon_plan.broadcast_specs(aligned, tree)
-    read = functools.partial(muon_plan.declared_specs, dims_fn)
+    declared = functools.partial(muon_plan.declared_specs, dims_fn)
+
+    def read(tree):
+      specs = declared(tree)
+      flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+      for (path, x), spec in zip(flat, specs):
+        if spec is not None and _checks.passes_through(x):
+          raise ValueError(
+              f"{owner}: muon_weight_dimension_numbers declares the leaf at "
+              f"{jax.tree_util.keystr(path) or '<root>'} a Muon matrix, but it is "
+              f"{jnp.result_type(x)}: integer and bool leaves get no update; declare None for "
+              f"it (the AdamW side passes it through)")
+      return specs
   specs = muon_plan.SpecReader(read)
 
   def param_labels(params):
