@@ -50,6 +50,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fuseopt.kernels import mantissa as bits
@@ -123,13 +124,40 @@ def store(x32, like):
 MASTER_BITS = {32: bits.EXACT, 24: bits.MASTER24}
 
 
+_MASTER_BITS_VALUES = (f"one of {tuple(MASTER_BITS)} (32: an fp32 master, an int16 companion; "
+                       f"24: a 24-bit master, an int8 companion)")
+
+
 def companion_dtype_of(owner: str, master_bits) -> jnp.dtype:
-  """The companion dtype of ``master_bits`` (32 or 24), checked."""
-  if isinstance(master_bits, bool) or master_bits not in MASTER_BITS:
-    raise ValueError(f"{owner}: master_bits must be one of {tuple(MASTER_BITS)} (32: an fp32 "
-                     f"master, an int16 companion; 24: a 24-bit master, an int8 companion), "
-                     f"got {master_bits!r}")
-  return MASTER_BITS[master_bits]
+  """The companion dtype of ``master_bits`` (32 or 24), checked: a Python
+  int, or a concrete NumPy / jax integer scalar taken as its int. Anything
+  else is a ``TypeError`` (a bool, a float, a list, an array that is not a
+  scalar, a traced value), an int outside the two a ``ValueError``, each
+  naming ``master_bits`` and both accepted values."""
+  value = master_bits
+  if isinstance(value, (jax.Array, np.ndarray, np.generic)) and not isinstance(
+      value, (jax.core.Tracer, np.bool_)) and np.ndim(value) == 0 and jnp.issubdtype(
+          jnp.result_type(value), jnp.integer):
+    value = int(value)
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise TypeError(f"{owner}: master_bits must be {_MASTER_BITS_VALUES}, a static int, got "
+                    f"{master_bits!r}")
+  if value not in MASTER_BITS:
+    raise ValueError(f"{owner}: master_bits must be {_MASTER_BITS_VALUES}, got {master_bits!r}")
+  return MASTER_BITS[value]
+
+
+def _check_inner(owner: str, tx) -> None:
+  """``tx`` must be an optax transformation that is not itself wrapped: a
+  second companion would complete the first wrapper's fp32 masters, which
+  are no bf16 parameters."""
+  if not isinstance(tx, optax.GradientTransformation):
+    raise TypeError(f"{owner}: tx must be an optax GradientTransformation (e.g. "
+                    f"fuseopt.optim.adamw(...), fuseopt.optim.muon(...)), got {tx!r}")
+  rule = fusion.in_place_rule(tx)
+  if rule is not None and rule.name == "mantissa":
+    raise ValueError(f"{owner}: tx is a track_mantissa(...) already; wrap the optimizer once "
+                     f"(master_bits=32 for an fp32 master, 24 for a 24-bit one)")
 
 
 def check_bf16_params(owner: str, params) -> None:
@@ -218,6 +246,7 @@ def track_mantissa(tx, master_bits: int = 32,
   pass.
   """
 
+  _check_inner(owner, tx)
   companion_dtype = companion_dtype_of(owner, master_bits)
 
   def init_fn(params):
