@@ -255,6 +255,7 @@ def direction_transform(direction: muon_pipeline.Direction) -> optax.GradientTra
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    muon_store.check_momentum_format("scale_by_muon", direction.mu_dtype, state.mu)
     out, treedef, new_state = muon_pipeline.run(direction, updates, state)
     return treedef.unflatten(out), new_state
 
@@ -301,10 +302,11 @@ def _adamw(learning_rate, b1, b2, eps, eps_root, weight_decay, mu_dtype, moment_
   keeps optax's dtypes (mu in ``mu_dtype`` or the parameter's, nu in the
   parameter's); a leaf the kernel cannot take (float16, say) runs optax's
   arithmetic with ``mu_dtype``, so its update keeps the parameter's dtype.
-  With blockwise (8-bit or 4-bit) moments both of the AdamW side's moments are in that format: ``mu_dtype``
-  is then Muon's momentum's alone; so is an 8-bit ``mu_dtype`` ("int8": the
-  AdamW side's moments are then ``moment_dtype``'s, mu included)."""
-  if moment_dtype in _checks.BLOCKWISE or _checks.muon_mu_dtype("muon", mu_dtype) == _checks.INT8:
+  With any ``moment_dtype`` but None both of the AdamW side's moments are in
+  that format, mu included: ``mu_dtype`` is then Muon's momentum's alone
+  (so a state whose Muon momentum :func:`~fuseopt.optim.convert_moments`
+  converted is taken by the ``muon`` of the new ``mu_dtype``)."""
+  if moment_dtype is not None:
     mu_dtype = None
   return adam_transforms.adamw(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                                mu_dtype=mu_dtype, weight_decay=weight_decay, nesterov=nesterov,
@@ -328,6 +330,7 @@ def _muon_branch(direction, decay, learning_rate, weight_decay, weight_decay_mas
 
   def apply(grads, state, params, ctx):
     muon_state, shape_state, decay_state, lr_state = state  # the chain above
+    muon_store.check_momentum_format("scale_by_muon", direction.mu_dtype, muon_state.mu)
     if callable(weight_decay):
       raise fusion.NotFusable("muon: a weight-decay schedule has no in-place rule")
     treedef = jax.tree.structure(grads)
