@@ -368,3 +368,49 @@ def test_each_optimizer_is_declared_once_and_built():
   caps = config.CAPABILITIES
   assert config.BLOCKWISE_MOMENT_OPTIMIZERS == tuple(n for n in caps if caps[n].blockwise_moments)
   assert set(config.MUON_OPTIMIZERS) <= set(config.CAUTIOUS_OPTIMIZERS)
+
+
+def test_muon_momentum_format_is_a_config_field():
+  """OptimConfig.momentum_dtype asks for the Muon family's own momentum
+  format, 8-bit included (optimizer_kwargs' mu_dtype is refused, pointing
+  here; there used to be no way to ask for it), from YAML to the state."""
+  import fuseopt.optim as fo
+  from fuseopt.kernels.adam import quantized
+  from fuseopt.optim import config
+  params = {"w": jnp.ones((8, 512)), "b": jnp.ones((512,))}
+  muon_states = (optax.contrib.MuonState, fo.NorMuonState)
+
+  def momentum(state):
+    return [s.mu["w"] for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, muon_states))
+            if isinstance(s, muon_states)]
+
+  for name in config.MUON_OPTIMIZERS:
+    if name == "muonclip":
+      continue   # (its update takes qk_stats; the same builder path)
+    cfg = OptimConfig.from_yaml(f"optimizer: {name}\nlearning_rate: 0.01\nmomentum_dtype: int8\n"
+                                f"moment_dtype: int4\n")
+    assert OptimConfig.from_yaml(cfg.to_yaml()) == cfg and cfg.momentum_dtype == "int8"
+    solver = build_optimizer(cfg, steps=10)
+    state = solver.init(params)
+    (mu,) = momentum(state)
+    assert quantized.is_quantized(mu), name
+    _, state = jax.jit(solver.update)(params, state, params)
+    (mu,) = momentum(state)
+    assert quantized.is_quantized(mu), name
+  for fmt, dtype in (("float32", jnp.float32), ("bfloat16", jnp.bfloat16)):
+    state = build_optimizer(OptimConfig(optimizer="muon", learning_rate=0.01, momentum_dtype=fmt),
+                            steps=10).init(params)
+    (muon_state,) = [s for s in jax.tree.leaves(
+        state, is_leaf=lambda x: isinstance(x, optax.contrib.MuonState))
+                     if isinstance(s, optax.contrib.MuonState)]
+    assert muon_state.mu["w"].dtype == dtype
+  with pytest.raises(ValueError, match=r"OptimConfig.momentum_dtype must be one of \('float32', "
+                                       r"'bfloat16', 'int8'\) or None, got 'int4'"):
+    OptimConfig(optimizer="muon", learning_rate=0.01, momentum_dtype="int4")
+  with pytest.raises(ValueError, match=r"OptimConfig.momentum_dtype: only for optimizers "
+                                       r"\('muon', 'muonclip', 'normuon'\)"):
+    OptimConfig(optimizer="adamw", learning_rate=0.01, momentum_dtype="int8")
+  with pytest.raises(ValueError, match=r"\['mu_dtype'\] are OptimConfig fields.*Muon's own momentum "
+                                       r"is OptimConfig.momentum_dtype, one of \('float32', "
+                                       r"'bfloat16', 'int8'\)"):
+    OptimConfig(optimizer="muon", learning_rate=0.01, optimizer_kwargs={"mu_dtype": "int8"})
