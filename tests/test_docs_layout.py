@@ -93,3 +93,14 @@ def test_every_file_the_docs_name_exists():
   missing = [f"{page.name}: {m.group(1)}" for page in pages
              for m in _NAMED_FILE.finditer(page.read_text()) if not (ROOT / m.group(1)).exists()]
   assert not missing, f"the docs name files the tree does not have: {missing}"
+
+
+def test_the_readme_is_a_front_page():
+  """README.md stays a front page (at most 200 lines: the tables live in
+  docs/, linked), keeping the install instructions and the test command CI
+  runs (scripts/test), and every page it links exists."""
+  text = (ROOT / "README.md").read_text()
+  assert len(text.splitlines()) <= 200, f"README.md has {len(text.splitlines())} lines"
+  assert "pip install -e ." in text and "scripts/test " in text
+  links = re.findall(r"\]\(((?:docs/)?[\w./-]+\.md)(?:#[\w-]*)?\)", text)
+  assert links and not [l for l in links if not (ROOT / l).exists()]

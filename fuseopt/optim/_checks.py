@@ -294,3 +294,4 @@ def as_record(owner: str, name: str, value, cls):
     return cls(**value)
   raise TypeError(f"{owner}: {name} must be a fuseopt.optim.{cls.__name__} (or a mapping of its "
                   f"fields), got {value!r}")
+

@@ -174,6 +174,17 @@ def _optax_adam(g, mu, nu, count_inc, *, b1, b2, eps, eps_root, nesterov, mu_dty
   return u, optax.tree.cast(new_mu, mu_dtype), optax.tree.cast_like(new_nu, nu)
 
 
+def _adam_execution(owner: str, value):
+  """An Adam transform's ``execution`` (:func:`as_record` of
+  :class:`~fuseopt.optim.Execution`), refused where it sets ``newton_schulz``:
+  Adam runs no Newton-Schulz, and a setting it would ignore is an error."""
+  execution = _checks.as_record(owner, "execution", value, Execution)
+  if execution.newton_schulz is not None:
+    raise ValueError(f"{owner}: execution.newton_schulz is the Muon family's (muon, normuon, "
+                     f"muonclip, scale_by_muon); {owner} runs no Newton-Schulz: leave it None")
+  return execution
+
+
 def _check_hyper(b1, b2, eps, eps_root, owner="scale_by_adam"):
   _checks.check_decay(owner, "b1", b1)
   _checks.check_decay(owner, "b2", b2)
@@ -251,7 +262,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   _check_hyper(b1, b2, eps, eps_root)
   nu_dtype = _checks.moment_format("scale_by_adam", "moment_dtype", moment_dtype)
   mu_dtype = _check_blockwise(nu_dtype, mu_dtype, "scale_by_adam")
-  execution = _checks.as_record("scale_by_adam", "execution", execution, Execution)
+  execution = _adam_execution("scale_by_adam", execution)
   return _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, nu_dtype, seed, execution,
                         owner="scale_by_adam")
 
@@ -467,7 +478,7 @@ def adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9
   _check_hyper(b1, b2, eps, eps_root, "adam")
   nu_dtype = _checks.moment_format("adam", "moment_dtype", moment_dtype)
   mu_dtype = _check_blockwise(nu_dtype, mu_dtype, "adam")
-  execution = _checks.as_record("adam", "execution", execution, Execution)
+  execution = _adam_execution("adam", execution)
   chain = optax.chain(
       _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, nu_dtype, seed, execution,
                      owner="adam"),
@@ -511,7 +522,7 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
   _check_hyper(b1, b2, eps, eps_root, "adamw")
   nu_dtype = _checks.moment_format("adamw", "moment_dtype", moment_dtype)
   mu_dtype = _check_blockwise(nu_dtype, mu_dtype, "adamw")
-  execution = _checks.as_record("adamw", "execution", execution, Execution)
+  execution = _adam_execution("adamw", execution)
   chain = optax.chain(
       _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, nu_dtype, seed, execution,
                      owner="adamw"),

@@ -48,6 +48,7 @@ placement and calls, decided once), :mod:`~fuseopt.optim.muon_momentum`,
 
 # No `from __future__ import annotations`: optax's tests (and tools) read
 # `learning_rate`'s annotation as the object optax.ScalarOrSchedule.
+import dataclasses
 import functools
 import inspect
 import types
@@ -104,7 +105,6 @@ def scale_by_muon(
     weight_dimension_numbers=None,
     shape_scaling: bool = False,
     consistent_rms: Optional[float] = None,
-    newton_schulz: Optional[NewtonSchulz] = None,
     execution: Optional[Execution] = None,
 ) -> optax.GradientTransformation:
   r"""Muon's direction: Newton-Schulz orthogonalised (Nesterov) momentum.
@@ -141,13 +141,12 @@ def scale_by_muon(
       consistent_rms`` when ``consistent_rms`` is set (Liu et al. 2025, arXiv
       2502.16982); fan-in/out are those of the matrix (of the view).
       :func:`muon` turns this on; optax does it in a separate transform.
-    newton_schulz: a :class:`~fuseopt.optim.NewtonSchulz` record (or a
-      mapping of its fields; ``None``: its defaults): the iteration's dtype
-      (bf16 by default), Gram Newton-Schulz, the most elements a call,
-      the matmul of the Pallas backends.
     execution: an :class:`~fuseopt.optim.Execution` record (or a mapping;
-      ``None``: its defaults): a forced backend, interpret mode, and the
-      parameters' shardings on an Auto mesh.
+      ``None``: its defaults): a forced backend, interpret mode, the
+      parameters' shardings on an Auto mesh, and ``newton_schulz``, a
+      :class:`~fuseopt.optim.NewtonSchulz` record: the iteration's dtype
+      (bf16 by default), Gram Newton-Schulz, the most elements a call, the
+      matmul of the Pallas backends.
 
   ``mu_dtype="int8"`` (or ``jnp.int8``) stores the momentum in 8 bits: each
   leaf a :class:`~fuseopt.kernels.adam.quantized.QuantizedMoment` (int8
@@ -203,8 +202,8 @@ def muon_direction(args, piece=None) -> muon_pipeline.Direction:
   kernel_coeffs, kernel_steps, state_coeffs = ns_coefficients.muon_coefficients(
       args["ns_coeffs"], ns_steps)
   mu_dtype = _checks.muon_mu_dtype("scale_by_muon", args["mu_dtype"])
-  ns = _checks.as_record("scale_by_muon", "newton_schulz", args["newton_schulz"], NewtonSchulz)
   execution = _checks.as_record("scale_by_muon", "execution", args["execution"], Execution)
+  ns = execution.newton_schulz or NewtonSchulz()
   dims = args["weight_dimension_numbers"]
   specs = (dims if isinstance(dims, muon_plan.SpecReader) else
            muon_plan.SpecReader(functools.partial(muon_plan.declared_specs, dims)))
@@ -308,9 +307,11 @@ def _adamw(learning_rate, b1, b2, eps, eps_root, weight_decay, mu_dtype, moment_
   converted is taken by the ``muon`` of the new ``mu_dtype``)."""
   if moment_dtype is not None:
     mu_dtype = None
+  # (the Newton-Schulz settings are the Muon side's: the AdamW side runs none)
   return adam_transforms.adamw(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                                mu_dtype=mu_dtype, weight_decay=weight_decay, nesterov=nesterov,
-                               moment_dtype=moment_dtype, execution=execution)
+                               moment_dtype=moment_dtype,
+                               execution=dataclasses.replace(execution, newton_schulz=None))
 
 
 def _muon_branch(direction, decay, learning_rate, weight_decay, weight_decay_mask, cautious=False):
@@ -401,7 +402,6 @@ def muon(
     muon_weight_dimension_numbers=None,
     consistent_rms: Optional[float] = None,
     moment_dtype: Any = "bfloat16",
-    newton_schulz: Optional[NewtonSchulz] = None,
     execution: Optional[Execution] = None,
 ) -> optax.GradientTransformation:
   r"""Muon for the matrices, AdamW for everything else.
@@ -430,9 +430,10 @@ def muon(
   AdamW steps in, or a callable of the params returning one; ``None`` means
   "every 2-D leaf is a Muon matrix, the rest AdamW" -- all as in
   :func:`optax.contrib.muon`, whose arguments this accepts (the first 18);
-  then the AdamW side's ``moment_dtype`` and fuseopt's two records, ``newton_schulz``
-  (:class:`~fuseopt.optim.NewtonSchulz`) and ``execution``
-  (:class:`~fuseopt.optim.Execution`, both sides). The variants are pieces
+  then the AdamW side's ``moment_dtype`` and fuseopt's one record,
+  ``execution`` (:class:`~fuseopt.optim.Execution`, both sides: where the
+  kernels run, and how the Newton-Schulz iteration runs, its
+  ``newton_schulz`` field, a :class:`~fuseopt.optim.NewtonSchulz`). The variants are pieces
   where they act, not flags: a spec wrapped in :class:`~fuseopt.optim.Experts`
   freezes that leaf's matrices while their gradient is all zero (no update,
   no weight decay); a ``weight_decay`` or ``adam_weight_decay`` given as
@@ -475,7 +476,6 @@ def build_muon(args, piece=None, owner="muon") -> optax.GradientTransformation:
       ns_coeffs=a.ns_coeffs, ns_steps=a.ns_steps, beta=a.beta, eps=a.eps, mu_dtype=a.mu_dtype,
       nesterov=a.nesterov, adaptive=a.adaptive, preconditioning=a.preconditioning,
       weight_dimension_numbers=specs, shape_scaling=True, consistent_rms=a.consistent_rms,
-      newton_schulz=a.newton_schulz,
       execution=execution), piece)
   return fusion.partition(
       transforms={

@@ -62,22 +62,26 @@ def test_every_optimizer_builds_and_steps(name):
 
 
 def test_muon_records_from_a_config_are_the_records():
-  """A YAML config's ``newton_schulz`` / ``execution`` mappings build the
-  same solver as the records; an unknown field is refused by name."""
+  """A YAML config's ``execution`` mapping (its ``newton_schulz`` a mapping
+  too) builds the same solver as the records; an unknown field is refused by
+  name."""
   import fuseopt.optim as fo
   base = dict(optimizer="muon", learning_rate=1e-2, weight_decay=0.1)
   from_map = build_optimizer(OptimConfig(**base, optimizer_kwargs={
-      "ns_coeffs": "polar_express", "newton_schulz": {"dtype": "float32", "gram": "auto"},
-      "execution": {"implementation": "xla"}}), steps=10)
+      "ns_coeffs": "polar_express",
+      "execution": {"implementation": "xla", "newton_schulz": {"dtype": "float32", "gram": "auto"}}}),
+      steps=10)
   from_records = build_optimizer(OptimConfig(**base, optimizer_kwargs={
       "ns_coeffs": "polar_express",
-      "newton_schulz": fo.NewtonSchulz(dtype=jnp.float32, gram="auto"),
-      "execution": fo.Execution(implementation="xla")}), steps=10)
+      "execution": fo.Execution(implementation="xla",
+                                newton_schulz=fo.NewtonSchulz(dtype=jnp.float32, gram="auto"))}),
+      steps=10)
   (u_map, _), = run(from_map, [grads(0)])
   (u_records, _), = run(from_records, [grads(0)])
   assert_trees_equal(u_map, u_records)
   with pytest.raises(ValueError, match=r"newton_schulz has unknown fields \['steps'\]"):
-    build_optimizer(OptimConfig(**base, optimizer_kwargs={"newton_schulz": {"steps": 3}}), 10)
+    build_optimizer(OptimConfig(**base, optimizer_kwargs={
+        "execution": {"newton_schulz": {"steps": 3}}}), 10)
   with pytest.raises(ValueError, match="NewtonSchulz: matmul must be one of"):
     fo.NewtonSchulz(matmul="cublas")
 
