@@ -113,3 +113,21 @@ def test_muon_refuses_an_int_leaf_declared_a_matrix():
   tx = fo.muon(2e-2, muon_weight_dimension_numbers=dims)
   with pytest.raises(ValueError, match=r"muon: muon_weight_dimension_numbers declares the leaf at \['m'\] a Muon matrix, but it is int32"):
     tx.init(params)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["step", "update"])
+def test_int_leaf_with_the_float0_gradient_of_jax_grad(fused):
+  """jax.grad(..., allow_int=True) gives an integer leaf a float0 gradient:
+  the leaf passes through all the same (optax's Adam raises on it)."""
+  params = _params()
+  grads = jax.grad(lambda p: jnp.sum(p["w"] ** 2) + jnp.sum(p["b"]), allow_int=True)(params)
+  assert grads["i"].dtype == jax.dtypes.float0
+  tx = fo.adamw(1e-2, weight_decay=0.1)
+  state = tx.init(params)
+  if fused:
+    params, state = fo.step(tx, grads, state, params)
+  else:
+    u, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, u)
+  _check_untouched(params)
+  assert state[0].mu["i"].dtype == jnp.int32
