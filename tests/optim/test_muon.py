@@ -263,8 +263,8 @@ def test_ns_matmul_pallas_runs_the_update_kernel_and_matches(impl, monkeypatch):
   for mm in ("xla", "pallas"):
     names.clear()
     tx = scale_by_muon(weight_dimension_numbers=dims, ns_coeffs="jordan",
-                       execution=Execution(newton_schulz=NewtonSchulz(matmul=mm)),
-                       execution=Execution(implementation=impl, interpret=True))
+                       execution=Execution(implementation=impl, interpret=True,
+                                           newton_schulz=NewtonSchulz(matmul=mm)))
     outs[mm], _ = jax.jit(tx.update)(g, tx.init(g))
     assert ("fuseopt_ns_update" in names) == (mm == "pallas"), (mm, names)
   np.testing.assert_allclose(np.asarray(outs["pallas"]["w"]), np.asarray(outs["xla"]["w"]),
