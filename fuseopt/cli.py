@@ -5,7 +5,7 @@
   fuseopt bench [--size auto|quick|full] [--ops OP ...] [--rows SUBSTR ...]
                 [--out DIR] [--no-plot] [--iters N] [--budget-s S]
   fuseopt regression [--update] [--timing] [--ops OP ...] [--rows SUBSTR ...] [--baseline PATH]
-  fuseopt report [--results DIR] [--readme PATH] [--include-cpu] [--print]
+  fuseopt report [--results DIR] [--root DIR] [--include-cpu] [--print]
   fuseopt demo [--steps N]
 """
 
@@ -58,13 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
                       "real compilers and compare with bench/results/compiled (= compile-check)")
   _add_selection(r)
 
-  p = sub.add_parser("report", help="render the README performance table from bench/results/**.json, the compiled "
+  p = sub.add_parser("report", help="render the performance tables of docs/performance.md and "
+                     "docs/benchmarks.md from bench/results/**.json, the compiled "
                      "tables of docs/compile_tier.md, the scale table of docs/scaling.md and the "
-                     "quality table of docs/adam.md")
+                     "quality and memory tables of docs/adam.md")
   p.add_argument("--results", type=Path, default=Path("bench/results"))
-  p.add_argument("--readme", type=Path, default=Path("README.md"))
+  p.add_argument("--root", type=Path, default=Path("."),
+                 help="the checkout whose docs/ pages get the tables (default: here)")
   p.add_argument("--include-cpu", action="store_true", help="also render CPU results")
-  p.add_argument("--print", action="store_true", help="print the markdown instead of editing the README")
+  p.add_argument("--print", action="store_true", help="print the markdown instead of editing the pages")
   c = sub.add_parser("compile-check",
                      help="compile every case with the real compilers for a target (no hardware) "
                           "and compare with bench/results/compiled/<target>.json")
@@ -251,22 +253,24 @@ def cmd_report(args, out=print) -> int:
     out(report.markdown(report.find_results(args.results, include_cpu=args.include_cpu)))
     return 0
   from fuseopt.benchmarks import compiled
-  changed = report.render_readme(args.readme, args.results, include_cpu=args.include_cpu,
-                                 full_page=args.readme.parent / "docs" / "benchmarks.md")
-  out(f"{args.readme}, docs/benchmarks.md: performance tables {'updated' if changed else 'unchanged'}")
-  tier_page = args.readme.parent / "docs" / "compile_tier.md"
+  docs = args.root / "docs"
+  changed = report.render_summary(docs / "performance.md", args.results,
+                                  include_cpu=args.include_cpu, full_page=docs / "benchmarks.md")
+  out(f"{docs / 'performance.md'}, {docs / 'benchmarks.md'}: performance tables "
+      f"{'updated' if changed else 'unchanged'}")
+  tier_page = docs / "compile_tier.md"
   if tier_page.exists():
     changed = compiled.render_tables(tier_page, args.results / "compiled")
     if changed is not None:
       out(f"{tier_page}: compiled-figures tables {'updated' if changed else 'unchanged'}")
   from fuseopt.benchmarks import scale_report
-  scaling = args.readme.parent / "docs" / "scaling.md"
+  scaling = docs / "scaling.md"
   if scaling.exists():
     changed = scale_report.render(scaling, args.results / "compiled")
     if changed is not None:
       out(f"{scaling}: measured-at-scale table {'updated' if changed else 'unchanged'}")
   from fuseopt.benchmarks import quality_report
-  adam_page, quality = args.readme.parent / "docs" / "adam.md", args.results / quality_report.RESULTS
+  adam_page, quality = docs / "adam.md", args.results / quality_report.RESULTS
   if adam_page.exists() and quality.exists():
     changed = quality_report.render(adam_page, quality)
     if changed is not None:

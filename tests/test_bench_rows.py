@@ -82,8 +82,8 @@ def test_untagged_muon_row_is_the_default_call():
   rows = muon_cases.optimizers("gpu")
   common = dict(weight_decay=0.1, muon_weight_dimension_numbers=muon_cases.muon_dims)
   written = {"fuseopt_muon": fo.muon(0.02, **common),
-             "fuseopt_muon[gram]": fo.muon(0.02, **common, newton_schulz=fo.NewtonSchulz(gram="auto")),
-             "fuseopt_muon[no_gram]": fo.muon(0.02, **common, newton_schulz=fo.NewtonSchulz(gram=False))}
+             "fuseopt_muon[gram]": fo.muon(0.02, **common, execution=fo.Execution(newton_schulz=fo.NewtonSchulz(gram="auto"))),
+             "fuseopt_muon[no_gram]": fo.muon(0.02, **common, execution=fo.Execution(newton_schulz=fo.NewtonSchulz(gram=False)))}
   for label, tx in written.items():
     state = jax.eval_shape(tx.init, struct)
     ours = _h200_text(muon_cases.step_fn(rows[label][0]), struct, struct, state)

@@ -1,5 +1,5 @@
-"""The `fuseopt` command line: parsing, `report` (README table) and
-`regression` exit codes."""
+"""The `fuseopt` command line: parsing, `report` (docs/performance.md's
+summary table, docs/benchmarks.md's rows) and `regression` exit codes."""
 
 import json
 
@@ -8,7 +8,7 @@ import pytest
 from fuseopt import cli
 from fuseopt.benchmarks import regression, report
 
-README = """# fuseopt
+PAGE = """# Performance
 intro: the table lies between `<!-- perf-table:start -->` and `<!-- perf-table:end -->`.
 ## Performance
 <!-- perf-table:start -->
@@ -48,17 +48,23 @@ def test_help_and_bad_arguments(capsys):
     cli.main([])
 
 
-def test_report_renders_readme_between_markers(tmp_path, capsys):
+def _page(tmp_path, text=None):
+  (tmp_path / "docs").mkdir(exist_ok=True)
+  page = tmp_path / "docs" / "performance.md"
+  page.write_text(PAGE if text is None else text)
+  return page
+
+
+def test_report_renders_the_summary_between_markers(tmp_path, capsys):
   _results(tmp_path)
   _results(tmp_path, ms=1.0, stamp="2026-11-30T21:00:00Z")  # newer run of the same device wins
   _results(tmp_path, slug="cpu", kind="cpu", platform="cpu")
   (tmp_path / "results" / "junk.json").write_text("{not json")
-  readme = tmp_path / "README.md"
-  readme.write_text(README)
-  args = ["report", "--results", str(tmp_path / "results"), "--readme", str(readme)]
+  summary = _page(tmp_path)
+  args = ["report", "--results", str(tmp_path / "results"), "--root", str(tmp_path)]
   assert cli.main(args) == 0
-  text = readme.read_text()
-  assert text.startswith(README.split("old table")[0]) and text.endswith("<!-- perf-table:end -->\nafter\n")
+  text = summary.read_text()
+  assert text.startswith(PAGE.split("old table")[0]) and text.endswith("<!-- perf-table:end -->\nafter\n")
   assert "old table" not in text and "NVIDIA H200: jax" in text and "cpu: jax" not in text
   # The front page: per case the default call's row (none here), fuseopt's
   # rows, the fastest peer; ratios against that peer.
@@ -67,19 +73,17 @@ def test_report_renders_readme_between_markers(tmp_path, capsys):
   assert "| newton_schulz | 2048x2048 | best peer `optax` | 0.658 | - | best peer |" in text
   assert "llama-1.2b" not in text  # failed rows are not rendered
   assert "updated" in capsys.readouterr().out
-  assert cli.main(args) == 0 and readme.read_text() == text  # idempotent
+  assert cli.main(args) == 0 and summary.read_text() == text  # idempotent
   assert "unchanged" in capsys.readouterr().out
-  assert cli.main(args + ["--include-cpu"]) == 0 and "cpu: jax" in readme.read_text()
+  assert cli.main(args + ["--include-cpu"]) == 0 and "cpu: jax" in summary.read_text()
 
 
 def test_report_renders_every_row_into_the_benchmarks_page(tmp_path, capsys):
   _results(tmp_path)
-  readme = tmp_path / "README.md"
-  readme.write_text(README)
-  (tmp_path / "docs").mkdir()
+  _page(tmp_path)
   page = tmp_path / "docs" / "benchmarks.md"
   page.write_text("# Benchmarks\n<!-- perf-table:start -->\nold\n<!-- perf-table:end -->\nend\n")
-  assert cli.main(["report", "--results", str(tmp_path / "results"), "--readme", str(readme)]) == 0
+  assert cli.main(["report", "--results", str(tmp_path / "results"), "--root", str(tmp_path)]) == 0
   text = page.read_text()
   assert "old" not in text and "**NVIDIA H200**" in text and text.endswith("end\n")
   assert "| newton_schulz | 2048x2048 | `fuseopt[triton]` | 0.400 | 68% | 1.65× faster |" in text
@@ -90,9 +94,8 @@ def test_report_print_and_missing_markers(tmp_path, capsys):
   _results(tmp_path)
   assert cli.main(["report", "--results", str(tmp_path / "results"), "--print"]) == 0
   assert "| op | case | row | ms | % of floor | vs best peer |" in capsys.readouterr().out
-  readme = tmp_path / "README.md"
-  readme.write_text("# no markers\n")
-  assert cli.main(["report", "--results", str(tmp_path / "results"), "--readme", str(readme)]) == 2
+  _page(tmp_path, "# no markers\n")
+  assert cli.main(["report", "--results", str(tmp_path / "results"), "--root", str(tmp_path)]) == 2
   assert "perf-table:start" in capsys.readouterr().err
   assert report.markdown([]).startswith("_No hardware results yet")
 

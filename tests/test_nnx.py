@@ -152,11 +152,11 @@ def _hand_dims():
 def test_muon_dimension_numbers_dict_callable_and_state_on_nnx():
   # fp32 NS: the fused step rounds its NS input to the NS dtype before the
   # normalisation, update() after it; in fp32 both agree to fp32 rounding.
-  ref_losses, ref = _train_pure(fo.muon(1e-2, muon_weight_dimension_numbers=_hand_dims(), newton_schulz=fo.NewtonSchulz(dtype=jnp.float32)))
+  ref_losses, ref = _train_pure(fo.muon(1e-2, muon_weight_dimension_numbers=_hand_dims(), execution=fo.Execution(newton_schulz=fo.NewtonSchulz(dtype=jnp.float32))))
   for dims, cls in ((_hand_dims(), nnx.Optimizer),  # a plain dict on nnx state
                     (muon_axes.logical_axes_dimension_numbers(), fnnx.Optimizer),  # the callable form
                     (fnnx.muon_dimension_numbers(_model()), fnnx.Optimizer)):
-    losses, params = _train_nnx(fo.muon(1e-2, muon_weight_dimension_numbers=dims, newton_schulz=fo.NewtonSchulz(dtype=jnp.float32)), cls)
+    losses, params = _train_nnx(fo.muon(1e-2, muon_weight_dimension_numbers=dims, execution=fo.Execution(newton_schulz=fo.NewtonSchulz(dtype=jnp.float32))), cls)
     if cls is nnx.Optimizer:
       np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
       _assert_close(params, ref)
@@ -197,8 +197,8 @@ def test_builder_yaml_muon_split_and_adam_rate_on_nnx():
   # NS input before its normalisation, update() after it.
   explicit = fo.OptimConfig.from_dict({**explicit.to_dict(),
                                        "optimizer_kwargs": {"muon_weight_dimension_numbers": _hand_dims(),
-                                                            "newton_schulz": {"dtype": "float32"}}})
-  fp32_ns = fo.OptimConfig.from_dict({**config.to_dict(), "optimizer_kwargs": {"newton_schulz": {"dtype": "float32"}}})
+                                                            "execution": {"newton_schulz": {"dtype": "float32"}}}})
+  fp32_ns = fo.OptimConfig.from_dict({**config.to_dict(), "optimizer_kwargs": {"execution": {"newton_schulz": {"dtype": "float32"}}}})
   ref_losses, ref = _train_pure(fo.build_optimizer(explicit, steps=10))
   losses, params = _train_nnx(fo.build_optimizer(fp32_ns, steps=10), fnnx.Optimizer)
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)

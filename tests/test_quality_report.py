@@ -46,12 +46,11 @@ def test_fuseopt_report_renders_it_into_docs_adam(tmp_path, capsys):
   results = tmp_path / "results"
   (results / "quality").mkdir(parents=True)
   (results / quality_report.RESULTS).write_text(json.dumps(_data()))
-  readme = tmp_path / "README.md"
-  readme.write_text("<!-- perf-table:start -->\n<!-- perf-table:end -->\n")
   (tmp_path / "docs").mkdir()
+  (tmp_path / "docs" / "performance.md").write_text("<!-- perf-table:start -->\n<!-- perf-table:end -->\n")
   page = tmp_path / "docs" / "adam.md"
   page.write_text(f"a\n{quality_report.QUALITY_START}\nold\n{quality_report.QUALITY_END}\nb\n")
-  assert cli.main(["report", "--results", str(results), "--readme", str(readme)]) == 0
+  assert cli.main(["report", "--results", str(results), "--root", str(tmp_path)]) == 0
   assert "adam.md: quality table updated" in capsys.readouterr().out
   table = quality_report.markdown(_data())
   assert page.read_text() == f"a\n{quality_report.QUALITY_START}\n{table}{quality_report.QUALITY_END}\nb\n"

@@ -43,10 +43,11 @@ def fsdp_spec(x):
   return P()
 
 
-def hybrid_tx(variant: str, shardings=None, dims=None, **options):
+def hybrid_tx(variant: str, shardings=None, dims=None, newton_schulz=None, **options):
   """The hybrid Muon + AdamW recipe of the sharded cases: fuseopt's (bf16
   AdamW moments, Jordan's coefficients; ``shardings`` on an Auto mesh;
-  ``options`` of :func:`fuseopt.optim.muon`) or optax's ``contrib.muon`` on
+  ``newton_schulz`` the :class:`~fuseopt.optim.NewtonSchulz` settings of its
+  ``Execution``, ``options`` of :func:`fuseopt.optim.muon`) or optax's ``contrib.muon`` on
   the same split (``dims``: the Muon dimension numbers, the 1.2 B tree's by
   default)."""
   import optax
@@ -59,7 +60,8 @@ def hybrid_tx(variant: str, shardings=None, dims=None, **options):
                               adam_weight_decay=0.1, muon_weight_dimension_numbers=dims)
   return fo.muon(0.02, ns_coeffs="jordan", weight_decay=0.1, adam_weight_decay=0.1,
                  muon_weight_dimension_numbers=dims,
-                 execution=fo.Execution(shardings=shardings), **options)
+                 execution=fo.Execution(shardings=shardings, newton_schulz=newton_schulz),
+                 **options)
 
 
 def sharded_step_args(t, tx, tree, shardings, *, fused: bool):

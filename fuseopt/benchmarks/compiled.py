@@ -82,7 +82,7 @@ def _line(case_id: str, fig: dict) -> str:
 COMPILED_START = "<!-- compiled-table:start -->"
 COMPILED_END = "<!-- compiled-table:end -->"
 
-# (row label, fuseopt case suffix, optax case suffix) for the README table.
+# (row label, fuseopt case suffix, optax case suffix) for docs/compile_tier.md's table.
 _TABLE_ROWS = (
     ("AdamW recipe, fused `step`", "step/adamw_recipe/fuseopt_step/llama1.2b",
      "step/adamw_recipe/optax_chain/llama1.2b"),

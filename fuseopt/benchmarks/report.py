@@ -1,5 +1,6 @@
 """Benchmark reports: the console table, the results JSON, PNG plots and the
-README performance table.
+performance tables (the summary of docs/performance.md, every row in
+docs/benchmarks.md).
 
 Results JSON (``SCHEMA``)::
 
@@ -23,8 +24,8 @@ from typing import Any, Iterable
 
 SCHEMA = "fuseopt-bench/1"
 ROW_REQUIRED = ("op", "case", "variant", "is_baseline")
-README_START = "<!-- perf-table:start -->"
-README_END = "<!-- perf-table:end -->"
+PERF_START = "<!-- perf-table:start -->"
+PERF_END = "<!-- perf-table:end -->"
 
 
 def make_results(meta: dict, ceilings: dict, rows: list[dict], module_errors: dict | None = None) -> dict:
@@ -252,7 +253,7 @@ def plot(results: dict, out_dir: Path | str) -> list[Path]:
   return paths
 
 
-# ------------------------------------------------------------------ README
+# ------------------------------------------------------------------ the pages
 
 def find_results(root: Path | str, *, include_cpu: bool = False) -> list[dict]:
   """The newest valid results JSON of each device directory under ``root``
@@ -503,7 +504,7 @@ def summary_markdown(results_list: list[dict]) -> str:
                  + (f", rows of {len(m['merged_from'])} runs that day" if m.get("merged_from") else "")
                  + (", labels mapped to today's names (the label in the file in brackets)"
                     if res.get("_legacy") else "")
-                 + ". Every row and peer: [benchmarks.md](docs/benchmarks.md#measured-on-hardware).")
+                 + ". Every row and peer: [benchmarks.md](benchmarks.md#measured-on-hardware).")
     parts += ["", "| op | case | row | ms | % of floor | vs best peer | stores B/param | moves B/param |",
               "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for view in case_views(res):
@@ -535,14 +536,14 @@ def replace_between(path: Path | str, start_marker: str, end_marker: str, body: 
   return new != text
 
 
-def render_readme(readme: Path | str, results_root: Path | str, *, include_cpu: bool = False,
-                  full_page: Path | str | None = None) -> bool:
-  """Replaces the text between the perf-table markers of ``readme`` with
-  :func:`summary_markdown` of :func:`find_results`, and those of
-  ``full_page`` (docs/benchmarks.md) with every row (:func:`markdown`).
-  Returns whether a file changed."""
+def render_summary(page: Path | str, results_root: Path | str, *, include_cpu: bool = False,
+                   full_page: Path | str | None = None) -> bool:
+  """Replaces the text between the perf-table markers of ``page``
+  (docs/performance.md) with :func:`summary_markdown` of :func:`find_results`,
+  and those of ``full_page`` (docs/benchmarks.md) with every row
+  (:func:`markdown`). Returns whether a file changed."""
   results = find_results(results_root, include_cpu=include_cpu)
-  changed = replace_between(readme, README_START, README_END, summary_markdown(results))
+  changed = replace_between(page, PERF_START, PERF_END, summary_markdown(results))
   if full_page is not None and Path(full_page).exists():
-    changed |= replace_between(full_page, README_START, README_END, markdown(results))
+    changed |= replace_between(full_page, PERF_START, PERF_END, markdown(results))
   return changed

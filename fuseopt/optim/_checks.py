@@ -62,6 +62,16 @@ def static_value(value):
   return value.value if isinstance(value, StaticDefault) else value
 
 
+def passes_through(x) -> bool:
+  """Whether a parameter (or state) leaf is one the optimizers leave alone:
+  an integer or bool leaf (a step counter, a token table kept among the
+  params). It gets a zero update in its own dtype and its state keeps
+  ``init``'s dtypes, step after step, in ``update`` and in the fused step
+  alike (optax's Adam would turn its ``mu`` into float32 and decay the
+  integers)."""
+  return not jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
 def number(owner: str, name: str, value, *, schedule: bool = False,
            optional: bool = False) -> float | None:
   """The concrete float to check in ``value``, or None when there is nothing
@@ -218,21 +228,23 @@ _MUON_MU_FORMATS = (f"a floating dtype (e.g. float32 or bfloat16: a dtype, its n
                     f"type), {INT8!r} (8-bit codes, a scale per block of {quantized.BLOCK}) or None")
 
 
-def muon_mu_dtype(owner: str, value):
+def muon_mu_dtype(owner: str, value, name: str = "mu_dtype"):
   """Muon's ``mu_dtype`` (the momentum's format): :data:`INT8` (the name, or
   ``jnp.int8``: blockwise 8-bit, :mod:`fuseopt.kernels.adam.quantized`'s
   ``mu``), else :func:`canonical_mu_dtype`'s floating dtype or None. Any other
-  integer or bool dtype is refused with every accepted value listed."""
+  integer or bool dtype is refused with every accepted value listed, naming
+  the argument ``name`` (:func:`~fuseopt.optim.convert_moments` reads its
+  ``momentum_dtype`` here)."""
   if value is None:
     return None
   try:
     dtype = jnp.dtype(value)
   except TypeError:
-    raise TypeError(f"{owner}: mu_dtype must be {_MUON_MU_FORMATS}, got {value!r}") from None
+    raise TypeError(f"{owner}: {name} must be {_MUON_MU_FORMATS}, got {value!r}") from None
   if dtype == jnp.int8:
     return INT8
   if not jnp.issubdtype(dtype, jnp.inexact):
-    raise ValueError(f"{owner}: mu_dtype must be {_MUON_MU_FORMATS}, got {dtype} (a plain "
+    raise ValueError(f"{owner}: {name} must be {_MUON_MU_FORMATS}, got {dtype} (a plain "
                      f"{dtype} cast of the momentum rounds small gradients to 0)")
   return jax.dtypes.canonicalize_dtype(dtype)
 
@@ -282,3 +294,4 @@ def as_record(owner: str, name: str, value, cls):
     return cls(**value)
   raise TypeError(f"{owner}: {name} must be a fuseopt.optim.{cls.__name__} (or a mapping of its "
                   f"fields), got {value!r}")
+

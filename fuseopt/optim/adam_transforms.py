@@ -174,6 +174,17 @@ def _optax_adam(g, mu, nu, count_inc, *, b1, b2, eps, eps_root, nesterov, mu_dty
   return u, optax.tree.cast(new_mu, mu_dtype), optax.tree.cast_like(new_nu, nu)
 
 
+def _adam_execution(owner: str, value):
+  """An Adam transform's ``execution`` (:func:`as_record` of
+  :class:`~fuseopt.optim.Execution`), refused where it sets ``newton_schulz``:
+  Adam runs no Newton-Schulz, and a setting it would ignore is an error."""
+  execution = _checks.as_record(owner, "execution", value, Execution)
+  if execution.newton_schulz is not None:
+    raise ValueError(f"{owner}: execution.newton_schulz is the Muon family's (muon, normuon, "
+                     f"muonclip, scale_by_muon); {owner} runs no Newton-Schulz: leave it None")
+  return execution
+
+
 def _check_hyper(b1, b2, eps, eps_root, owner="scale_by_adam"):
   _checks.check_decay(owner, "b1", b1)
   _checks.check_decay(owner, "b2", b2)
@@ -251,7 +262,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   _check_hyper(b1, b2, eps, eps_root)
   nu_dtype = _checks.moment_format("scale_by_adam", "moment_dtype", moment_dtype)
   mu_dtype = _check_blockwise(nu_dtype, mu_dtype, "scale_by_adam")
-  execution = _checks.as_record("scale_by_adam", "execution", execution, Execution)
+  execution = _adam_execution("scale_by_adam", execution)
   return _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, nu_dtype, seed, execution,
                         owner="scale_by_adam")
 
@@ -289,11 +300,17 @@ def _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, nu_dtype, seed,
     g = [jnp.asarray(x) for x in treedef.flatten_up_to(updates)]
     mu, nu = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
     count = optax.safe_increment(state.count)
+    # An integer leaf (its nu in the parameter's dtype) gets a zero update in
+    # that dtype and keeps its moments as init made them.
+    idle = {i for i in range(len(g)) if not kernel_formats.is_blockwise(nu[i])
+            and _checks.passes_through(nu[i])}
     # (blockwise moments always take the kernel, which names a gradient dtype it cannot read)
-    fused = {i for i in range(len(g)) if kernel_formats.is_blockwise(mu[i])
-             or {g[i].dtype, mu[i].dtype, nu[i].dtype} <= set(KERNEL_DTYPES)}
-    rest = [i for i in range(len(g)) if i not in fused]
+    fused = {i for i in range(len(g)) if i not in idle and (kernel_formats.is_blockwise(mu[i])
+             or {g[i].dtype, mu[i].dtype, nu[i].dtype} <= set(KERNEL_DTYPES))}
+    rest = [i for i in range(len(g)) if i not in fused and i not in idle]
     u, new_mu, new_nu = [None] * len(g), list(mu), list(nu)
+    for i in idle:
+      u[i] = jnp.zeros(jnp.shape(nu[i]), jnp.result_type(nu[i]))
     leaf_shardings = kernel_sharding.flatten_shardings(execution.shardings, treedef.unflatten(g),
                                                        owner="scale_by_adam", strict=True)
     if fused:
@@ -373,6 +390,16 @@ def _in_place(hp: AdamHyperparams, decay_at: Optional[int], lr_at: int):
     _check_moment_format(name, hp.nu_dtype, adam_state.mu)
     mu_leaves = treedef.flatten_up_to(adam_state.mu)
     nu_leaves = treedef.flatten_up_to(adam_state.nu)
+    # Integer leaves stand in as empty arrays (leaf i keeps rounding seed i, as
+    # in update) and come back as they were: no update, moments as init made them.
+    idle = [_checks.passes_through(p) for p in p_leaves]
+    kept = (list(p_leaves), list(mu_leaves), list(nu_leaves))
+    if any(idle):
+      empty = jnp.zeros((0,), jnp.float32)
+      pick = lambda xs: [empty if d else x for d, x in zip(idle, xs)]
+      p_leaves, g_leaves, mu_leaves, nu_leaves = map(pick, (p_leaves, g_leaves, mu_leaves,
+                                                            nu_leaves))
+      wds = [0.0 if d else w for d, w in zip(idle, wds)]
     for leaves in (p_leaves, g_leaves, mu_leaves, nu_leaves):
       for x in leaves:
         if not kernel_formats.is_blockwise(x) and jnp.result_type(x) not in KERNEL_DTYPES:
@@ -394,13 +421,15 @@ def _in_place(hp: AdamHyperparams, decay_at: Optional[int], lr_at: int):
         interpret=hp.execution.interpret,
         group=ctx.group, grad_scale=1.0 if ctx.grad_scale is None else ctx.grad_scale,
         apply=True if ctx.apply is None else ctx.apply,
-        shardings=kernel_sharding.flatten_shardings(
+        shardings=_but_idle(kernel_sharding.flatten_shardings(
             hp.execution.shardings if ctx.shardings is None else ctx.shardings, visible,
-            owner=name if ctx.shardings is None else "step", strict=True),
+            owner=name if ctx.shardings is None else "step", strict=True), idle),
         **variants)
     new_p, mu, nu = outs[:3]
     if "params_lo" in variants:
       new_p = mantissa.pair(new_p, outs[3])
+    new_p, mu, nu = ([k if d else x for d, k, x in zip(idle, old, new)]
+                     for old, new in zip(kept, (new_p, mu, nu)))
     new_adam = optax.ScaleByAdamState(count=ctx.keep(count, adam_state.count),
                                       mu=treedef.unflatten(mu), nu=treedef.unflatten(nu))
     # The chain's other states (weight-decay and learning-rate schedules,
@@ -410,6 +439,13 @@ def _in_place(hp: AdamHyperparams, decay_at: Optional[int], lr_at: int):
 
   name = "adamw" if decay_at is not None else "adam"
   return fusion.InPlace(name, apply=apply)
+
+
+def _but_idle(leaf_shardings, idle):
+  """Each leaf's sharding, None for the empty stand-ins of integer leaves."""
+  if leaf_shardings is None:
+    return None
+  return [None if d else s for d, s in zip(idle, leaf_shardings)]
 
 
 def _fused(chain, hp: AdamHyperparams, decay_at=None, lr_at=1) -> FusedAdamTransformation:
@@ -442,7 +478,7 @@ def adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9
   _check_hyper(b1, b2, eps, eps_root, "adam")
   nu_dtype = _checks.moment_format("adam", "moment_dtype", moment_dtype)
   mu_dtype = _check_blockwise(nu_dtype, mu_dtype, "adam")
-  execution = _checks.as_record("adam", "execution", execution, Execution)
+  execution = _adam_execution("adam", execution)
   chain = optax.chain(
       _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, nu_dtype, seed, execution,
                      owner="adam"),
@@ -486,7 +522,7 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
   _check_hyper(b1, b2, eps, eps_root, "adamw")
   nu_dtype = _checks.moment_format("adamw", "moment_dtype", moment_dtype)
   mu_dtype = _check_blockwise(nu_dtype, mu_dtype, "adamw")
-  execution = _checks.as_record("adamw", "execution", execution, Execution)
+  execution = _adam_execution("adamw", execution)
   chain = optax.chain(
       _scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov, nu_dtype, seed, execution,
                      owner="adamw"),

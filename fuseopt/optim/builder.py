@@ -142,10 +142,12 @@ def pattern_dimension_numbers(patterns):
 
 def _muon_kwargs(config, weight_decay, adam_rate):
   # Muon's b1/b2 are its AdamW side's; its own momentum is optimizer_kwargs["beta"].
-  # The AdamW side's moments in moment_dtype; Muon's momentum bf16 with bf16
-  # moments, else fp32 (8-bit moments are the AdamW side's).
+  # The AdamW side's moments in moment_dtype; Muon's momentum momentum_dtype's,
+  # or (None) bf16 with bf16 moments, else fp32 (8-bit moments are the AdamW side's).
+  momentum = (_moments(config) if config.momentum_dtype is None
+              else config.momentum_dtype)   # by name, as fuseopt.optim.muon's mu_dtype takes it
   kw = dict(weight_decay=_decay(config, weight_decay),
-            adam_weight_decay=_decay(config, weight_decay), mu_dtype=_moments(config),
+            adam_weight_decay=_decay(config, weight_decay), mu_dtype=momentum,
             moment_dtype=config.moment_dtype, **_betas(config, b1="adam_b1", b2="adam_b2"))
   extra = dict(config.optimizer_kwargs)
   if adam_rate is not None:

@@ -19,8 +19,8 @@ from fuseopt.optim import groups as groups_lib
 from fuseopt.optim import schedules as schedules_lib
 
 __all__ = ["CAPABILITIES", "Capabilities", "OPTIMIZERS", "BF16_PARAMS", "BF16_MOMENT_OPTIMIZERS",
-           "CAUTIOUS_OPTIMIZERS", "MUON_OPTIMIZERS", "MOMENT_DTYPES", "BLOCKWISE_MOMENT_OPTIMIZERS",
-           "OptimConfig"]
+           "CAUTIOUS_OPTIMIZERS", "MUON_OPTIMIZERS", "MOMENT_DTYPES", "MOMENTUM_DTYPES",
+           "BLOCKWISE_MOMENT_OPTIMIZERS", "OptimConfig"]
 
 @dataclasses.dataclass(frozen=True)
 class Capabilities:
@@ -60,6 +60,9 @@ BF16_PARAMS = {"stochastic": None, "mantissa": 32, "mantissa24": 24}
 # The moment formats a config names (fuseopt.optim.adamw's moment_dtype, by name).
 MOMENT_DTYPES = ("float32", "bfloat16", "int8", "int4")
 BLOCKWISE_MOMENT_OPTIMIZERS = _having("blockwise_moments")
+# The formats of the Muon family's own momentum a config names (fuseopt.optim.muon's
+# mu_dtype, by name: "int8" is 8-bit codes with a scale per block of 256).
+MOMENTUM_DTYPES = ("float32", "bfloat16", "int8")
 _NO_DECAY_OPTIMIZERS = tuple(name for name, c in CAPABILITIES.items() if not c.weight_decay)
 
 
@@ -106,8 +109,10 @@ def _kwarg_hint(optimizer: str, reserved) -> str:
   is ``moment_dtype``; a Muon optimizer's ``b1``/``b2`` fields are the AdamW
   side's."""
   if {"moment_dtype", "mu_dtype"} & set(reserved):
+    momentum = (f"; Muon's own momentum is OptimConfig.momentum_dtype, one of {MOMENTUM_DTYPES}"
+                if optimizer in MUON_OPTIMIZERS else "")
     return (f" (the moments' format is OptimConfig.moment_dtype, one of {MOMENT_DTYPES}; Muon's "
-            f"AdamW side takes it from there too)")
+            f"AdamW side takes it from there too{momentum})")
   if optimizer == "normuon" and "b2" in reserved:
     return (" (b1, b2 and eps are the AdamW side's; NorMuon's per-neuron decay is "
             "OptimConfig.normuon_b2)")
@@ -143,6 +148,12 @@ class OptimConfig:
       128, docs/adam.md) only for :data:`BLOCKWISE_MOMENT_OPTIMIZERS`, where
       the Muon family keeps its momentum in fp32 and stores its AdamW side's
       moments in that format.
+    momentum_dtype: the Muon family's own momentum, :func:`~fuseopt.optim.muon`'s
+      ``mu_dtype`` by name: ``"float32"``, ``"bfloat16"`` or ``"int8"``
+      (8-bit codes, one fp32 scale per block of 256: docs/muon.md); None
+      (default): bf16 with ``moment_dtype="bfloat16"``, else the parameters'
+      dtype. Only for
+      :data:`MUON_OPTIMIZERS` (the AdamW side's moments stay ``moment_dtype``'s).
     param_groups: :class:`~fuseopt.optim.groups.ParamGroup` records (or their
       dicts); empty means one group for everything.
     clip_norm: global-norm clip threshold over all gradients; 0 or ``inf``
@@ -201,6 +212,7 @@ class OptimConfig:
   b2: float | None = None
   eps: float | None = None
   moment_dtype: str = "float32"
+  momentum_dtype: str | None = None
   param_groups: tuple[groups_lib.ParamGroup, ...] = ()
   clip_norm: float = 0.0
   accumulate_steps: int = 1
@@ -292,6 +304,15 @@ class OptimConfig:
       raise ValueError(f"OptimConfig.moment_dtype={self.moment_dtype!r}: optimizer "
                        f"{self.optimizer!r} cannot keep {bits}-bit moments; use one of "
                        f"{BLOCKWISE_MOMENT_OPTIMIZERS} or moment_dtype='float32'")
+    v = self.momentum_dtype
+    if v is not None:
+      if v not in MOMENTUM_DTYPES:
+        raise ValueError(f"OptimConfig.momentum_dtype must be one of {MOMENTUM_DTYPES} or None, "
+                         f"got {v!r}" + _suggest(str(v), MOMENTUM_DTYPES))
+      if self.optimizer not in MUON_OPTIMIZERS:
+        raise ValueError(f"OptimConfig.momentum_dtype: only for optimizers {MUON_OPTIMIZERS} "
+                         f"(Muon's own momentum), got optimizer {self.optimizer!r}; the moments' "
+                         f"format is moment_dtype")
     if self.optimizer in _NO_DECAY_OPTIMIZERS and self.weight_decay > 0:
       raise ValueError(f"OptimConfig.weight_decay: optimizer {self.optimizer!r} has no weight decay "
                        f"(got {self.weight_decay}); use 'adamw'")

@@ -49,7 +49,10 @@ def convert_moments(state: Any, moment_dtype: Any = None, *, momentum_dtype: Any
     seed: the counter-hash seed of the blockwise codes' stochastic rounding
       (leaf ``i``'s codes are rounded with ``derive_seed(seed, 0, i,
       STREAM_MU / STREAM_NU)``, ``i`` its position among the state's moment
-      leaves): the same state and seed give the same codes.
+      leaves): the same state and seed give the same codes. Any uint32 value
+      (an integer in [0, 2**32), an integer jax scalar); a float, a bool, a
+      non-scalar (``TypeError``) or an integer outside that range
+      (``ValueError``) is refused naming ``seed``.
 
   Returns:
     The state, every ``mu`` and ``nu`` (and Muon momentum) converted:
@@ -59,7 +62,10 @@ def convert_moments(state: Any, moment_dtype: Any = None, *, momentum_dtype: Any
   """
   target = _checks.moment_format("convert_moments", "moment_dtype", moment_dtype)
   momentum = (None if momentum_dtype is None
-              else _checks.muon_mu_dtype("convert_moments", momentum_dtype))
+              else _checks.muon_mu_dtype("convert_moments", momentum_dtype, "momentum_dtype"))
+  # Every uint32 is a seed; a float, a bool, a non-scalar or an integer
+  # outside [0, 2**32) is refused naming it (docs/validation.md, "Seeds").
+  seed = counter_hash.uint32_scalar(seed, name="seed", owner="convert_moments")
   if target is None and momentum is None:
     raise ValueError("convert_moments: name a format: moment_dtype (float32, bfloat16, 'int8' or "
                      "'int4') for Adam's moments, momentum_dtype (a floating dtype or 'int8') "

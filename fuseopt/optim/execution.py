@@ -3,17 +3,24 @@ for every fuseopt transform (:func:`~fuseopt.optim.adam`,
 :func:`~fuseopt.optim.adamw`, :func:`~fuseopt.optim.scale_by_adam`, the Muon
 family and its directions).
 
-It holds what does not change the mathematics: a forced backend, interpret
-mode, and the placement of the parameters on an Auto mesh. The record is
-frozen and checked at construction; :func:`optax.inject_hyperparams` leaves
-it static, and the builder reads it from YAML as a mapping
-(``optimizer_kwargs: {execution: {implementation: xla}}``).
+It holds how the optimizer's kernels are run, not what the optimizer
+computes: a forced backend, interpret mode, the placement of the parameters
+on an Auto mesh, and for the Muon family how its Newton-Schulz iteration runs
+(a :class:`~fuseopt.optim.NewtonSchulz` record: the iterates' dtype, Gram
+iterations, the most elements a call, the matmul of the Pallas backends). It
+holds no moment format: that is ``moment_dtype``. The record is frozen and
+checked at construction; :func:`optax.inject_hyperparams` leaves it static,
+and the builder reads it from YAML as a mapping
+(``optimizer_kwargs: {execution: {implementation: xla, newton_schulz: {dtype: float32}}}``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, Optional
+
+from fuseopt.optim.muon_settings import NewtonSchulz
 
 __all__ = ["Execution"]
 
@@ -38,12 +45,28 @@ class Execution:
       the Newton-Schulz, same-shaped matrices are re-laid out with
       ``all_to_all`` so that each device orthogonalises about 1/N of them,
       whole, then laid back (docs/scaling.md).
+    newton_schulz: the Muon family's :class:`~fuseopt.optim.NewtonSchulz`
+      record (or a mapping of its fields; ``None``: its defaults): how each
+      matrix's iteration runs. Adam runs no Newton-Schulz: ``adam``,
+      ``adamw`` and ``scale_by_adam`` refuse a record that sets it.
   """
   implementation: Optional[str] = None
   interpret: bool = False
   shardings: Any = None
+  newton_schulz: Any = None
 
   def __post_init__(self):
+    ns = self.newton_schulz
+    if isinstance(ns, Mapping):
+      fields = {f.name for f in dataclasses.fields(NewtonSchulz)}
+      unknown = sorted(set(ns) - fields)
+      if unknown:
+        raise ValueError(f"Execution: newton_schulz has unknown fields {unknown}; expected some "
+                         f"of {sorted(fields)}")
+      object.__setattr__(self, "newton_schulz", NewtonSchulz(**ns))
+    elif ns is not None and not isinstance(ns, NewtonSchulz):
+      raise TypeError(f"Execution: newton_schulz must be a fuseopt.optim.NewtonSchulz (or a "
+                      f"mapping of its fields) or None, got {ns!r}")
     if self.implementation is not None and not isinstance(self.implementation, str):
       raise ValueError(f"Execution: implementation must be a backend name or None, got "
                        f"{self.implementation!r}")

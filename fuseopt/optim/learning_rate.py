@@ -15,6 +15,7 @@ import jax
 import optax
 
 from fuseopt.kernels import fp_contract
+from fuseopt.optim import _checks
 
 __all__ = ["scale_by_learning_rate"]
 
@@ -22,11 +23,16 @@ __all__ = ["scale_by_learning_rate"]
 def scale_by_learning_rate(learning_rate: optax.ScalarOrSchedule,
                            flip_sign: bool = True) -> optax.GradientTransformation:
   """:func:`optax.scale_by_learning_rate` (same arguments, same state) with
-  each product ``-lr * u`` rounded before any add consumes it."""
+  each product ``-lr * u`` rounded before any add consumes it; an integer
+  update passes as it is (fuseopt's directions give integer leaves zero)."""
   inner = optax.scale_by_learning_rate(learning_rate, flip_sign=flip_sign)
 
   def update_fn(updates, state, params=None):
-    updates, state = inner.update(updates, state, params)
-    return jax.tree.map(fp_contract.rounded, updates), state
+    scaled, state = inner.update(updates, state, params)
+    # An integer update (an integer leaf's zero from fuseopt's directions)
+    # keeps its dtype: a float zero would send the leaf through float32 in
+    # apply_updates, which does not hold every int32.
+    return jax.tree.map(lambda u, s: u if _checks.passes_through(u) else fp_contract.rounded(s),
+                        updates, scaled), state
 
   return optax.GradientTransformation(inner.init, update_fn)

@@ -50,9 +50,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fuseopt.kernels import mantissa as bits
+from fuseopt.optim import _checks
 from fuseopt.optim import fusion
 
 __all__ = ["MASTER_BITS", "MantissaState", "Tracked", "check_bf16_params", "master_params",
@@ -122,13 +124,40 @@ def store(x32, like):
 MASTER_BITS = {32: bits.EXACT, 24: bits.MASTER24}
 
 
+_MASTER_BITS_VALUES = (f"one of {tuple(MASTER_BITS)} (32: an fp32 master, an int16 companion; "
+                       f"24: a 24-bit master, an int8 companion)")
+
+
 def companion_dtype_of(owner: str, master_bits) -> jnp.dtype:
-  """The companion dtype of ``master_bits`` (32 or 24), checked."""
-  if isinstance(master_bits, bool) or master_bits not in MASTER_BITS:
-    raise ValueError(f"{owner}: master_bits must be one of {tuple(MASTER_BITS)} (32: an fp32 "
-                     f"master, an int16 companion; 24: a 24-bit master, an int8 companion), "
-                     f"got {master_bits!r}")
-  return MASTER_BITS[master_bits]
+  """The companion dtype of ``master_bits`` (32 or 24), checked: a Python
+  int, or a concrete NumPy / jax integer scalar taken as its int. Anything
+  else is a ``TypeError`` (a bool, a float, a list, an array that is not a
+  scalar, a traced value), an int outside the two a ``ValueError``, each
+  naming ``master_bits`` and both accepted values."""
+  value = master_bits
+  if isinstance(value, (jax.Array, np.ndarray, np.generic)) and not isinstance(
+      value, (jax.core.Tracer, np.bool_)) and np.ndim(value) == 0 and jnp.issubdtype(
+          jnp.result_type(value), jnp.integer):
+    value = int(value)
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise TypeError(f"{owner}: master_bits must be {_MASTER_BITS_VALUES}, a static int, got "
+                    f"{master_bits!r}")
+  if value not in MASTER_BITS:
+    raise ValueError(f"{owner}: master_bits must be {_MASTER_BITS_VALUES}, got {master_bits!r}")
+  return MASTER_BITS[value]
+
+
+def _check_inner(owner: str, tx) -> None:
+  """``tx`` must be an optax transformation that is not itself wrapped: a
+  second companion would complete the first wrapper's fp32 masters, which
+  are no bf16 parameters."""
+  if not isinstance(tx, optax.GradientTransformation):
+    raise TypeError(f"{owner}: tx must be an optax GradientTransformation (e.g. "
+                    f"fuseopt.optim.adamw(...), fuseopt.optim.muon(...)), got {tx!r}")
+  rule = fusion.in_place_rule(tx)
+  if rule is not None and rule.name == "mantissa":
+    raise ValueError(f"{owner}: tx is a track_mantissa(...) already; wrap the optimizer once "
+                     f"(master_bits=32 for an fp32 master, 24 for a 24-bit one)")
 
 
 def check_bf16_params(owner: str, params) -> None:
@@ -144,8 +173,14 @@ def check_bf16_params(owner: str, params) -> None:
           f"or leave the optimizer unwrapped (fp32 parameters need no companion)")
 
 
+def _idle(x) -> bool:
+  """An integer or bool parameter: it has no companion (an
+  :class:`optax.MaskedNode` in the companion tree) and passes through."""
+  return not isinstance(x, optax.MaskedNode) and _checks.passes_through(x)
+
+
 def _masters(params, companion):
-  return jax.tree.map(bits.join, params, companion)
+  return jax.tree.map(lambda p, lo: p if _idle(p) else bits.join(p, lo), params, companion)
 
 
 def widen(grads):
@@ -157,10 +192,20 @@ def widen(grads):
 
 
 def _split(tree, companion_dtype):
-  """fp32 masters as ``(bf16 halves, companions)``, two trees of the same structure."""
-  pairs = jax.tree.map(lambda x: Tracked(*bits.split_once(x, companion_dtype)), tree)
-  return (jax.tree.map(lambda t: t.hi, pairs, is_leaf=is_tracked),
-          jax.tree.map(lambda t: t.lo, pairs, is_leaf=is_tracked))
+  """fp32 masters as ``(bf16 halves, companions)``, two trees of the same
+  structure (an integer leaf as it is, a MaskedNode for its companion)."""
+  pairs = jax.tree.map(lambda x: x if _idle(x) else Tracked(*bits.split_once(x, companion_dtype)),
+                       tree)
+  return (jax.tree.map(lambda t: t.hi if is_tracked(t) else t, pairs, is_leaf=is_tracked),
+          jax.tree.map(lambda t: t.lo if is_tracked(t) else optax.MaskedNode(), pairs,
+                       is_leaf=is_tracked))
+
+
+def _companions(params, companion_dtype):
+  """Zero companions of ``params`` (each placed like its parameter: zeros_like
+  keeps the sharding); a MaskedNode for an integer leaf."""
+  return jax.tree.map(lambda p: optax.MaskedNode() if _idle(p)
+                      else jnp.zeros_like(p, dtype=companion_dtype), params)
 
 
 def track_mantissa(tx, master_bits: int = 32,
@@ -177,7 +222,10 @@ def track_mantissa(tx, master_bits: int = 32,
     that is lost (round to nearest needs no seed, so every program that
     computes the same fp32 value stores the same master).
 
-  The bf16 half the model reads is the value nearest the master.
+  The bf16 half the model reads is the value nearest the master. An integer
+  or bool leaf (a step counter kept among the params) has no companion (an
+  :class:`optax.MaskedNode` in the companion tree) and passes through: no
+  update, ``tx``'s state for it as ``tx.init`` made it.
 
   ``init(params)`` (bf16 params) initialises ``tx`` on the params widened to
   fp32 (so its state is an fp32 run's) and zero companions, each placed like
@@ -198,16 +246,16 @@ def track_mantissa(tx, master_bits: int = 32,
   pass.
   """
 
+  _check_inner(owner, tx)
   companion_dtype = companion_dtype_of(owner, master_bits)
 
   def init_fn(params):
     check_bf16_params(owner, params)
-    wide = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    wide = jax.tree.map(lambda p: p if _idle(p) else p.astype(jnp.float32), params)
     # zeros_like keeps the parameter's sharding (as the moments' zeros do), so
     # a sharded step finds the companion where its parameter is.
     return MantissaState(inner_state=tx.init(wide),
-                         companion=jax.tree.map(
-                             lambda p: jnp.zeros_like(p, dtype=companion_dtype), params))
+                         companion=_companions(params, companion_dtype))
 
   def update_fn(updates, state, params=None, **extra_args):
     if params is None:
@@ -218,13 +266,15 @@ def track_mantissa(tx, master_bits: int = 32,
     hi, lo = _split(optax.apply_updates(masters, u), companion_dtype)
     # p + (hi - p) in fp32 is hi (both are bf16 values), and apply_updates'
     # cast back to bf16 keeps it.
-    diff = jax.tree.map(lambda h, p: h.astype(jnp.float32) - p.astype(jnp.float32), hi, params)
+    diff = jax.tree.map(lambda h, p: jnp.zeros_like(p) if _idle(p)
+                        else h.astype(jnp.float32) - p.astype(jnp.float32), hi, params)
     return diff, MantissaState(inner_state=inner, companion=lo)
 
   def apply(grads, state, params, ctx):
     rule = fusion.require_apply(tx, owner)
     check_bf16_params(owner, params)
-    tracked = jax.tree.map(Tracked, params, state.companion)
+    tracked = jax.tree.map(lambda p, lo: p if _idle(p) else Tracked(p, lo), params,
+                           state.companion)
     new, inner = rule.apply(grads, state.inner_state, tracked, ctx)
     hi = jax.tree.map(lambda x: x.hi if is_tracked(x) else x, new, is_leaf=is_tracked)
     lo = jax.tree.map(lambda x, c: x.lo if is_tracked(x) else c, new, state.companion,
@@ -248,9 +298,10 @@ def master_params(params, state):
   chain, a partition's groups, ``optax.masked``, a ``skip_nonfinite`` or
   ``MultiSteps`` wrapper...) and joins each parameter to its companion. A
   leaf that no companion covers (an :class:`optax.MaskedNode` in every
-  companion tree: a frozen leaf, another group's) is returned as it is.
-  Without any (an optimizer not wrapped in :func:`track_mantissa`) the params are returned widened
-  to fp32.
+  companion tree: a frozen leaf, another group's) and an integer or bool leaf
+  are returned as they are.
+  Without any (an optimizer not wrapped in :func:`track_mantissa`) the float
+  params are returned widened to fp32.
 
   Raises:
     ValueError: ``params`` does not match a companion tree (naming the leaves
@@ -260,13 +311,13 @@ def master_params(params, state):
   found = [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, MantissaState))
            if isinstance(s, MantissaState)]
   if not found:
-    return jax.tree.map(lambda p: jnp.asarray(p).astype(jnp.float32), params)
+    return jax.tree.map(lambda p: p if _idle(p) else jnp.asarray(p).astype(jnp.float32), params)
   p_paths, p_leaves = _paths(params)
   treedef = jax.tree.structure(params, is_leaf=_is_masked)
   covers = [_companion_leaves(p_paths, treedef, s.companion) for s in found]
   out = []
   for i, (path, p) in enumerate(zip(p_paths, p_leaves)):
-    los = [c[i] for c in covers if not _is_masked(c[i])]
+    los = [] if _idle(p) else [c[i] for c in covers if not _is_masked(c[i])]
     if len(los) > 1:
       raise ValueError(f"master_params: {len(los)} companions in the state cover the leaf at "
                        f"{path}; pass the state of the optimizer that owns these params")

@@ -3,11 +3,11 @@
 :func:`~fuseopt.optim.muon`, :func:`~fuseopt.optim.normuon`,
 :func:`~fuseopt.optim.muonclip` and their ``scale_by_`` directions take
 optax's arguments one by one (the numeric ones are what
-:func:`optax.inject_hyperparams` injects) and fuseopt's settings as frozen
-records, which inject_hyperparams leaves static: this one, and
-:class:`~fuseopt.optim.Execution` (where the kernels run, shared with Adam).
-Both are checked at construction; the builder reads them from YAML as
-mappings (``optimizer_kwargs: {newton_schulz: {dtype: float32}}``).
+:func:`optax.inject_hyperparams` injects) and fuseopt's settings as a frozen
+record, which inject_hyperparams leaves static: :class:`~fuseopt.optim.Execution`
+(where the kernels run, shared with Adam), whose ``newton_schulz`` field is
+this one. Both are checked at construction; the builder reads them from YAML
+as mappings (``optimizer_kwargs: {execution: {newton_schulz: {dtype: float32}}}``).
 
 What the iteration computes -- the coefficients and the step count -- keeps
 optax's names, ``ns_coeffs`` and ``ns_steps``, on the transforms

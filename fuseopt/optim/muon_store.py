@@ -20,9 +20,11 @@ import jax.numpy as jnp
 from fuseopt import compat
 from fuseopt import kernels
 from fuseopt.kernels import counter_hash
+from fuseopt.kernels.adam import formats
 from fuseopt.kernels.adam import quantized
 
-__all__ = ["MUON_SEED", "in_leaf_layout", "init_momentum", "leaf_shaped", "load", "store", "store_int8"]
+__all__ = ["MUON_SEED", "check_momentum_format", "in_leaf_layout", "init_momentum", "leaf_shaped",
+           "load", "store", "store_int8"]
 
 # Seed of Muon's stochastic roundings (momentum and, in the fused step,
 # bf16 parameters), apart from the Adam side's default seed 0: "Muon".
@@ -85,6 +87,49 @@ def init_momentum(p, mu_dtype, int8: bool):
   if int8:
     return quantized.zeros_like(p, signed=True)
   return jnp.zeros_like(p, dtype=mu_dtype)
+
+
+def _momentum_name(mu_dtype) -> str:
+  """A momentum format as the messages name it."""
+  if mu_dtype == quantized.MOMENT_DTYPE_NAME:
+    return (f"8-bit momentum ({quantized.QuantizedMoment.__name__} codes and scales, "
+            f"mu_dtype={mu_dtype!r})")
+  if mu_dtype is None:
+    return "momentum in the parameters' dtype (mu_dtype=None)"
+  return f"{jnp.dtype(mu_dtype).name} momentum (mu_dtype={jnp.dtype(mu_dtype).name!r})"
+
+
+def check_momentum_format(owner: str, mu_dtype, mu) -> None:
+  """Raises a ``ValueError`` naming the leaf, the format this Muon keeps
+  (``mu_dtype``: a floating dtype, ``"int8"`` or None) and the one the state
+  holds, where a momentum leaf of ``mu`` is in another: 8-bit codes to a
+  dense ``mu_dtype`` or None, a dense momentum of a leaf that ``"int8"``
+  keeps in 8 bits (one with whole blocks; the others keep bf16), a dense
+  dtype other than a dense ``mu_dtype``. The AdamW side's refusal of moments
+  in another format, on Muon's side: the step used to run on, the state
+  keeping the format it came with. A check of types (free under ``jit``)."""
+  int8 = mu_dtype == quantized.MOMENT_DTYPE_NAME
+  for path, m in jax.tree_util.tree_flatten_with_path(mu, is_leaf=formats.is_blockwise)[0]:
+    if formats.is_blockwise(m):
+      if int8 and quantized.is_quantized(m):
+        continue
+      found = (_momentum_name(quantized.MOMENT_DTYPE_NAME) if quantized.is_quantized(m)
+               else f"{formats.of(m).name} codes")
+    else:
+      dtype = jnp.result_type(m)
+      if int8:
+        wanted = None if quantized.fits(jnp.shape(m)) else jnp.dtype(jnp.bfloat16)
+      else:
+        wanted = None if mu_dtype is None else jnp.dtype(mu_dtype)
+      if (wanted is None and not int8) or dtype == wanted:
+        continue
+      found = f"{dtype.name} momentum"
+    raise ValueError(
+        f"{owner}: the state holds {found} at {jax.tree_util.keystr(path) or '<the params>'}, "
+        f"but this optimizer keeps {_momentum_name(mu_dtype)}: was the state built by another "
+        f"optimizer's init? Build it with this one's tx.init, or this optimizer with the "
+        f"state's momentum format (fuseopt.optim.convert_moments(state, "
+        f"momentum_dtype=...) converts it)")
 
 
 def in_leaf_layout(x, platform: str):

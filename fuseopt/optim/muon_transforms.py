@@ -48,6 +48,7 @@ placement and calls, decided once), :mod:`~fuseopt.optim.muon_momentum`,
 
 # No `from __future__ import annotations`: optax's tests (and tools) read
 # `learning_rate`'s annotation as the object optax.ScalarOrSchedule.
+import dataclasses
 import functools
 import inspect
 import types
@@ -104,7 +105,6 @@ def scale_by_muon(
     weight_dimension_numbers=None,
     shape_scaling: bool = False,
     consistent_rms: Optional[float] = None,
-    newton_schulz: Optional[NewtonSchulz] = None,
     execution: Optional[Execution] = None,
 ) -> optax.GradientTransformation:
   r"""Muon's direction: Newton-Schulz orthogonalised (Nesterov) momentum.
@@ -141,13 +141,12 @@ def scale_by_muon(
       consistent_rms`` when ``consistent_rms`` is set (Liu et al. 2025, arXiv
       2502.16982); fan-in/out are those of the matrix (of the view).
       :func:`muon` turns this on; optax does it in a separate transform.
-    newton_schulz: a :class:`~fuseopt.optim.NewtonSchulz` record (or a
-      mapping of its fields; ``None``: its defaults): the iteration's dtype
-      (bf16 by default), Gram Newton-Schulz, the most elements a call,
-      the matmul of the Pallas backends.
     execution: an :class:`~fuseopt.optim.Execution` record (or a mapping;
-      ``None``: its defaults): a forced backend, interpret mode, and the
-      parameters' shardings on an Auto mesh.
+      ``None``: its defaults): a forced backend, interpret mode, the
+      parameters' shardings on an Auto mesh, and ``newton_schulz``, a
+      :class:`~fuseopt.optim.NewtonSchulz` record: the iteration's dtype
+      (bf16 by default), Gram Newton-Schulz, the most elements a call, the
+      matmul of the Pallas backends.
 
   ``mu_dtype="int8"`` (or ``jnp.int8``) stores the momentum in 8 bits: each
   leaf a :class:`~fuseopt.kernels.adam.quantized.QuantizedMoment` (int8
@@ -203,8 +202,8 @@ def muon_direction(args, piece=None) -> muon_pipeline.Direction:
   kernel_coeffs, kernel_steps, state_coeffs = ns_coefficients.muon_coefficients(
       args["ns_coeffs"], ns_steps)
   mu_dtype = _checks.muon_mu_dtype("scale_by_muon", args["mu_dtype"])
-  ns = _checks.as_record("scale_by_muon", "newton_schulz", args["newton_schulz"], NewtonSchulz)
   execution = _checks.as_record("scale_by_muon", "execution", args["execution"], Execution)
+  ns = execution.newton_schulz or NewtonSchulz()
   dims = args["weight_dimension_numbers"]
   specs = (dims if isinstance(dims, muon_plan.SpecReader) else
            muon_plan.SpecReader(functools.partial(muon_plan.declared_specs, dims)))
@@ -255,6 +254,7 @@ def direction_transform(direction: muon_pipeline.Direction) -> optax.GradientTra
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    muon_store.check_momentum_format("scale_by_muon", direction.mu_dtype, state.mu)
     out, treedef, new_state = muon_pipeline.run(direction, updates, state)
     return treedef.unflatten(out), new_state
 
@@ -301,14 +301,17 @@ def _adamw(learning_rate, b1, b2, eps, eps_root, weight_decay, mu_dtype, moment_
   keeps optax's dtypes (mu in ``mu_dtype`` or the parameter's, nu in the
   parameter's); a leaf the kernel cannot take (float16, say) runs optax's
   arithmetic with ``mu_dtype``, so its update keeps the parameter's dtype.
-  With blockwise (8-bit or 4-bit) moments both of the AdamW side's moments are in that format: ``mu_dtype``
-  is then Muon's momentum's alone; so is an 8-bit ``mu_dtype`` ("int8": the
-  AdamW side's moments are then ``moment_dtype``'s, mu included)."""
-  if moment_dtype in _checks.BLOCKWISE or _checks.muon_mu_dtype("muon", mu_dtype) == _checks.INT8:
+  With any ``moment_dtype`` but None both of the AdamW side's moments are in
+  that format, mu included: ``mu_dtype`` is then Muon's momentum's alone
+  (so a state whose Muon momentum :func:`~fuseopt.optim.convert_moments`
+  converted is taken by the ``muon`` of the new ``mu_dtype``)."""
+  if moment_dtype is not None:
     mu_dtype = None
+  # (the Newton-Schulz settings are the Muon side's: the AdamW side runs none)
   return adam_transforms.adamw(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                                mu_dtype=mu_dtype, weight_decay=weight_decay, nesterov=nesterov,
-                               moment_dtype=moment_dtype, execution=execution)
+                               moment_dtype=moment_dtype,
+                               execution=dataclasses.replace(execution, newton_schulz=None))
 
 
 def _muon_branch(direction, decay, learning_rate, weight_decay, weight_decay_mask, cautious=False):
@@ -328,6 +331,7 @@ def _muon_branch(direction, decay, learning_rate, weight_decay, weight_decay_mas
 
   def apply(grads, state, params, ctx):
     muon_state, shape_state, decay_state, lr_state = state  # the chain above
+    muon_store.check_momentum_format("scale_by_muon", direction.mu_dtype, muon_state.mu)
     if callable(weight_decay):
       raise fusion.NotFusable("muon: a weight-decay schedule has no in-place rule")
     treedef = jax.tree.structure(grads)
@@ -398,7 +402,6 @@ def muon(
     muon_weight_dimension_numbers=None,
     consistent_rms: Optional[float] = None,
     moment_dtype: Any = "bfloat16",
-    newton_schulz: Optional[NewtonSchulz] = None,
     execution: Optional[Execution] = None,
 ) -> optax.GradientTransformation:
   r"""Muon for the matrices, AdamW for everything else.
@@ -427,9 +430,10 @@ def muon(
   AdamW steps in, or a callable of the params returning one; ``None`` means
   "every 2-D leaf is a Muon matrix, the rest AdamW" -- all as in
   :func:`optax.contrib.muon`, whose arguments this accepts (the first 18);
-  then the AdamW side's ``moment_dtype`` and fuseopt's two records, ``newton_schulz``
-  (:class:`~fuseopt.optim.NewtonSchulz`) and ``execution``
-  (:class:`~fuseopt.optim.Execution`, both sides). The variants are pieces
+  then the AdamW side's ``moment_dtype`` and fuseopt's one record,
+  ``execution`` (:class:`~fuseopt.optim.Execution`, both sides: where the
+  kernels run, and how the Newton-Schulz iteration runs, its
+  ``newton_schulz`` field, a :class:`~fuseopt.optim.NewtonSchulz`). The variants are pieces
   where they act, not flags: a spec wrapped in :class:`~fuseopt.optim.Experts`
   freezes that leaf's matrices while their gradient is all zero (no update,
   no weight decay); a ``weight_decay`` or ``adam_weight_decay`` given as
@@ -465,14 +469,13 @@ def build_muon(args, piece=None, owner="muon") -> optax.GradientTransformation:
   execution = _checks.as_record(owner, "execution", a.execution, Execution)
   adam_learning_rate = a.learning_rate if a.adam_learning_rate is None else a.adam_learning_rate
   weight_decay_mask = a.weight_decay_mask
-  specs, param_labels = _muon_split(a.muon_weight_dimension_numbers)
+  specs, param_labels = _muon_split(a.muon_weight_dimension_numbers, owner)
   decay = _add_decayed_weights(weight_decay, weight_decay_mask, specs, cautious)
 
   direction = muon_direction(dict(
       ns_coeffs=a.ns_coeffs, ns_steps=a.ns_steps, beta=a.beta, eps=a.eps, mu_dtype=a.mu_dtype,
       nesterov=a.nesterov, adaptive=a.adaptive, preconditioning=a.preconditioning,
       weight_dimension_numbers=specs, shape_scaling=True, consistent_rms=a.consistent_rms,
-      newton_schulz=a.newton_schulz,
       execution=execution), piece)
   return fusion.partition(
       transforms={
@@ -486,7 +489,7 @@ def build_muon(args, piece=None, owner="muon") -> optax.GradientTransformation:
   )
 
 
-def _muon_split(muon_weight_dimension_numbers):
+def _muon_split(muon_weight_dimension_numbers, owner="muon"):
   """``(specs, param_labels)``: the leaves' specs (a
   :class:`~fuseopt.optim.muon_plan.SpecReader`) and the labels that send each
   leaf to Muon or AdamW, both from one read of the declaration a tree. The
@@ -495,7 +498,9 @@ def _muon_split(muon_weight_dimension_numbers):
   experts' decay gate and NorMuon's state take that same read."""
   if muon_weight_dimension_numbers is None:
     def read(tree):
-      return [MuonDimensionNumbers() if jnp.ndim(x) == 2 else None for x in jax.tree.leaves(tree)]
+      # (an integer leaf goes to the AdamW side, which passes it through)
+      return [MuonDimensionNumbers() if jnp.ndim(x) == 2 and not _checks.passes_through(x)
+              else None for x in jax.tree.leaves(tree)]
   else:
     def dims_fn(tree):
       # ``tree`` the whole tree, or the Muon side's view of it (MaskedNode
@@ -506,7 +511,19 @@ def _muon_split(muon_weight_dimension_numbers):
         return jax.tree.map(lambda _: dims, tree)
       aligned = muon_axes.align_to(dims, tree, muon_plan.is_spec_or_none)  # a dict on nnx state
       return muon_plan.broadcast_specs(aligned, tree)
-    read = functools.partial(muon_plan.declared_specs, dims_fn)
+    declared = functools.partial(muon_plan.declared_specs, dims_fn)
+
+    def read(tree):
+      specs = declared(tree)
+      flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+      for (path, x), spec in zip(flat, specs):
+        if spec is not None and _checks.passes_through(x):
+          raise ValueError(
+              f"{owner}: muon_weight_dimension_numbers declares the leaf at "
+              f"{jax.tree_util.keystr(path) or '<root>'} a Muon matrix, but it is "
+              f"{jnp.result_type(x)}: integer and bool leaves get no update; declare None for "
+              f"it (the AdamW side passes it through)")
+      return specs
   specs = muon_plan.SpecReader(read)
 
   def param_labels(params):

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import optax
 
 from fuseopt.kernels import fp_contract
+from fuseopt.optim import _checks
 
 __all__ = ["CautiousDecay", "add_cautious_decayed_weights", "add_decayed_weights", "cautious", "decay_term", "rate_at",
            "split_rate"]
@@ -98,7 +99,8 @@ def add_decayed_weights(
   optax's structure and checkpoints interoperate. ``u`` is the incoming
   update (the optimizer's direction before the decay). A rate of zero
   returns the updates as they are (optax computes ``u + 0 * p``: the same
-  bits for every finite ``p``). ``gate``: None, or a function of the updates
+  bits for every finite ``p``); an integer parameter is never decayed (its
+  update stays as it came: fuseopt's directions give it zero). ``gate``: None, or a function of the updates
   giving, for each of ``jax.tree.leaves(updates)``, None (every element
   decays) or a function of that leaf's update that is True where it decays
   (known only at the update: Muon's frozen experts).
@@ -116,8 +118,8 @@ def add_decayed_weights(
     gates = iter(gate(updates) if gate is not None else [])
     out = []
     for u, p in zip(leaves, treedef.flatten_up_to(params)):
-      if u is None:
-        out.append(None)
+      if u is None or _checks.passes_through(p):   # an integer leaf: never decayed
+        out.append(u)
         continue
       d = decay_term(u, p, wd, cautious)
       g = next(gates, None)

@@ -129,7 +129,7 @@ def substitutes(mode: str) -> dict[str, object]:
     return {}
   if mode == "fp32":
     f32 = {"moment_dtype": None}
-    ns = {"newton_schulz": fo.NewtonSchulz(dtype="float32")}
+    ns = {"execution": fo.Execution(newton_schulz=fo.NewtonSchulz(dtype="float32"))}
     return {"scale_by_adam": _with_defaults(fo.scale_by_adam, **f32),
             "adam": _with_defaults(fo.adam, **f32),
             "adamw": _with_defaults(fo.adamw, **f32),

@@ -64,9 +64,9 @@ def _rate(c, rate=0.5):
 @pytest.mark.parametrize("make", [
     lambda c: fo.adamw(1e-2, weight_decay=_rate(c)),
     lambda c: fo.muon(1e-2, weight_decay=_rate(c), adam_weight_decay=_rate(c),
-                      muon_weight_dimension_numbers=DIMS, newton_schulz=fo.NewtonSchulz(dtype=jnp.float32)),
+                      muon_weight_dimension_numbers=DIMS, execution=fo.Execution(newton_schulz=fo.NewtonSchulz(dtype=jnp.float32))),
     lambda c: fo.normuon(1e-2, weight_decay=_rate(c), adam_weight_decay=_rate(c),
-                         muon_weight_dimension_numbers=DIMS, newton_schulz=fo.NewtonSchulz(dtype=jnp.float32)),
+                         muon_weight_dimension_numbers=DIMS, execution=fo.Execution(newton_schulz=fo.NewtonSchulz(dtype=jnp.float32))),
 ], ids=["adamw", "muon", "normuon"])
 def test_fused_step_matches_update_and_differs_from_plain_decay(make):
   params, grads = _tree(0), _tree(1)

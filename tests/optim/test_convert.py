@@ -135,3 +135,75 @@ def test_a_format_not_offered_is_refused_naming_the_accepted(bad):
   _, state = _advanced("float32", _params(), steps=1)
   with pytest.raises((ValueError, TypeError), match="float32.*bfloat16.*int8.*int4|int8.*int4"):
     fo.convert_moments(state, bad)
+
+
+@pytest.mark.parametrize("back", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("factory", ["muon", "normuon"])
+def test_muon_momentum_back_from_8_bits_continues_with_the_matching_config(factory, back):
+  """A run on 8-bit momentum converted back (momentum_dtype=float32 or
+  bfloat16) continues with fo.muon(mu_dtype=that dtype), fused and through
+  update: the AdamW side's moments are moment_dtype's whatever Muon's
+  mu_dtype (it used to take mu_dtype's, so the converted state's bf16 AdamW mu
+  was refused)."""
+  make = getattr(fo, factory)
+  params = {"w": jnp.ones((8, 512)), "b": jnp.ones((256,))}
+  grads = jax.tree.map(lambda p: 0.01 * jnp.sin(jnp.arange(p.size, dtype=jnp.float32)
+                                                 .reshape(p.shape)), params)
+  tx8 = make(1e-2, weight_decay=0.1, mu_dtype="int8")
+  params, state = jax.jit(lambda g, s, p: fo.step(tx8, g, s, p))(grads, _init(tx8, params), params)
+  name = jnp.dtype(back).name
+  converted = fo.convert_moments(state, momentum_dtype=name)
+  tx = make(1e-2, weight_decay=0.1, mu_dtype=back)
+  assert _layout(converted) == _layout(_init(tx, params))
+  p2, s2 = params, converted
+  for _ in range(2):
+    p2, s2 = jax.jit(lambda g, s, p: fo.step(tx, g, s, p))(grads, s2, p2)
+  for _ in range(2):
+    u, converted = jax.jit(tx.update)(grads, converted, params)
+    params = optax.apply_updates(params, u)
+  assert _layout(s2) == _layout(converted) == _layout(_init(tx, params))
+
+
+@pytest.mark.parametrize("state_mu, tx_mu, found, keeps", [
+    ("int8", jnp.float32, r"8-bit momentum \(QuantizedMoment codes and scales, mu_dtype='int8'\)",
+     r"float32 momentum \(mu_dtype='float32'\)"),
+    (jnp.bfloat16, jnp.float32, "bfloat16 momentum", r"float32 momentum \(mu_dtype='float32'\)"),
+    (jnp.float32, "int8", "float32 momentum",
+     r"8-bit momentum \(QuantizedMoment codes and scales, mu_dtype='int8'\)"),
+    ("int8", None, r"8-bit momentum \(QuantizedMoment codes and scales, mu_dtype='int8'\)",
+     r"momentum in the parameters' dtype \(mu_dtype=None\)"),
+])
+def test_muon_update_refuses_a_momentum_of_another_format(state_mu, tx_mu, found, keeps):
+  """Muon's update refuses a state whose momentum is in another format than
+  its mu_dtype, as the AdamW side refuses moments of another format (it
+  used to run on, keeping the state's format)."""
+  params = {"w": jnp.ones((8, 512)), "b": jnp.ones((256,))}
+  state = _init(fo.muon(1e-2, mu_dtype=state_mu), params)
+  tx = fo.muon(1e-2, mu_dtype=tx_mu)
+  with pytest.raises(ValueError, match=rf"scale_by_muon: the state holds {found} at \['w'\], but "
+                                       rf"this optimizer keeps {keeps}: was the state built by "
+                                       rf"another optimizer's init\?"):
+    tx.update(params, state, params)
+
+
+@pytest.mark.parametrize("seed", [1.5, True, -1, 2**32, np.float32(2.0), jnp.ones(2, jnp.int32)])
+def test_convert_moments_refuses_a_seed_off_the_uint32_rule(seed):
+  """docs/validation.md's seed rule: a float, a bool, a non-scalar (TypeError)
+  or an integer outside [0, 2**32) (ValueError) is refused naming seed; 1.5
+  and True used to act as seed 1, -1 and 2**32 to wrap."""
+  _, state = _advanced("float32", _params(), steps=1)
+  with pytest.raises((TypeError, ValueError),
+                     match=r"convert_moments: seed must be an integer (scalar )?in \[0, 2\*\*32\)"):
+    fo.convert_moments(state, "int8", seed=seed)
+  fo.convert_moments(state, "int8", seed=2**32 - 1)   # every uint32 is a seed
+  fo.convert_moments(state, "int8", seed=np.uint32(7))
+
+
+@pytest.mark.parametrize("bad", ["int4", "fp8", jnp.uint8, 8])
+def test_momentum_dtype_errors_name_momentum_dtype_and_every_value(bad):
+  _, state = _advanced("float32", _params(), steps=1)
+  with pytest.raises((TypeError, ValueError),
+                     match=r"convert_moments: momentum_dtype must be (a dtype \()?a floating dtype "
+                           r"\(e\.g\. float32 or bfloat16.*'int8' \(8-bit codes, a scale per block "
+                           r"of 256\) or None"):
+    fo.convert_moments(state, momentum_dtype=bad)

@@ -109,7 +109,7 @@ def test_fused_step_equals_update_then_apply(optimizer, wrapper):
     # fp32 Newton-Schulz: in bf16 a one-ulp difference of the fp32 clip norm
     # (the two paths reduce the same gradients in different fusions) can flip
     # a bf16 rounding of the NS input, a bf16 ulp of the update.
-    extra["optimizer_kwargs"] = {"newton_schulz": {"dtype": "float32"}}
+    extra["optimizer_kwargs"] = {"execution": {"newton_schulz": {"dtype": "float32"}}}
   tx = build_optimizer(_config(optimizer, **extra), 10)
   state = tx.init(params)
 

@@ -147,9 +147,19 @@ def test_masters_compose_with_8_bit_moments(master_bits):
 
 
 def test_master_bits_are_checked_by_name():
-  for bad in (16, 23, "24", True):
+  for bad in (16, 23, np.int32(16)):
     with pytest.raises(ValueError, match=r"master_bits must be one of \(32, 24\).*got"):
       fo.track_mantissa(fo.adamw(1e-3), master_bits=bad)
+  # Of the wrong kind (it used to say "unhashable type" for a list or an array):
+  for bad in ("24", True, 24.0, [24], jnp.array([24]), jnp.array(24.0)):
+    with pytest.raises(TypeError, match=r"track_mantissa: master_bits must be one of \(32, 24\) "
+                                        r"\(32: an fp32 master, an int16 companion; 24: a 24-bit "
+                                        r"master, an int8 companion\), a static int, got"):
+      fo.track_mantissa(fo.adamw(1e-3), master_bits=bad)
+  # A concrete integer scalar is its int.
+  for good in (jnp.array(24), np.int64(24), np.array(24, np.int8)):
+    state = fo.track_mantissa(fo.adamw(1e-3), master_bits=good).init(_bf16_start()[0])
+    assert {x.dtype for x in jax.tree.leaves(state.companion)} == {jnp.dtype(jnp.int8)}
   cfg = fo.OptimConfig(optimizer="adamw", learning_rate=1e-3, bf16_params="mantissa24")
   state = fo.build_optimizer(cfg, steps=10).init(_bf16_start()[0])
   (mantissa_state,) = [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, fo.MantissaState))
@@ -339,3 +349,14 @@ def test_master_params_names_what_does_not_match():
     fo.master_params({**p16, "w": p16["w"].T}, state)
   with pytest.raises(ValueError, match="do not match the companion tree"):
     fo.master_params([p16["b"], p16["stack"], p16["w"]], state)
+
+
+def test_track_mantissa_refuses_what_is_no_optimizer_and_nesting():
+  with pytest.raises(TypeError, match=r"track_mantissa: tx must be an optax GradientTransformation"
+                                      r".*got 'adamw'"):
+    fo.track_mantissa("adamw")
+  with pytest.raises(ValueError, match=r"track_mantissa: tx is a track_mantissa\(...\) already; "
+                                       r"wrap the optimizer once"):
+    fo.track_mantissa(fo.track_mantissa(fo.adamw(1e-3)))
+  with pytest.raises(ValueError, match=r"track_mantissa: tx is a track_mantissa"):
+    fo.track_mantissa(fo.track_mantissa(fo.muon(1e-3), master_bits=24), master_bits=24)

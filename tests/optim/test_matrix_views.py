@@ -14,7 +14,7 @@ from fuseopt.optim.muon_settings import NewtonSchulz
 from fuseopt.optim.muon_transforms import muon, scale_by_muon
 from fuseopt.optim.normuon_transforms import normuon
 
-F32 = dict(newton_schulz=NewtonSchulz(dtype=jnp.float32), execution=Execution(implementation="xla"),
+F32 = dict(execution=Execution(implementation="xla", newton_schulz=NewtonSchulz(dtype=jnp.float32)),
            ns_coeffs="jordan")
 
 

@@ -57,7 +57,7 @@ def test_matches_optax_fp32_jordan(variant):
     mine_dims = dims
   # (optax's moment dtypes on the AdamW side: moment_dtype=None)
   mine = muon(muon_weight_dimension_numbers=mine_dims, **kw, moment_dtype=None,
-              newton_schulz=NewtonSchulz(dtype=jnp.float32), execution=Execution(implementation='xla'))
+              execution=Execution(implementation='xla', newton_schulz=NewtonSchulz(dtype=jnp.float32)))
   worst, sr, sm = _run_both(ref, mine)
   assert worst < 1e-4
   # Same state layout as optax: one momentum leaf per Muon parameter.
@@ -72,7 +72,7 @@ def test_default_2d_rule_matches_optax():
        "b": jax.random.normal(k[2], (40,))}
   ref = optax.contrib.muon(learning_rate=0.1)
   mine = muon(learning_rate=0.1, ns_coeffs="jordan", moment_dtype=None,
-              newton_schulz=NewtonSchulz(dtype=jnp.float32))
+              execution=Execution(newton_schulz=NewtonSchulz(dtype=jnp.float32)))
   sr, sm = ref.init(p), mine.init(p)
   ref_up, mine_up = jax.jit(ref.update), jax.jit(mine.update)
   for t in range(2):
@@ -89,7 +89,7 @@ def test_scale_by_muon_matches_optax_adaptive():
   dims = {"a": MDN(1, 2), "b": MDN(0, 1)}
   odims = {"a": optax.contrib.MuonDimensionNumbers(1, 2), "b": optax.contrib.MuonDimensionNumbers()}
   ref = optax.contrib.scale_by_muon(adaptive=True, weight_dimension_numbers=odims, mu_dtype=jnp.bfloat16)
-  mine = scale_by_muon(adaptive=True, weight_dimension_numbers=dims, mu_dtype=jnp.bfloat16, newton_schulz=NewtonSchulz(dtype=jnp.float32))
+  mine = scale_by_muon(adaptive=True, weight_dimension_numbers=dims, mu_dtype=jnp.bfloat16, execution=Execution(newton_schulz=NewtonSchulz(dtype=jnp.float32)))
   sr, sm = ref.init(p), mine.init(p)
   ref_up, mine_up = jax.jit(ref.update), jax.jit(mine.update)
   for t in range(2):
@@ -125,7 +125,7 @@ def test_one_batched_ns_call_per_shape(monkeypatch):
 @pytest.mark.parametrize("coeffs", ["jordan", "polar_express"])
 def test_bf16_singular_values_in_band(coeffs):
   g = jax.random.normal(jax.random.key(7), (2, 48, 96))
-  tx = scale_by_muon(ns_coeffs=coeffs, weight_dimension_numbers=MDN(1, 2), newton_schulz=NewtonSchulz(dtype=jnp.bfloat16))
+  tx = scale_by_muon(ns_coeffs=coeffs, weight_dimension_numbers=MDN(1, 2), execution=Execution(newton_schulz=NewtonSchulz(dtype=jnp.bfloat16)))
   u, _ = tx.update(g, tx.init(g))
   assert u.dtype == jnp.float32
   s = np.linalg.svd(np.asarray(u), compute_uv=False)
@@ -213,7 +213,7 @@ def test_ns_max_elements_splits_calls_without_changing_results():
   # 5 a call would leave one matrix alone in the last call: [4, 2] instead.
   expected = {None: [6], 2 * 8 * 12: [2, 2, 2], 5 * 8 * 12: [4, 2]}
   for cap, want in expected.items():
-    tx = scale_by_muon(weight_dimension_numbers=dims, newton_schulz=NewtonSchulz(max_elements=cap, dtype=jnp.float32))
+    tx = scale_by_muon(weight_dimension_numbers=dims, execution=Execution(newton_schulz=NewtonSchulz(max_elements=cap, dtype=jnp.float32)))
     outs[cap], _ = jax.jit(tx.update)(g, tx.init(g))
     assert _ns_calls(tx.update, g, tx.init(g)) == want, cap
   for cap in expected:
@@ -263,14 +263,14 @@ def test_ns_matmul_pallas_runs_the_update_kernel_and_matches(impl, monkeypatch):
   for mm in ("xla", "pallas"):
     names.clear()
     tx = scale_by_muon(weight_dimension_numbers=dims, ns_coeffs="jordan",
-                       newton_schulz=NewtonSchulz(matmul=mm),
-                       execution=Execution(implementation=impl, interpret=True))
+                       execution=Execution(implementation=impl, interpret=True,
+                                           newton_schulz=NewtonSchulz(matmul=mm)))
     outs[mm], _ = jax.jit(tx.update)(g, tx.init(g))
     assert ("fuseopt_ns_update" in names) == (mm == "pallas"), (mm, names)
   np.testing.assert_allclose(np.asarray(outs["pallas"]["w"]), np.asarray(outs["xla"]["w"]),
                              rtol=0, atol=2e-2)
   with pytest.raises(ValueError, match="matmul must be one of"):
-    scale_by_muon(newton_schulz=NewtonSchulz(matmul="cublas"))
+    scale_by_muon(execution=Execution(newton_schulz=NewtonSchulz(matmul="cublas")))
 
 
 @pytest.mark.parametrize("ns_dtype", [jnp.bfloat16, jnp.float32])
@@ -279,7 +279,7 @@ def test_spectral_preconditioning_runs_in_every_ns_dtype(ns_dtype):
   default bf16 iteration runs (it raised inside jnp.linalg before)."""
   import fuseopt.optim as fo
   params = {"w": jnp.ones((24, 16)) + jnp.eye(24, 16)}
-  tx = fo.muon(0.02, preconditioning="spectral", ns_coeffs=(3.4445, -4.775, 2.0315), newton_schulz=fo.NewtonSchulz(dtype=ns_dtype))
+  tx = fo.muon(0.02, preconditioning="spectral", ns_coeffs=(3.4445, -4.775, 2.0315), execution=fo.Execution(newton_schulz=fo.NewtonSchulz(dtype=ns_dtype)))
   grads = jax.tree.map(lambda x: jnp.sin(jnp.arange(x.size, dtype=jnp.float32)).reshape(x.shape),
                        params)
   updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
@@ -343,7 +343,7 @@ def test_int8_momentum_update_equals_fused_step():
   params = _int8_tree()
   for make in (muon, fo.normuon):
     tx = make(learning_rate=0.02, weight_decay=0.1, mu_dtype=jnp.int8,
-              newton_schulz=NewtonSchulz(dtype=jnp.float32))
+              execution=Execution(newton_schulz=NewtonSchulz(dtype=jnp.float32)))
     with warnings.catch_warnings():
       warnings.simplefilter("ignore")
       s1 = s2 = tx.init(params)

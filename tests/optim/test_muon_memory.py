@@ -46,7 +46,7 @@ def test_fused_step_temp_is_one_call_not_the_tree():
   returns every leaf's update at once, grows with the tree."""
   def temps(layers):
     struct = workloads.llama_tree_cpu(jnp.float32, abstract=True, layers=layers)
-    tx = fo.muon(1e-2, ns_coeffs="jordan", muon_weight_dimension_numbers=cases.muon_dims, newton_schulz=fo.NewtonSchulz(max_elements=2 * 64 * 256))
+    tx = fo.muon(1e-2, ns_coeffs="jordan", muon_weight_dimension_numbers=cases.muon_dims, execution=fo.Execution(newton_schulz=fo.NewtonSchulz(max_elements=2 * 64 * 256)))
     return _temp_bytes(tx, struct, fused=True), _temp_bytes(tx, struct)
   (fused2, drop_in2), (fused8, drop_in8) = temps(2), temps(8)
   assert fused8 <= fused2 * 1.05, (fused2, fused8)

@@ -182,7 +182,8 @@ def test_an_update_piece_implements_one_hook():
   params, grads = _tree(0), _tree(1)
   args = muon_transforms.bind_arguments("t", muon_transforms.scale_by_muon, (),
                                         {"weight_dimension_numbers": DIMS,
-                                         "newton_schulz": fo.NewtonSchulz(dtype=jnp.float32)})
+                                         "execution": fo.Execution(
+                                             newton_schulz=fo.NewtonSchulz(dtype=jnp.float32))})
   plain = muon_transforms.direction_transform(muon_transforms.muon_direction(args))
   doubled = muon_transforms.direction_transform(muon_transforms.muon_direction(args, Doubling()))
   u, _ = jax.jit(plain.update)(grads, plain.init(params), params)

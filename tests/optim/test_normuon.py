@@ -42,9 +42,9 @@ def test_direction_is_muons_normalised_per_neuron_over_steps():
   scale_by_muon's (same momentum, same NS), step after step."""
   params = {"w": _tree(0)["w"]}
   dims = {"w": MDN(0, 1)}
-  muon = fo.scale_by_muon(weight_dimension_numbers=dims, newton_schulz=fo.NewtonSchulz(dtype=jnp.float32),
-                          execution=fo.Execution(implementation='xla'))
-  nor = fo.scale_by_normuon(weight_dimension_numbers=dims, b2=0.9, newton_schulz=fo.NewtonSchulz(dtype=jnp.float32), execution=fo.Execution(implementation='xla'))
+  muon = fo.scale_by_muon(weight_dimension_numbers=dims,
+                          execution=fo.Execution(implementation='xla', newton_schulz=fo.NewtonSchulz(dtype=jnp.float32)))
+  nor = fo.scale_by_normuon(weight_dimension_numbers=dims, b2=0.9, execution=fo.Execution(implementation='xla', newton_schulz=fo.NewtonSchulz(dtype=jnp.float32)))
   sm, sn = muon.init(params), nor.init(params)
   os_, got = [], []
   for t in range(4):
@@ -96,7 +96,7 @@ def test_state_layout_per_neuron_and_dtypes():
 @pytest.mark.parametrize("nu_dtype", [None, jnp.bfloat16])
 def test_fused_step_matches_update_and_apply_updates(nu_dtype):
   params = _tree(0)
-  tx = fo.normuon(0.02, muon_weight_dimension_numbers=DIMS, weight_decay=0.1, nu_dtype=nu_dtype, newton_schulz=fo.NewtonSchulz(dtype=jnp.float32))
+  tx = fo.normuon(0.02, muon_weight_dimension_numbers=DIMS, weight_decay=0.1, nu_dtype=nu_dtype, execution=fo.Execution(newton_schulz=fo.NewtonSchulz(dtype=jnp.float32)))
   s_ref = s_fused = tx.init(params)
   p_ref = p_fused = params
   step = jax.jit(lambda g, s, p: fo.step(tx, g, s, p))

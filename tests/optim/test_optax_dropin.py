@@ -54,13 +54,25 @@ def test_uncovered_dtypes_run_optax_math(dtype, nesterov):
   _assert_bitwise(got, want)
 
 
-def test_integer_mu_dtype_and_params_behave_as_optax():
+def test_integer_params_pass_through_and_float_leaves_behave_as_optax():
+  """An integer leaf gets no update and keeps init's moments, even with
+  integer gradients (optax 0.2.8 runs Adam on it in integers: its nu
+  overflows and the leaf [0..5] came back [0, -9473681, 2, 2, 4, 3]); the
+  float leaves beside it are optax's."""
   params = {"i": jnp.arange(6, dtype=jnp.int32), "f": jnp.ones(3)}
-  got = _run(fo.adam(0.1, moment_dtype=None), params, steps=2)
-  want = _run(optax.adam(0.1), params, steps=2)
-  # Eagerly optax divides by its bias correction in one small jit over the
-  # whole tree, which XLA compiles to within 1 ulp of a per-leaf division.
-  _assert_bitwise(got, want, rtol=2e-7)
+  got_p, got = _run(fo.adam(0.1, moment_dtype=None), params, steps=2)
+  want_p, want = _run(optax.adam(0.1), params, steps=2)
+  np.testing.assert_array_equal(np.asarray(got_p["i"]), np.arange(6))
+  assert got_p["i"].dtype == jnp.int32
+  for (u, s), (wu, ws) in zip(got, want):
+    assert not np.any(np.asarray(u["i"])) and u["i"].dtype == jnp.int32
+    assert s[0].mu["i"].dtype == s[0].nu["i"].dtype == jnp.int32
+    assert not np.any(np.asarray(s[0].mu["i"])) and not np.any(np.asarray(s[0].nu["i"]))
+    # Eagerly optax divides by its bias correction in one small jit over the
+    # whole tree, which XLA compiles to within 1 ulp of a per-leaf division.
+    _assert_bitwise((u["f"], s[0].mu["f"], s[0].nu["f"]), (wu["f"], ws[0].mu["f"], ws[0].nu["f"]),
+                    rtol=2e-7)
+  _assert_bitwise(got_p["f"], want_p["f"], rtol=2e-7)
   p = {"f": jnp.ones(3)}
   got = _run(fo.adam(0.1, mu_dtype=jnp.float16, moment_dtype=None), p, steps=2)
   want = _run(optax.adam(0.1, mu_dtype=jnp.float16), p, steps=2)
@@ -103,11 +115,11 @@ def test_fp32_adam_is_optax_bitwise_jitted():
     (fo.adam, optax.adam, {}, {"moment_dtype": None}),
     (fo.adamw, optax.adamw, {"weight_decay": 0.1}, {"moment_dtype": None}),
     (fo.muon, optax.contrib.muon, {"ns_coeffs": JORDAN},
-     {"newton_schulz": fo.NewtonSchulz(dtype="float32"), "moment_dtype": None}),
+     {"execution": fo.Execution(newton_schulz=fo.NewtonSchulz(dtype="float32")), "moment_dtype": None}),
 ])
 def test_inject_hyperparams_injects_what_optax_injects(factory, optax_factory, kwargs, fp32):
-  """fuseopt's extra arguments (moment_dtype, seed, the newton_schulz and
-  execution records) are not injected: the same
+  """fuseopt's extra arguments (moment_dtype, seed, the execution record
+  and its newton_schulz record) are not injected: the same
   hyperparameters as optax's, and under jit the injected fuseopt follows the
   injected optax as the plain ones follow each other (hyperparameters become
   fp32 arrays, in both)."""
@@ -255,7 +267,7 @@ def test_step_on_an_injected_transform_falls_back_and_says_why(factory, kwargs, 
 
 def test_max_elements_rejects_an_array():
   with pytest.raises(ValueError, match="NewtonSchulz: max_elements must be an int >= 1 or None"):
-    fo.scale_by_muon(newton_schulz=fo.NewtonSchulz(max_elements=jnp.asarray(4)))
+    fo.scale_by_muon(execution=fo.Execution(newton_schulz=fo.NewtonSchulz(max_elements=jnp.asarray(4))))
 
 
 def test_apply_updates_without_seed_is_optax():
@@ -305,9 +317,9 @@ def test_inject_hyperparams_injects_the_numbers_and_keeps_the_records(factory):
   """The Muon family under inject_hyperparams: the numeric hyperparameters
   are injected (an injected learning rate of 0 stops every parameter), the
   settings records pass through as they are."""
-  ns, ex = fo.NewtonSchulz(dtype="float32", max_elements=1 << 20), fo.Execution(implementation="xla")
-  tx = optax.inject_hyperparams(factory)(learning_rate=0.02, weight_decay=0.1, newton_schulz=ns,
-                                         execution=ex)
+  ns = fo.NewtonSchulz(dtype="float32", max_elements=1 << 20)
+  ex = fo.Execution(implementation="xla", newton_schulz=ns)
+  tx = optax.inject_hyperparams(factory)(learning_rate=0.02, weight_decay=0.1, execution=ex)
   params = {"w": jnp.linspace(-1.0, 1.0, 8 * 16).reshape(8, 16), "b": jnp.ones((16,))}
   g = jax.tree.map(jnp.cos, params)
   state = tx.init(params)
@@ -320,12 +332,41 @@ def test_inject_hyperparams_injects_the_numbers_and_keeps_the_records(factory):
   assert all(bool(jnp.all(x == 0)) for x in jax.tree.leaves(u))
 
 
-def test_muon_signature_is_optaxs_then_the_moment_format_and_the_two_records():
+def test_muon_signature_is_optaxs_then_the_moment_format_and_the_execution_record():
   """fo.muon takes optax.contrib.muon's arguments, in its order, then the
-  AdamW side's moment format (adamw's name for it) and the two settings
-  records; every variant is a piece of a value (Experts specs, a cautious
-  rate), not a parameter."""
+  AdamW side's moment format (adamw's name for it) and the one settings
+  record, Execution (the Newton-Schulz settings are its newton_schulz
+  field): at most 20 parameters. Every variant is a piece of a value
+  (Experts specs, a cautious rate), not a parameter."""
   import inspect
   ours = list(inspect.signature(fo.muon).parameters)
   theirs = list(inspect.signature(optax.contrib.muon).parameters)
-  assert ours == theirs + ["moment_dtype", "newton_schulz", "execution"]
+  assert ours == theirs + ["moment_dtype", "execution"]
+  assert len(ours) <= 20
+  assert list(inspect.signature(fo.scale_by_muon).parameters)[-1] == "execution"
+  assert "newton_schulz" not in inspect.signature(fo.scale_by_muon).parameters
+
+
+def test_the_newton_schulz_settings_are_an_execution_field():
+  """Execution(newton_schulz=...) takes the record or a mapping of its fields
+  (unknown ones refused, naming them); Adam, which runs no Newton-Schulz,
+  refuses a record that sets it rather than ignoring it."""
+  ex = fo.Execution(newton_schulz={"dtype": "float32", "gram": False})
+  assert ex.newton_schulz == fo.NewtonSchulz(dtype="float32", gram=False)
+  with pytest.raises(ValueError, match=r"Execution: newton_schulz has unknown fields \['steps'\]"):
+    fo.Execution(newton_schulz={"steps": 3})
+  with pytest.raises(TypeError, match=r"Execution: newton_schulz must be a fuseopt.optim.NewtonSchulz"):
+    fo.Execution(newton_schulz="float32")
+  for make in (fo.adam, fo.adamw):
+    with pytest.raises(ValueError, match=rf"{make.__name__}: execution.newton_schulz is the Muon "
+                                         rf"family's"):
+      make(1e-3, execution=ex)
+  with pytest.raises(ValueError, match=r"scale_by_adam: execution.newton_schulz"):
+    fo.scale_by_adam(execution={"newton_schulz": {"dtype": "float32"}})
+  with pytest.raises(TypeError, match=r"unexpected keyword argument 'newton_schulz'"):
+    fo.muon(0.02, newton_schulz=fo.NewtonSchulz())
+  # The Muon family takes it, its AdamW side running without it.
+  params = {"w": jnp.ones((8, 16)), "b": jnp.ones((16,))}
+  tx = fo.muon(0.02, execution=ex, moment_dtype=None)
+  state = tx.init(params)
+  tx.update(params, state, params)

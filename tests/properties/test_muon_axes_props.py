@@ -39,7 +39,7 @@ def layouts(draw):
 
 
 def _update(make, leaf, grad, dims, ns_dtype):
-  tx = make(0.02, muon_weight_dimension_numbers={"w": dims}, newton_schulz=fo.NewtonSchulz(dtype=ns_dtype))
+  tx = make(0.02, muon_weight_dimension_numbers={"w": dims}, execution=fo.Execution(newton_schulz=fo.NewtonSchulz(dtype=ns_dtype)))
   u, _ = jax.jit(tx.update)({"w": grad}, tx.init({"w": leaf}), {"w": leaf})
   return np.asarray(u["w"])
 

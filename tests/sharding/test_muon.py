@@ -231,12 +231,12 @@ def test_sharded_muon_step_with_one_matrix_a_call_is_bitwise_the_unsharded_step(
   params = _tree(0, FAMILY_SHAPES)
   grads = [_tree(10 + t, FAMILY_SHAPES) for t in range(3)]
   budget = 512 * 128
-  want = _replay(fo.muon(1e-2, newton_schulz=fo.NewtonSchulz(max_elements=budget)), params, grads)
+  want = _replay(fo.muon(1e-2, execution=fo.Execution(newton_schulz=fo.NewtonSchulz(max_elements=budget))), params, grads)
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
   sh = {n: NamedSharding(mesh, P("fsdp", None) if len(s) == 2 else P())
         for n, s in FAMILY_SHAPES.items()}
   put = lambda t: jax.tree.map(jax.device_put, t, sh)
-  got = _replay(fo.muon(1e-2, newton_schulz=fo.NewtonSchulz(max_elements=budget)), put(params), [put(g) for g in grads])
+  got = _replay(fo.muon(1e-2, execution=fo.Execution(newton_schulz=fo.NewtonSchulz(max_elements=budget))), put(params), [put(g) for g in grads])
   for t, (w, g) in enumerate(zip(want, got)):
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(w)[0], jax.tree.leaves(g)):
       np.testing.assert_array_equal(np.asarray(b), np.asarray(a),

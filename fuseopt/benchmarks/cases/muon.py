@@ -18,7 +18,7 @@ steps, which are also fuseopt's default):
   workload's arguments only (learning rate, weight decay, which leaves are
   matrices) through ``tx.update`` + ``optax.apply_updates``, fp32 grads and
   momentum: whatever NS path, coefficients and call sizes are the default;
-- ``fuseopt_muon[gram]`` (accelerators): ``newton_schulz=NewtonSchulz(gram="auto")``
+- ``fuseopt_muon[gram]`` (accelerators): ``execution=Execution(newton_schulz=NewtonSchulz(gram="auto"))``
   (Gram NS for the 1:4 MLP matrices); ``fuseopt_muon[no_gram]``
   (accelerators): ``NewtonSchulz(gram=False)``; one of them may be the
   default's own program (then recorded ``same_program_as``, not timed twice);
@@ -65,6 +65,11 @@ def muon_dims(params):
   return jax.tree_util.tree_map_with_path(pick, params)
 
 
+def _ns(**fields):
+  """fo.Execution whose Newton-Schulz settings are ``fields``."""
+  return fmuon.Execution(newton_schulz=fmuon.NewtonSchulz(**fields))
+
+
 def optimizers(platform: str = "cpu") -> dict:
   """label -> (optax transformation, grads dtype). ``fuseopt_muon`` is the
   default call; a tagged label passes what its tag names, explicitly."""
@@ -78,18 +83,15 @@ def optimizers(platform: str = "cpu") -> dict:
       "fuseopt_muon": (fmuon.muon(**common), jnp.float32),
   }
   if platform in ("gpu", "tpu"):
-    out["fuseopt_muon[gram]"] = (fmuon.muon(**common, newton_schulz=fmuon.NewtonSchulz(gram="auto")),
-                                 jnp.float32)
-    out["fuseopt_muon[no_gram]"] = (fmuon.muon(**common, newton_schulz=fmuon.NewtonSchulz(gram=False)),
-                                    jnp.float32)
+    out["fuseopt_muon[gram]"] = (fmuon.muon(**common, execution=_ns(gram="auto")), jnp.float32)
+    out["fuseopt_muon[no_gram]"] = (fmuon.muon(**common, execution=_ns(gram=False)), jnp.float32)
   # Gram NS on fuseopt's "jordan" schedule (its restarts where the schedule
   # wants them), the Gram row of the suites before the rows were named by
   # their arguments.
   out["fuseopt_muon[gram,jordan]"] = (
-      fmuon.muon(**common, ns_coeffs="jordan", newton_schulz=fmuon.NewtonSchulz(gram="auto")),
-      jnp.float32)
+      fmuon.muon(**common, ns_coeffs="jordan", execution=_ns(gram="auto")), jnp.float32)
   out["fuseopt_muon[calls<=2^25]"] = (
-      fmuon.muon(**common, newton_schulz=fmuon.NewtonSchulz(max_elements=1 << 25)), jnp.float32)
+      fmuon.muon(**common, execution=_ns(max_elements=1 << 25)), jnp.float32)
   out["fuseopt_muon[fp32_adam]"] = (fmuon.muon(**common, moment_dtype="float32"), jnp.float32)
   return out
 
@@ -98,10 +100,10 @@ CALLS = {
     "optax_muon": "optax.contrib.muon(lr, weight_decay=wd, ns_coeffs=JORDAN, ...)",
     "optax_muon_bf16": "optax.contrib.muon(lr, weight_decay=wd, ns_coeffs=JORDAN, mu_dtype=bf16, ...), bf16 grads",
     "fuseopt_muon": "fo.muon(lr, weight_decay=wd, muon_weight_dimension_numbers=dims)",
-    "fuseopt_muon[gram]": "fo.muon(..., newton_schulz=fo.NewtonSchulz(gram='auto'))",
-    "fuseopt_muon[no_gram]": "fo.muon(..., newton_schulz=fo.NewtonSchulz(gram=False))",
-    "fuseopt_muon[gram,jordan]": "fo.muon(..., ns_coeffs='jordan', newton_schulz=fo.NewtonSchulz(gram='auto'))",
-    "fuseopt_muon[calls<=2^25]": "fo.muon(..., newton_schulz=fo.NewtonSchulz(max_elements=2**25))",
+    "fuseopt_muon[gram]": "fo.muon(..., execution=fo.Execution(newton_schulz=fo.NewtonSchulz(gram='auto')))",
+    "fuseopt_muon[no_gram]": "fo.muon(..., execution=fo.Execution(newton_schulz=fo.NewtonSchulz(gram=False)))",
+    "fuseopt_muon[gram,jordan]": "fo.muon(..., ns_coeffs='jordan', execution=fo.Execution(newton_schulz=fo.NewtonSchulz(gram='auto')))",
+    "fuseopt_muon[calls<=2^25]": "fo.muon(..., execution=fo.Execution(newton_schulz=fo.NewtonSchulz(max_elements=2**25)))",
     "fuseopt_muon[fp32_adam]": "fo.muon(..., moment_dtype='float32')",
 }
 
