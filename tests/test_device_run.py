@@ -58,7 +58,7 @@ def test_dry_run_survives_a_crash_and_an_error(tmp_path):
   faults = "abort:adam/heuristic,raise:ns_gram/heuristic"
   proc = subprocess.run(
       [sys.executable, "bench/device_run.py", str(tmp_path / "out"), "--dry-run"],
-      cwd=ROOT, env=_env(tmp_path, FUSEOPT_CONFIG_FAULT=faults), capture_output=True, text=True, timeout=240)
+      cwd=ROOT, env=_env(tmp_path, FUSEOPT_CONFIG_FAULT=faults), capture_output=True, text=True, timeout=330)
   out = proc.stdout + proc.stderr
   assert proc.returncode == 0, out[-4000:]
   data = json.loads((tmp_path / "out" / "cpu" / "device_run.json").read_text())
@@ -69,7 +69,7 @@ def test_dry_run_survives_a_crash_and_an_error(tmp_path):
   assert "--xla_gpu_graph_min_graph_size=1" in data["meta"]["config_xla_flags"]
   recs = {r["id"]: r for r in data["configs"]}
   families = {r["family"] for r in recs.values()}
-  assert families == {"stochastic_round", "adam", "adam_bf16", "adam_group", "adam_int8",
+  assert families == {"stochastic_round", "adam", "adam_bf16", "adam_group", "adam_int8", "adam_int4",
                       "adam_int8_group", "ns_poly", "ns_gram", "ns_update", "ns_fused"}
   # Every family: the heuristic and one search-space config (--dry-run keeps 2).
   assert len(recs) == 2 * len(families)
@@ -89,6 +89,21 @@ def test_dry_run_survives_a_crash_and_an_error(tmp_path):
   assert recs["stochastic_round/7"]["bitwise_vs_heuristic"] is True
   summary = data["summary"]["adam"]
   assert summary["status"] == {"crashed": 1, "ok": 1} and summary["best"]["id"] == "adam/7"
+  # Every family's check against its reference (its heuristic), the blockwise formats included.
+  checks = data["kernel_checks"]
+  assert set(checks) == families
+  assert checks["adam"]["status"] == "crashed" and checks["ns_gram"]["status"] == "error"
+  for fam in ("stochastic_round", "adam_int8", "adam_int4", "ns_fused"):
+    assert checks[fam]["status"] == "ok" and checks[fam]["check"], checks[fam]
+  assert "bitwise" in checks["stochastic_round"]["check"] and checks["stochastic_round"]["bitwise_ref"]
+  # The checks ran first: every heuristic before any other config, the blockwise formats last.
+  order = [line.split()[0] for line in proc.stdout.splitlines()
+           if line.startswith("  ") and line.split()[0] in recs]
+  heads = [i for i in order if i.endswith("/heuristic")]
+  assert order[:len(heads)] == heads and len(heads) == len(families), order
+  assert {h.split("/")[0] for h in heads[-2:]} == {"adam_int8", "adam_int4"} or \
+      "int8_group" in heads[-1], heads
+  assert "kernel checks against the references" in proc.stdout
   # Then the suite, with its environment record.
   assert data["parts"]["suite"]["rc"] == 0 and data["parts"]["suite"]["timed"] > 0
   suite = json.loads((tmp_path / "out" / "cpu" / "suite.json").read_text())
