@@ -413,7 +413,9 @@ def run_case(case: Case, ceilings: dict[str, float], *, iters: int = 10,
           fn = compiled
       if feed is not None:
         def first(out, label=label):
-          outputs[label] = block(case.reduce(label, out) if case.reduce else out)
+          # (a copy: the next step donates these buffers)
+          outputs[label] = block(case.reduce(label, out) if case.reduce else
+                                 jax.tree.map(lambda a: a.copy() if isinstance(a, jax.Array) else a, out))
         t1 = time.perf_counter()
         timing = time_loop(fn, args, feed, iters=iters,
                            first=first if case.check is not None else None)
