@@ -411,3 +411,35 @@ def test_plan_runs_the_headline_rows_first_and_resume_leaves_out_what_is_done():
   first2, rest2 = core.plan(cases, done=done)
   left = {(c.op, c.name, k) for c in first2 + rest2 for k in c.variants}
   assert left == everything - done
+
+
+def test_the_tpu_table_renders_default_calls_first_against_optax(tmp_path):
+  assert "pending" in report.tpu_markdown(None) and "pending" in report.tpu_status(None)
+  assert report.tpu_results(tmp_path) is None
+  row = lambda v, ms, **kw: {"op": "adam", "case": "llama0.53b", "variant": v, "is_baseline": False,
+                             "is_default": False, "ms": ms, "compile_s": 3.0, **kw}
+  rows = [row("optax_adamw_fp32", 24.4, is_baseline=True, moved_bytes_per_param=28),
+          row("optax_adamw_mu_bf16", 21.2),
+          row("fuseopt_adamw[drop_in]", 21.7),
+          row("fuseopt_step", 18.7, is_default=True, fraction_of_spec_floor=0.8, moved_bytes_per_param=20),
+          {**row("fuseopt_step[int4]", 0), "status": "compile_timeout", "error": "compile_timeout: ..."}]
+  for r in rows:
+    r.pop("ms") if r.get("error") else r.setdefault("baseline_ms", 24.4)
+    if "ms" in r:
+      r["ratio_to_baseline"] = r["ms"] / 24.4
+  meta = {"device_kind": "TPU v5 lite", "device_slug": "tpu-v5-lite", "platform": "tpu", "size": "full",
+          "jax": "0.10.2", "time_utc": "2026-12-07T10:00:00Z", "compile_budget_s": 90.0,
+          "tree": {"name": "llama0.53b", "layers": 6, "params": 533_751_808, "full_tree": False}}
+  report.save_json(report.make_results(meta, {"copy_gbps": 700.0, "spec_gbps": 819.0}, rows),
+                   tmp_path / "tpu-v5-lite" / "suite.json")
+  res = report.tpu_results(tmp_path)
+  table = report.tpu_markdown(res)
+  lines = [l for l in table.splitlines() if l.startswith("| adam")]
+  assert "**`fuseopt_step`** default" in lines[0] and "1.30× faster" in lines[0] and "80%" in lines[0]
+  assert lines[-2].split("|")[3].strip() == "`optax_adamw_fp32`" and "compile timeout" in table
+  assert "819 GB/s" in table and "533,751,808" in table
+  status = report.tpu_status(res)
+  assert "`fuseopt_step` (adam) 18.7 ms, 1.30× faster than optax" in status
+  page = tmp_path / "page.md"
+  page.write_text(f"x\n{report.TPU_START}\nold\n{report.TPU_END}\n")
+  assert report.render_tpu(tmp_path, None, page) and "1.30× faster" in page.read_text()
