@@ -254,6 +254,9 @@ def cmd_report(args, out=print) -> int:
   changed = report.render_readme(args.readme, args.results, include_cpu=args.include_cpu,
                                  full_page=args.readme.parent / "docs" / "benchmarks.md")
   out(f"{args.readme}, docs/benchmarks.md: performance tables {'updated' if changed else 'unchanged'}")
+  from fuseopt.benchmarks import tpu_report
+  changed = tpu_report.render_tpu(args.results, args.readme, args.readme.parent / "docs" / "benchmarks.md")
+  out(f"{args.readme}, docs/benchmarks.md: TPU v5e rows {'updated' if changed else 'unchanged'}")
   tier_page = args.readme.parent / "docs" / "compile_tier.md"
   if tier_page.exists():
     changed = compiled.render_tables(tier_page, args.results / "compiled")

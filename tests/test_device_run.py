@@ -414,8 +414,9 @@ def test_plan_runs_the_headline_rows_first_and_resume_leaves_out_what_is_done():
 
 
 def test_the_tpu_table_renders_default_calls_first_against_optax(tmp_path):
-  assert "pending" in report.tpu_markdown(None) and "pending" in report.tpu_status(None)
-  assert report.tpu_results(tmp_path) is None
+  from fuseopt.benchmarks import tpu_report
+  assert "pending" in tpu_report.tpu_markdown(None) and "pending" in tpu_report.tpu_status(None)
+  assert tpu_report.tpu_results(tmp_path) is None
   row = lambda v, ms, **kw: {"op": "adam", "case": "llama0.53b", "variant": v, "is_baseline": False,
                              "is_default": False, "ms": ms, "compile_s": 3.0, **kw}
   rows = [row("optax_adamw_fp32", 24.4, is_baseline=True, moved_bytes_per_param=28),
@@ -432,14 +433,14 @@ def test_the_tpu_table_renders_default_calls_first_against_optax(tmp_path):
           "tree": {"name": "llama0.53b", "layers": 6, "params": 533_751_808, "full_tree": False}}
   report.save_json(report.make_results(meta, {"copy_gbps": 700.0, "spec_gbps": 819.0}, rows),
                    tmp_path / "tpu-v5-lite" / "suite.json")
-  res = report.tpu_results(tmp_path)
-  table = report.tpu_markdown(res)
+  res = tpu_report.tpu_results(tmp_path)
+  table = tpu_report.tpu_markdown(res)
   lines = [l for l in table.splitlines() if l.startswith("| adam")]
   assert "**`fuseopt_step`** default" in lines[0] and "1.30× faster" in lines[0] and "80%" in lines[0]
   assert lines[-2].split("|")[3].strip() == "`optax_adamw_fp32`" and "compile timeout" in table
   assert "819 GB/s" in table and "533,751,808" in table
-  status = report.tpu_status(res)
+  status = tpu_report.tpu_status(res)
   assert "`fuseopt_step` (adam) 18.7 ms, 1.30× faster than optax" in status
   page = tmp_path / "page.md"
-  page.write_text(f"x\n{report.TPU_START}\nold\n{report.TPU_END}\n")
-  assert report.render_tpu(tmp_path, None, page) and "1.30× faster" in page.read_text()
+  page.write_text(f"x\n{tpu_report.TPU_START}\nold\n{tpu_report.TPU_END}\n")
+  assert tpu_report.render_tpu(tmp_path, None, page) and "1.30× faster" in page.read_text()

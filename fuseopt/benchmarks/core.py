@@ -19,8 +19,6 @@ import dataclasses
 import gc
 import math
 import re
-import statistics
-import threading
 import time
 from typing import Any, Callable
 
@@ -28,6 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from fuseopt.benchmarks import environment
+from fuseopt.benchmarks.timing import (ABANDONED_COMPILES, CompileTimeout, Loop,  # noqa: F401 (re-exported)
+                                       block, compile_within, time_fn, time_loop)
 
 Builder = Callable[[], tuple[Callable[..., Any], tuple]]
 
@@ -95,100 +95,6 @@ def checks_against(deltas: dict[str, Any], baseline: str, tol: float) -> dict[st
       figures[f"rel_err_vs_optax[{label}]"] = e
       figures[f"ok[{label}]"] = bool(finite and math.isfinite(e) and e < tol)
   return figures
-
-
-def block(x):
-  return jax.tree.map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
-
-
-def time_fn(fn: Callable, args: tuple, *, warmup: int = 2, iters: int = 10,
-            min_time: float = 0.0, refresh: Callable[[], tuple] | None = None) -> dict[str, float]:
-  """Median/min wall time of ``fn(*args)`` in ms.
-
-  ``refresh`` builds fresh args before each call (needed when ``fn`` donates
-  its inputs).
-  """
-  for _ in range(warmup):
-    a = refresh() if refresh else args
-    block(fn(*a))
-  times = []
-  start = time.perf_counter()
-  while len(times) < iters or (time.perf_counter() - start) < min_time:
-    a = refresh() if refresh else args
-    block(a)
-    t0 = time.perf_counter()
-    block(fn(*a))
-    times.append((time.perf_counter() - t0) * 1e3)
-    if len(times) >= 10 * iters:
-      break
-  return {"ms": statistics.median(times), "min_ms": min(times), "runs": len(times)}
-
-
-@dataclasses.dataclass
-class Loop:
-  """A variant timed as training runs it: ``fn(*args)`` donates its inputs,
-  and ``feed(args, outputs)`` gives the next call's arguments (e.g.
-  ``(params', state', grads)``), so one copy of params and state is alive and
-  nothing is rebuilt between timed calls. The first call's outputs (from
-  ``args`` as built) are the ones a case's check sees."""
-  fn: Callable[..., Any]
-  args: tuple
-  feed: Callable[[tuple, Any], tuple]
-
-
-def time_loop(fn: Callable, args: tuple, feed: Callable, *, warmup: int = 2, iters: int = 10,
-              first: Callable[[Any], None] | None = None) -> dict[str, float]:
-  """Median/min ms of ``iters`` (at least 10) steps of ``fn``, each step's
-  outputs fed back as the next step's inputs (:class:`Loop`), after
-  ``warmup`` steps; ``first(outputs)`` sees the first step's outputs."""
-  iters = max(10, iters)
-  times = []
-  for k in range(warmup + iters):
-    t0 = time.perf_counter()
-    out = block(fn(*args))
-    if k >= warmup:
-      times.append((time.perf_counter() - t0) * 1e3)
-    if k == 0 and first is not None:
-      first(out)
-    args = feed(args, out)
-    del out
-  del args
-  return {"ms": statistics.median(times), "min_ms": min(times), "runs": len(times)}
-
-
-class CompileTimeout(Exception):
-  """A compile that did not finish within the run's compile budget."""
-
-
-# Compiles given up on (still running in their threads): a process that has
-# any should end with ``os._exit`` once its results are written.
-ABANDONED_COMPILES: list[threading.Thread] = []
-
-
-def compile_within(lowered, budget_s: float | None):
-  """``(lowered.compile(), seconds)``; raises :class:`CompileTimeout` when
-  the compile takes longer than ``budget_s`` (it goes on in a daemon thread,
-  which :data:`ABANDONED_COMPILES` lists; the caller moves on)."""
-  t0 = time.perf_counter()
-  if budget_s is None:
-    compiled = lowered.compile()
-    return compiled, time.perf_counter() - t0
-  box: dict[str, Any] = {}
-
-  def work():
-    try:
-      box["compiled"] = lowered.compile()
-    except BaseException as e:  # noqa: BLE001 - handed to the caller
-      box["error"] = e
-  th = threading.Thread(target=work, name="fuseopt-compile", daemon=True)
-  th.start()
-  th.join(max(0.0, budget_s))
-  if th.is_alive():
-    ABANDONED_COMPILES.append(th)
-    raise CompileTimeout(f"compile_timeout: not compiled within the compile budget of {budget_s:.0f} s")
-  if "error" in box:
-    raise box["error"]
-  return box["compiled"], time.perf_counter() - t0
 
 
 def memory_stats(fn: Callable, args: tuple) -> dict[str, int]:
@@ -294,20 +200,24 @@ def floor_ms(case: Case, ceilings: dict[str, float]) -> float | None:
   return max(parts) if parts else None
 
 
-def build_variant(build: Builder):
+def build_variant(build: Builder, *, with_feed: bool = False):
   """Calls a variant builder: ``(fn, args)``, ``(fn, args, refresh)`` or a
-  :class:`Loop`; returns ``(fn, args, refresh, feed)``.
+  :class:`Loop`; returns ``(fn, args, refresh)`` (and ``feed`` with
+  ``with_feed``).
 
   ``refresh()`` returns fresh args (a builder whose ``fn`` donates its inputs
-  gives one, or a :class:`Loop`, whose ``feed`` makes the next call's args).
+  gives one). A :class:`Loop`'s ``feed`` makes the next call's args from the
+  last call's outputs; without ``with_feed`` its ``refresh`` builds the
+  variant again (for callers that time each call on fresh args).
   """
   out = build()
   if isinstance(out, Loop):
-    return out.fn, out.args, None, out.feed
-  if len(out) == 3:
-    return (*out, None)
-  fn, args = out
-  return fn, args, None, None
+    if with_feed:
+      return out.fn, out.args, None, out.feed
+    return out.fn, out.args, lambda: build().args
+  if len(out) == 2:
+    out = (*out, None)
+  return (*out, None) if with_feed else tuple(out)
 
 
 def spec_figures(rec: dict, params: int | None, ceilings: dict) -> dict:
@@ -365,7 +275,7 @@ def run_case(case: Case, ceilings: dict[str, float], *, iters: int = 10,
     fn = args = refresh = feed = None
     try:
       t_build = time.perf_counter()
-      fn, args, refresh, feed = build_variant(build)
+      fn, args, refresh, feed = build_variant(build, with_feed=True)
       rec["build_s"] = round(time.perf_counter() - t_build, 3)
       compiled_ok = False
       t0 = time.perf_counter()
