@@ -42,12 +42,24 @@ directory's ``device_run.json``) and runs only what is missing
 ``--ops``, ``--rows`` narrow it.
 
 Time: ``--budget-s`` (default 540 s) bounds the whole run. The config
-checks get ``--configs-budget-s`` (150 s), shared fairly among the kernel
-families (a family's first config always runs while that budget lasts;
-configs not started in time are recorded as skipped); a config gets at most
-``--config-timeout-s`` (60 s). The suite gets what is left: it starts no
-new case after ``remaining - --suite-reserve-s`` seconds and is stopped at
-``remaining - 10`` (its JSON holds every case finished by then).
+phase gets ``--configs-budget-s`` (150 s): first each family's heuristic,
+the family's check against its plain-jnp reference on the chip
+(``kernel_checks`` in the JSON: ok / wrong / error / timeout, what was
+compared: bitwise for stochastic rounding, a relative bound elsewhere; the
+blockwise 8-bit and 4-bit formats last), each within ``--check-timeout-s``
+(150 s); then the search spaces' other configs, fairly shared, each within
+``--config-timeout-s`` (60 s); configs not started in time are recorded as
+skipped. The suite gets what is left: it starts no new row after
+``remaining - --suite-reserve-s`` (100 s) seconds, each row's compile
+within ``--compile-budget-s`` (the suite's default, 90 s; past it the row
+is ``compile_timeout``), the headline rows (the user's default calls and
+optax's) first; it is stopped at ``remaining - 10`` (its JSON holds every
+row finished by then). ``--resume`` continues an earlier run: finished
+configs and timed suite rows are kept, the rest run.
+
+On a 16 GiB TPU v5e (one chip; results under ``bench/results/tpu-v5-lite/``)::
+
+  PYTHONPATH=$PWD $PY bench/device_run.py $OUT --budget-s 540
 
 This process never starts JAX itself (JAX would preallocate the device
 memory its children need); ``--dry-run`` runs the same path on the CPU
