@@ -38,6 +38,8 @@ one first (the largest blocks, the likeliest to fail), ids
   the heuristic config recorded.
 - ``adam_int8_group`` (GPU): the same 8-bit leaves in grouped Triton
   launches, ``triton.QUANTIZED_GROUP_SEARCH_SPACE``.
+- ``adam_int4``: the same with 4-bit moments (packed codes, one fp32 scale
+  per 128 elements) on the leaves that hold them, the same bound.
 - ``ns_poly``, ``ns_gram`` (``gram.sym``), ``ns_update`` (``update.matmul``)
   at ``--ns-shape`` (2048×8192, an issue target), ``ns_fused`` at the
   largest shape its kernel takes; relative Frobenius error below
@@ -45,7 +47,15 @@ one first (the largest blocks, the likeliest to fail), ids
 
 Each record: ``ok``, ``rel_err``, ``ms`` (median of ``--iters`` calls after
 warm-up), ``min_ms``, ``compile_s`` (first call), GB/s or TFLOP/s, or the
-``error``. ``--dry-run`` runs tiny shapes in interpret mode on the CPU.
+``error``; ``check`` says what ``ok`` compared (``bitwise`` against the
+reference where docs/numerics.md promises the same bits: stochastic
+rounding; a relative-error bound elsewhere). Each family's heuristic job
+is the family's check on the chip (``bench/device_run.py`` runs them all
+first). ``--dry-run`` runs tiny shapes in interpret mode on the CPU.
+
+``--ew-layers`` (default: 1 on a GPU, every leaf shape of the 1.2 B tree;
+0 on a TPU: the embedding, final norm and LM head, whose per-leaf Mosaic
+compiles fit the per-config timeout) sets the elementwise families' tree.
 
 Protocol (stdout lines that start with ``PREFIX``, JSON after it): first
 ``{"hello": {env, platform, device_kind, device_slug, jobs}}``; then, for
@@ -73,6 +83,7 @@ from typing import Any, Callable
 PREFIX = "@@fuseopt-config "
 ADAM_TOL = 5e-3   # bf16 moments: a 1-ulp fp32 difference can move a stochastic rounding
 NS_TOL = 2e-2     # bf16 iterates, fp32 accumulation (as bench/ns_configs.py)
+SCALE_RTOL = 4 * 2.0 ** -23   # blockwise scales: a few fp32 ulps (tests/kernels/test_adam_int4_tpu.py)
 FAULT_ENV = "FUSEOPT_CONFIG_FAULT"
 EXIT_POISONED = 3
 
@@ -117,7 +128,8 @@ def settings_for(platform: str, args) -> Settings:
   fm = 128 if impl == "triton" else 512
   while not fused.fits(impl, fm, fm):
     fm //= 2
-  return Settings(impl, False, {**workloads.LLAMA_1B, "layers": args.ew_layers}, RAGGED_LEAVES,
+  layers = args.ew_layers if args.ew_layers is not None else (0 if impl == "mosaic_tpu" else 1)
+  return Settings(impl, False, {**workloads.LLAMA_1B, "layers": layers}, RAGGED_LEAVES,
                   tuple(args.ns_shape), (32, fm, fm), args.iters, args.per_family,
                   mosaic_gpu=impl == "triton" and _sm90())
 
@@ -188,11 +200,13 @@ RAGGED_LEAVES_DRY = ((13, 7), (7,))
 INT8_EXTRA_LEAVES = ((3, 1280),)
 
 
-def int8_shapes(st: Settings) -> list[tuple[int, ...]]:
-  """The elementwise tree's leaves whose last axis divides the 8-bit
-  moments' quantisation block, and :data:`INT8_EXTRA_LEAVES`."""
-  from fuseopt.kernels.adam import quantized
-  return [s for s in ew_shapes(st) if quantized.fits(s)] + list(INT8_EXTRA_LEAVES)
+def int8_shapes(st: Settings, fmt: str = "int8") -> list[tuple[int, ...]]:
+  """The elementwise tree's leaves whose last axis divides the 8-bit (or
+  4-bit: ``fmt="int4"``) moments' quantisation block, and
+  :data:`INT8_EXTRA_LEAVES`."""
+  from fuseopt.kernels.adam import int4, quantized
+  fits = int4.fits if fmt == "int4" else quantized.fits
+  return [s for s in ew_shapes(st) if fits(s)] + [s for s in INT8_EXTRA_LEAVES if fits(s)]
 
 
 def ew_shapes(st: Settings) -> list[tuple[int, ...]]:
@@ -257,7 +271,8 @@ def families(st: Settings) -> list[Family]:
 
   def sr_compare(state, outs):
     c = compare_arrays(outs, state["ref"])
-    return {"rel_err": c["rel_err"], "bitwise_ref": c["bitwise"], "ok": c["bitwise"]}
+    return {"rel_err": c["rel_err"], "bitwise_ref": c["bitwise"], "ok": c["bitwise"],
+            "check": "bitwise against stochastic_round_reference (docs/numerics.md)"}
 
   n_ew = sum(math.prod(s) for s in ew_shapes(st))
   out.append(Family("stochastic_round", "fuseopt.kernels.stochastic_round.stochastic_round_bf16",
@@ -295,7 +310,9 @@ def families(st: Settings) -> list[Family]:
 
   def adam_compare(state, outs):
     c = compare_arrays(outs, state["ref"])
-    return {"rel_err": c["rel_err"], "bitwise_ref": c["bitwise"], "ok": c["rel_err"] < ADAM_TOL}
+    return {"rel_err": c["rel_err"], "bitwise_ref": c["bitwise"], "ok": c["rel_err"] < ADAM_TOL,
+            "check": f"params and bf16 moments within {ADAM_TOL:g} relative of the xla reference "
+                     "(an fp32 ulp may move a stochastic rounding: docs/numerics.md); bits recorded"}
 
   def adam_bf16_setup():
     # bf16 params and grads (14 B/param): on the H200 the suite's 1.2 B step of
@@ -321,10 +338,16 @@ def families(st: Settings) -> list[Family]:
   # zero so that codes and scales are those of a running optimizer.
   from fuseopt.kernels.adam import quantized
 
-  def int8_setup():
-    shapes = int8_shapes(st)
+  from fuseopt.kernels.adam import int4 as int4_format
+  from fuseopt.kernels.adam import triton_blockwise
+
+  def int8_setup(fmt="int8"):
+    shapes = int8_shapes(st, fmt)
     p, g, g0 = (_normal_tree(st, k, shapes=shapes) for k in (1, 2, 3))
-    zeros = lambda signed: [quantized.zeros(x.shape, signed=signed) for x in p]
+    if fmt == "int4":
+      zeros = lambda signed: [int4_format.zeros(x.shape) for x in p]
+    else:
+      zeros = lambda signed: [quantized.zeros(x.shape, signed=signed) for x in p]
     _, mu, nu = jax.jit(lambda p, g, mu, nu: adam.adam_update_tree(
         p, g, mu, nu, implementation="xla", **{**hyper, "count": 1}))(p, g0, zeros(True), zeros(False))
     ref = jax.jit(lambda p, g, mu, nu: adam.adam_update_tree(
@@ -349,13 +372,27 @@ def families(st: Settings) -> list[Family]:
 
   def int8_compare(state, outs):
     # The parameters within ADAM_TOL of the reference; the codes may differ
-    # where a 1-ulp fp32 difference moves a stochastic rounding (recorded).
+    # where a 1-ulp fp32 difference moves a stochastic rounding (at most
+    # 0.1% of them), the scales by a few fp32 ulps (FMA contraction:
+    # tests/kernels/test_adam_int4_tpu.py); the bits recorded.
+    import numpy as np
     n = len(state["args"][0])
     c = compare_arrays(outs[:n], state["ref"][:n])
-    codes = compare_arrays(outs[n:], state["ref"][n:])
-    return {"rel_err": c["rel_err"], "bitwise_ref": c["bitwise"] and codes["bitwise"],
-            "state_differing": codes["differing"], "state_rel_err": codes["rel_err"],
-            "ok": c["rel_err"] < ADAM_TOL and codes["differing"][0] <= 1e-3 * codes["differing"][1]}
+    codes = compare_arrays(outs[n::2], state["ref"][n::2])
+    scales = compare_arrays(outs[n + 1::2], state["ref"][n + 1::2])
+    worst = max((float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+                              / np.maximum(np.abs(np.asarray(b, np.float64)), 1e-30), initial=0.0))
+                 for a, b in zip(outs[n + 1::2], state["ref"][n + 1::2])), default=0.0)
+    return {"rel_err": c["rel_err"], "bitwise_ref": c["bitwise"] and codes["bitwise"] and scales["bitwise"],
+            "state_differing": [codes["differing"][0] + scales["differing"][0],
+                                codes["differing"][1] + scales["differing"][1]],
+            "codes_differing": codes["differing"], "scales_max_rel_diff": worst,
+            "state_rel_err": compare_arrays(outs[n:], state["ref"][n:])["rel_err"],
+            "ok": (c["rel_err"] < ADAM_TOL and codes["differing"][0] <= 1e-3 * codes["differing"][1]
+                   and worst <= SCALE_RTOL),
+            "check": f"params within {ADAM_TOL:g} relative of the xla reference, at most 0.1% of "
+                     f"codes differing, scales within {SCALE_RTOL:.1e} relative (bitwise with FMA "
+                     "off: tests/kernels); bits recorded"}
 
   n_int8 = sum(math.prod(s) for s in int8_shapes(st))
   int8_work = {"bytes": (16 + 16 / quantized.BLOCK) * n_int8}
@@ -363,6 +400,14 @@ def families(st: Settings) -> list[Family]:
                     adam.mosaic_tpu.SEARCH_SPACE if mosaic else adam.triton.SEARCH_SPACE,
                     int8_setup, int8_runner(), int8_compare, int8_work,
                     same_bits_as_heuristic=True))
+  def int4_setup():
+    return int8_setup("int4")
+
+  n_int4 = sum(math.prod(s) for s in int8_shapes(st, "int4"))
+  out.append(Family("adam_int4", "fuseopt.kernels.adam.adam_update_tree(int4 moments)",
+                    adam.mosaic_tpu.SEARCH_SPACE if mosaic else triton_blockwise.INT4_SEARCH_SPACE,
+                    int4_setup, int8_runner(), int8_compare,
+                    {"bytes": (14 + 16 / int4_format.BLOCK) * n_int4}, same_bits_as_heuristic=True))
   if not mosaic:  # (what fo.step runs on a GPU by default)
     out.append(Family("adam_int8_group", "fuseopt.kernels.adam.triton.update_quantized_group",
                       adam.triton.QUANTIZED_GROUP_SEARCH_SPACE, int8_setup,
@@ -411,7 +456,8 @@ def families(st: Settings) -> list[Family]:
     def compare(state, outs):
       ref = state["refs"][ref_key] if ref_key else state["ref"]
       rel = compare_arrays(outs, [ref])["rel_err"]
-      return {"rel_err": rel, "ok": rel < NS_TOL}
+      return {"rel_err": rel, "ok": rel < NS_TOL,
+              "check": f"within {NS_TOL:g} relative (Frobenius) of the reference (bf16 iterates)"}
     return run, compare
 
   kw = dict(implementation=impl, interpret=interp_pallas)
@@ -481,8 +527,8 @@ def _flat(tree_outs):
 
 
 def _int8_flat(tree_outs):
-  """adam_update_tree's outputs with 8-bit moments as one list: params, then
-  each moment's codes and scales."""
+  """adam_update_tree's outputs with 8-bit (or 4-bit) moments as one list:
+  params, then each moment's codes and scales."""
   p, mu, nu = tree_outs
   return list(p) + [a for m in list(mu) + list(nu) for a in (m.codes, m.scales)]
 
@@ -526,6 +572,13 @@ def _healthy() -> bool:
 
 def run_job(fam: Family, cfg, state: dict, iters: int, heuristic_outs: dict) -> dict:
   rec: dict[str, Any] = {}
+  if cfg is not None and fam.same_bits_as_heuristic and fam.name not in heuristic_outs:
+    # The heuristic ran in a process that has since crashed: its first
+    # call's outputs again, for the bits of this config.
+    import jax
+    t = time.perf_counter()
+    heuristic_outs[fam.name] = jax.device_get(list(_block(fam.run(state, None)())))
+    rec["heuristic_rerun_s"] = round(time.perf_counter() - t, 3)
   t0 = time.perf_counter()
   call = fam.run(state, cfg)
   outs = _block(call())
@@ -533,8 +586,11 @@ def run_job(fam: Family, cfg, state: dict, iters: int, heuristic_outs: dict) -> 
   rec.update(fam.compare(state, outs))
   if fam.same_bits_as_heuristic:
     if cfg is None:
-      # A copy: the Adam families donate their outputs to the next call.
-      heuristic_outs[fam.name] = [x.copy() for x in outs]
+      # On the host (the parent runs every family's heuristic before the
+      # other configs, so it outlives the family's inputs on the device);
+      # and a copy: the Adam families donate their outputs to the next call.
+      import jax
+      heuristic_outs[fam.name] = jax.device_get(list(outs))
     elif fam.name in heuristic_outs:
       # Determinism: every block config gives the heuristic's bits (the
       # rounding exactly; Adam's fp32 outputs up to an FMA contraction,
@@ -566,9 +622,9 @@ def run_job(fam: Family, cfg, state: dict, iters: int, heuristic_outs: dict) -> 
 def worker(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--dry-run", action="store_true", help="tiny shapes, interpret mode, on the CPU")
-  ap.add_argument("--ew-layers", type=int, default=1,
-                  help="layers of the Llama tree the elementwise configs run on (1: 13 leaves; "
-                       "16: the whole 1.2 B tree, 147 leaves)")
+  ap.add_argument("--ew-layers", type=int, default=None,
+                  help="layers of the Llama tree the elementwise configs run on (default 1 on a GPU: "
+                       "13 leaves; 0 on a TPU; 16: the whole 1.2 B tree, 147 leaves)")
   ap.add_argument("--ns-shape", type=int, nargs=3, default=(1, 2048, 8192), metavar=("B", "M", "N"))
   ap.add_argument("--iters", type=int, default=10)
   ap.add_argument("--per-family", type=int, default=None, help="only the first N jobs of each family")
@@ -620,10 +676,12 @@ def worker(argv=None) -> int:
       if fault == "raise":
         raise RuntimeError("injected fault")
       if fam.setup not in states:
-        # One set of inputs at a time (adam and adam_group share theirs):
-        # free the previous ones first.
-        states.clear()
-        heuristic_outs.clear()
+        # One set of inputs at a time on a device (adam and adam_group share
+        # theirs): free the previous ones first (the heuristics' outputs
+        # stay, on the host). The dry run's tiny inputs all stay: its second
+        # pass over the families builds none again.
+        if not st.interpret:
+          states.clear()
         t = time.perf_counter()
         states[fam.setup] = fam.setup()
         rec["setup_s"] = round(time.perf_counter() - t, 3)

@@ -42,12 +42,24 @@ directory's ``device_run.json``) and runs only what is missing
 ``--ops``, ``--rows`` narrow it.
 
 Time: ``--budget-s`` (default 540 s) bounds the whole run. The config
-checks get ``--configs-budget-s`` (150 s), shared fairly among the kernel
-families (a family's first config always runs while that budget lasts;
-configs not started in time are recorded as skipped); a config gets at most
-``--config-timeout-s`` (60 s). The suite gets what is left: it starts no
-new case after ``remaining - --suite-reserve-s`` seconds and is stopped at
-``remaining - 10`` (its JSON holds every case finished by then).
+phase gets ``--configs-budget-s`` (150 s): first each family's heuristic,
+the family's check against its plain-jnp reference on the chip
+(``kernel_checks`` in the JSON: ok / wrong / error / timeout, what was
+compared: bitwise for stochastic rounding, a relative bound elsewhere; the
+blockwise 8-bit and 4-bit formats last), each within ``--check-timeout-s``
+(150 s); then the search spaces' other configs, fairly shared, each within
+``--config-timeout-s`` (60 s); configs not started in time are recorded as
+skipped. The suite gets what is left: it starts no new row after
+``remaining - --suite-reserve-s`` (100 s) seconds, each row's compile
+within ``--compile-budget-s`` (the suite's default, 90 s; past it the row
+is ``compile_timeout``), the headline rows (the user's default calls and
+optax's) first; it is stopped at ``remaining - 10`` (its JSON holds every
+row finished by then). ``--resume`` continues an earlier run: finished
+configs and timed suite rows are kept, the rest run.
+
+On a 16 GiB TPU v5e (one chip; results under ``bench/results/tpu-v5-lite/``)::
+
+  PYTHONPATH=$PWD $PY bench/device_run.py $OUT --budget-s 540
 
 This process never starts JAX itself (JAX would preallocate the device
 memory its children need); ``--dry-run`` runs the same path on the CPU
@@ -209,7 +221,8 @@ class Run:
             "config_settings": h.get("settings"), "config_xla_flags": h.get("xla_flags")}
     records = [self.records.get(j["id"], {**j, "status": "pending"}) for j in self.jobs]
     return {"schema": SCHEMA, "meta": meta, "budget": self.budget, "parts": self.parts,
-            "wall_s": round(self.elapsed(), 1), "summary": summarize(records), "configs": records}
+            "wall_s": round(self.elapsed(), 1), "kernel_checks": kernel_checks(self),
+            "summary": summarize(records), "configs": records}
 
   def save(self):
     if self.out_dir is None:
@@ -229,8 +242,10 @@ class Run:
   # ------------------------------------------------------------- workers --
   def worker_cmd(self) -> list[str]:
     a = self.args
-    cmd = [sys.executable, str(HERE / "config_checks.py"), "--ew-layers", str(a.ew_layers),
+    cmd = [sys.executable, str(HERE / "config_checks.py"),
            "--ns-shape", *map(str, a.ns_shape), "--iters", str(a.iters or 10)]
+    if a.ew_layers is not None:
+      cmd += ["--ew-layers", str(a.ew_layers)]
     if a.dry_run:
       cmd += ["--dry-run"]
     if a.per_family:
@@ -311,52 +326,78 @@ def _describe(rec: dict) -> str:
   return f"{rec['status'].upper()}: {rec.get('error') or rec.get('skipped', '')}"[:300]
 
 
+BLOCKWISE = ("int8", "int4")   # families whose compiles take longest run their check last
+
+
 def run_configs(run: Run) -> None:
-  """Every config job, in a child process, within the configs budget."""
+  """Every config job, in a child process, within the configs budget: first
+  each family's heuristic (the family's check against its reference on the
+  chip, ``kernel_checks`` in the JSON; blockwise formats last), each with
+  ``--check-timeout-s``; then the search spaces' other configs, the budget
+  left shared fairly among the families."""
   a = run.args
   start = run.elapsed()
   budget = a.configs_budget_s
-  worker = run.start_worker()
-  if worker is None:
+  state = {"worker": run.start_worker(), "cannot_start": False}
+  if state["worker"] is None:
     run.parts["configs"] = {"status": "failed: the config process did not start",
                             "wall_s": round(run.elapsed() - start, 1), **(run.start_error or {})}
     return
   run.parts["configs"] = {"status": "running"}
   run.save()
   families = list(dict.fromkeys(j["family"] for j in run.jobs))
-  done_by_budget = cannot_start = False
-  for k, fam in enumerate(families):
+  done_by_budget = False
+
+  def attempt(job, timeout):
+    used = run.elapsed() - start
+    if state["worker"] is None and not state["cannot_start"]:
+      # A fresh process after a crash: its start-up counts against the budget.
+      state["worker"] = run.start_worker(min(HELLO_TIMEOUT_S, max(20.0, budget + timeout - used)))
+      state["cannot_start"] = state["worker"] is None  # then the device is gone: no more tries
+    if state["worker"] is None:
+      run.records[job["id"]] = {**job, "status": "skipped", "ok": False,
+                                "skipped": "no config process could start after a crash"}
+      return
+    # A config may run over its family's share, never past the budget's
+    # end by more than its timeout.
+    timeout = min(timeout, max(5.0, budget + timeout - used))
+    rec, state["worker"] = _run_one(run, state["worker"], job, timeout)
+    run.records[job["id"]] = rec
+    print(f"  {job['id']:24s} {job['config'][:48]:48s} {_describe(rec)}", flush=True)
+    run.save()
+
+  def skip(job):
+    run.records[job["id"]] = {**job, "status": "skipped", "ok": False, "skipped": "time budget"}
+
+  # Pass 1: the checks. A family's heuristic runs again when its other
+  # configs are to run (the same-run reference for their times and bits).
+  todo = {f: [j for j in run.jobs if j["family"] == f and j["id"] not in run.records] for f in families}
+  heads = {f: next(j for j in run.jobs if j["family"] == f) for f in families}
+  order = sorted(families, key=lambda f: any(b in f for b in BLOCKWISE))
+  for fam in order:
+    job = heads[fam]
+    if job not in todo[fam] and not todo[fam]:
+      continue
+    if run.elapsed() - start > budget:
+      skip(job)
+      done_by_budget = True
+    else:
+      attempt(job, a.check_timeout_s)
+    if job in todo[fam]:
+      todo[fam].remove(job)
+  # Pass 2: the search spaces, fairly.
+  left = [f for f in families if todo[f]]
+  for k, fam in enumerate(left):
     fam_start = run.elapsed()
-    share = max(0.0, budget - (fam_start - start)) / (len(families) - k)
-    fam_jobs = [j for j in run.jobs if j["family"] == fam]
-    todo = [j for j in fam_jobs if j["id"] not in run.records]
-    if todo and fam_jobs[0] not in todo:
-      # Resumed: the heuristic runs again, the same-run reference for the
-      # new configs' times and bits.
-      todo.insert(0, fam_jobs[0])
-    for n, job in enumerate(todo):
-      used = run.elapsed() - start
-      if used > budget or (n > 0 and run.elapsed() - fam_start > share):
-        run.records[job["id"]] = {**job, "status": "skipped", "ok": False, "skipped": "time budget"}
+    share = max(0.0, budget - (fam_start - start)) / (len(left) - k)
+    for job in todo[fam]:
+      if run.elapsed() - start > budget or run.elapsed() - fam_start > share:
+        skip(job)
         done_by_budget = True
         continue
-      if worker is None and not cannot_start:
-        # A fresh process after a crash: its start-up counts against the budget.
-        worker = run.start_worker(min(HELLO_TIMEOUT_S, max(20.0, budget + a.config_timeout_s - used)))
-        cannot_start = worker is None  # then the device is gone: no more tries
-      if worker is None:
-        run.records[job["id"]] = {**job, "status": "skipped", "ok": False,
-                                  "skipped": "no config process could start after a crash"}
-        continue
-      # A config may run over its family's share, never past the budget's
-      # end by more than one config timeout.
-      timeout = min(a.config_timeout_s, max(5.0, budget + a.config_timeout_s - used))
-      rec, worker = _run_one(run, worker, job, timeout)
-      run.records[job["id"]] = rec
-      print(f"  {job['id']:24s} {job['config'][:48]:48s} {_describe(rec)}", flush=True)
-      run.save()
-  if worker is not None:
-    worker.close()
+      attempt(job, a.config_timeout_s)
+  if state["worker"] is not None:
+    state["worker"].close()
   recs = list(run.records.values())
   counts = collections.Counter(r["status"] for r in recs)
   run.parts["configs"] = {"status": "done" + (" (budget reached)" if done_by_budget else ""),
@@ -364,6 +405,21 @@ def run_configs(run: Run) -> None:
                           **{k: counts[k] for k in sorted(counts)}}
   run.save()
   run.save_log()
+
+
+def kernel_checks(run: Run) -> dict:
+  """Per family, its heuristic's record: the kernel's output on the device
+  against its plain-jnp reference (``ok`` / ``wrong`` / ``error`` /
+  ``timeout`` / ``skipped``), what was compared, the error and compile time."""
+  out = {}
+  for j in run.jobs:
+    if j["space_index"] is not None or j["family"] in out:
+      continue
+    r = run.records.get(j["id"], {"status": "pending"})
+    out[j["family"]] = {k: r[k] for k in ("status", "kernel", "check", "rel_err", "bitwise_ref",
+                                          "state_differing", "compile_s", "ms", "error", "skipped")
+                        if r.get(k) is not None}
+  return out
 
 
 def _run_one(run: Run, worker: Worker, job: dict, timeout: float):
@@ -431,6 +487,10 @@ def run_suite(run: Run) -> None:
     cmd += ["--torch", a.torch] + (["--no-plot"] if a.no_plot else [])
   if a.rows:
     cmd += ["--rows", *a.rows]
+  if a.compile_budget_s is not None:
+    cmd += ["--compile-budget-s", f"{a.compile_budget_s:g}"]
+  if a.resume is not None:
+    cmd += ["--resume"] + (["--retry-failed"] if a.retry_failed else [])
   print(f"device_run: suite, budget {suite_budget:.0f} s, stopped at {timeout:.0f} s: "
         f"{' '.join(cmd[1:])}", flush=True)
   start = run.elapsed()
@@ -476,18 +536,25 @@ def main(argv=None) -> int:
   ap.add_argument("out_root", nargs="?", type=Path, default=None,
                   help="results root (default bench/results; bench/out with --dry-run)")
   ap.add_argument("--budget-s", type=float, default=None,
-                  help="the whole run's time (default 540; 240 with --dry-run)")
+                  help="the whole run's time (default 540; 270 with --dry-run)")
   ap.add_argument("--configs-budget-s", type=float, default=None,
-                  help="time for the kernel config checks (default 150; 90 with --dry-run)")
+                  help="time for the kernel checks and config search (default 150; 120 with --dry-run)")
   ap.add_argument("--config-timeout-s", type=float, default=60.0, help="one config's time limit")
+  ap.add_argument("--check-timeout-s", type=float, default=150.0,
+                  help="time limit of each family's heuristic, its check on the device (compiles "
+                       "included; the blockwise formats' are the slowest)")
+  ap.add_argument("--compile-budget-s", type=float, default=None,
+                  help="suite: one row's compile (default: the suite's, 90 s on a GPU/TPU); a row "
+                       "past it is recorded as compile_timeout")
   ap.add_argument("--suite-reserve-s", type=float, default=None,
-                  help="seconds of the suite's share kept for its last case and plots (default 90; 20 with --dry-run)")
+                  help="seconds of the suite's share kept for its last row and plots (default 100; 20 with --dry-run)")
   ap.add_argument("--parts", nargs="+", choices=("configs", "suite"), default=("configs", "suite"))
   ap.add_argument("--dry-run", action="store_true",
                   help="the same path on the CPU: tiny shapes, interpret mode, a short suite")
-  ap.add_argument("--ew-layers", type=int, default=1,
-                  help="layers of the Llama tree for the elementwise configs (1: 13 leaves; 16: 147, "
-                       "then give --config-timeout-s and --configs-budget-s more time)")
+  ap.add_argument("--ew-layers", type=int, default=None,
+                  help="layers of the Llama tree for the elementwise configs (default: 1 on a GPU, "
+                       "13 leaves; 0 on a TPU; 16: 147, then give --config-timeout-s and "
+                       "--configs-budget-s more time)")
   ap.add_argument("--ns-shape", type=int, nargs=3, default=(1, 2048, 8192), metavar=("B", "M", "N"))
   ap.add_argument("--per-family", type=int, default=None, help="only the first N configs of each family")
   ap.add_argument("--retry-failed", action="store_true",
@@ -504,7 +571,7 @@ def main(argv=None) -> int:
   ap.add_argument("--resume", nargs="?", const="", default=None, metavar="DEVICE_RUN_JSON",
                   help="keep the finished config records (and the suite part) of an earlier run's "
                        "device_run.json (default: OUT_ROOT/<device>/device_run.json) and run only "
-                       "what is missing")
+                       "what is missing; the suite keeps the timed rows of its suite.json")
   ap.add_argument("--iters", type=int, default=None, help="timed calls per config and per suite variant")
   ap.add_argument("--ops", nargs="+", default=None, help="suite: only these ops")
   ap.add_argument("--rows", nargs="+", default=None, help="suite: only cases whose id contains one of these")
@@ -513,14 +580,14 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   dry = args.dry_run
   args.out_root = args.out_root or Path("bench/out" if dry else "bench/results")
-  args.budget_s = args.budget_s if args.budget_s is not None else (240.0 if dry else 540.0)
+  args.budget_s = args.budget_s if args.budget_s is not None else (270.0 if dry else 540.0)
   args.configs_budget_s = min(args.budget_s, args.configs_budget_s if args.configs_budget_s is not None
-                              else (90.0 if dry else 150.0))
-  args.suite_reserve_s = args.suite_reserve_s if args.suite_reserve_s is not None else (20.0 if dry else 90.0)
+                              else (120.0 if dry else 150.0))
+  args.suite_reserve_s = args.suite_reserve_s if args.suite_reserve_s is not None else (20.0 if dry else 100.0)
 
   run = Run(args)
   run.budget = {k: getattr(args, k) for k in ("budget_s", "configs_budget_s", "config_timeout_s",
-                                               "suite_reserve_s")}
+                                               "check_timeout_s", "compile_budget_s", "suite_reserve_s")}
   print(f"device_run: budget {args.budget_s:.0f} s (configs {args.configs_budget_s:.0f} s, then the suite)"
         + (" [dry run on the CPU]" if dry else ""), flush=True)
   if "configs" in args.parts:
@@ -546,6 +613,10 @@ def main(argv=None) -> int:
         + f"; suite: {run.parts.get('suite', {}).get('status', 'not run')} -> {run.out_dir}", flush=True)
   for b in bad:
     print(f"  failed config: {b}", flush=True)
+  checks = kernel_checks(run)
+  if checks:
+    print("device_run: kernel checks against the references: "
+          + ", ".join(f"{f} {c['status']}" for f, c in checks.items()), flush=True)
   if run.hello is None:
     return 3
   suite_rc = run.parts.get("suite", {}).get("rc", 0)

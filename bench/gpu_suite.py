@@ -32,17 +32,32 @@ What it does:
    dependency of fuseopt; ``meta["peers"]`` says which copy ran.
 
 Nothing here names a chip: sizes come from the platform (gpu / tpu) and
-block configs from each op's heuristics, so the same file runs on an H200,
-an L4, an RTX 4090 or a TPU v6e. ``--budget-s`` is shared fairly among the
-ops (each op's first case always runs while budget is left); cases not
-started in time are marked ``skipped`` (the default leaves room for the last
-case, start-up and the plots inside 8 minutes).
+the device's memory (the Llama tree: the 1.2 B one where optax's fp32 AdamW
+step on it fits, else the most layers that do, ``meta["tree"]``:
+:func:`fuseopt.benchmarks.workloads.tree_info`), block configs from each
+op's heuristics, so the same file runs on an H200, an L4, an RTX 4090 or a
+TPU v5e.
+
+Order and time: first the rows each case names as its headline (the user's
+default calls and optax's rows, stage by stage: ``core.plan``), then every
+other row with ``--budget-s`` shared fairly among the ops (each op's first
+case always runs while budget is left); rows not started in time are marked
+``skipped``. Each compile gets ``--compile-budget-s`` (on an accelerator;
+one past it is recorded as ``compile_timeout`` and the next row runs), and
+every row says its ``compile_s``. A donated optimizer step is timed as
+training runs it: its outputs fed back as the next step's inputs, median of
+``--iters`` (at least 10) steps after 2 warm-ups. ``--resume`` keeps the
+timed rows of an earlier ``suite.json`` in the same directory and runs the
+rest. Rows carry, beside the measured copy ceiling's ``fraction_of_floor``,
+``fraction_of_spec_floor``: their own bytes moved at the device's spec
+bandwidth (``ceilings["spec_gbps"]``, :data:`fuseopt.benchmarks.ceiling.SPEC_GBPS`).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import importlib.metadata
 import importlib.util
 import json
@@ -54,7 +69,7 @@ from pathlib import Path
 
 import jax
 
-from fuseopt.benchmarks import ceiling, core, environment, report
+from fuseopt.benchmarks import ceiling, core, environment, report, workloads
 from fuseopt.benchmarks.cases import CASE_MODULES, all_cases
 
 
@@ -73,6 +88,15 @@ def main(argv=None) -> int:
   ap.add_argument("--no-plot", action="store_true")
   ap.add_argument("--torch", choices=("auto", "on", "off"), default="auto",
                   help="PyTorch baselines (auto: where torch is installed; needs CUDA)")
+  ap.add_argument("--compile-budget-s", type=float, default=None,
+                  help="one row's lowering + compile (default 90 on a GPU/TPU, none on the CPU); "
+                       "past it the row is recorded as compile_timeout and the next one runs")
+  ap.add_argument("--resume", action="store_true",
+                  help="keep the timed rows of OUT_ROOT/<device>/suite.json and run the others")
+  ap.add_argument("--retry-failed", action="store_true",
+                  help="with --resume: run again the rows that failed or timed out compiling")
+  ap.add_argument("--no-headline", action="store_true",
+                  help="no first pass of the headline rows: every case in the suite's order")
   args = ap.parse_args(argv)
 
   t0 = time.perf_counter()
@@ -83,10 +107,21 @@ def main(argv=None) -> int:
   meta = core.run_meta(size)
   meta["suite"] = "bench/gpu_suite.py"
   meta["peers"] = _peer_versions()
+  meta["tree"] = workloads.tree_info(platform, size)
+  accel = platform in ("gpu", "tpu")
+  compile_budget = args.compile_budget_s if args.compile_budget_s is not None else (90.0 if accel else None)
+  meta["compile_budget_s"] = compile_budget
   out_dir = args.out_root / meta["device_slug"]
   path = out_dir / "suite.json"
+  tree = meta["tree"]
   print(f"gpu_suite: {meta['device_kind']} ({platform}, {jax.device_count()} devices), size {size}, "
         f"jax {jax.__version__} -> {path}", flush=True)
+  print(f"gpu_suite: tree {tree['name']} ({tree['layers']} layers, {tree['params']:,} params; optax fp32 "
+        f"AdamW step {tree['adamw_fp32_step_bytes'] / 2**30:.1f} GiB modelled, device limit "
+        f"{(tree['bytes_limit'] or 0) / 2**30:.1f} GiB); compile budget {compile_budget} s", flush=True)
+  previous, done = _previous_rows(path, args) if args.resume else ([], set())
+  if args.resume:
+    print(f"gpu_suite: --resume: kept {len(previous)} rows of {path}", flush=True)
   if platform == "cpu":
     print("gpu_suite: no accelerator; running the CPU sizes (a smoke run)", flush=True)
 
@@ -96,10 +131,14 @@ def main(argv=None) -> int:
     print(f"gpu_suite: cases of {op!r} left out: {msg}", flush=True)
 
   ceilings = ceiling.measure_ceilings(platform, quick=size == "quick")
+  spec = ceiling.spec_gbps(meta["device_kind"])
+  if spec:
+    ceilings["spec_gbps"] = spec
   _record_clocks(meta, "clocks_power_after_ceilings")
   print(f"gpu_suite: ceilings copy {ceilings['copy_gbps']:.0f} GB/s "
         f"({ceilings.get('copy_ceiling_source')}), "
-        f"bf16 matmul {ceilings['matmul_tflops']:.3g} TFLOP/s ({time.perf_counter() - t0:.0f} s)", flush=True)
+        f"bf16 matmul {ceilings['matmul_tflops']:.3g} TFLOP/s, spec {spec or '?'} GB/s "
+        f"({time.perf_counter() - t0:.0f} s)", flush=True)
 
   def save(rows):
     meta["wall_s"] = round(time.perf_counter() - t0, 1)
@@ -109,17 +148,22 @@ def main(argv=None) -> int:
     save(rows)
     for r in recs:
       what = r.get("error") or r.get("skipped") and f"skipped ({r['skipped']})" or (
-          f"{r['ms']:.3f} ms  ratio {r.get('ratio_to_baseline', 0):.2f}  {report.throughput(r)}")
-      print(f"  {case.id} {r['variant']}: {what}", flush=True)
+          f"{r['ms']:.3f} ms  ratio {_num(r.get('ratio_to_baseline'))}  {report.throughput(r)}"
+          + (f"  {100 * r['fraction_of_spec_floor']:.0f}% of spec floor" if r.get("fraction_of_spec_floor")
+             else ""))
+      print(f"  {case.id} {r['variant']}: {what} (compile {r.get('compile_s') or 0:.1f} s)", flush=True)
     ok = core.check_passed(recs[0].get("check")) if recs else None
     if ok is not None:
       print(f"  {case.id} check: {'ok' if ok else 'FAILED'} {recs[0]['check']}", flush=True)
 
-  save([])
+  save(previous)
   iters = args.iters or (10 if platform in ("gpu", "tpu") else 5)
-  # Each op gets a fair share of what is left of the budget (core.run_suite).
-  rows = core.run_suite(cases, ceilings, iters=iters, on_case=on_case,
-                        budget_s=max(0.0, args.budget_s - (time.perf_counter() - t0)))
+  first, rest = core.plan(cases, done=done, headline=not args.no_headline)
+  # The headline rows first, then each op gets a fair share of what is left
+  # of the budget (core.run_suite); the JSON is written after every row.
+  rows = core.run_suite(rest, ceilings, iters=iters, on_case=on_case, first=first, previous=previous,
+                        budget_s=max(0.0, args.budget_s - (time.perf_counter() - t0)),
+                        compile_budget_s=compile_budget, on_record=save)
   if torch_result is not None:
     rows = torch_baselines.merge_rows(rows, torch_result["rows"])
     meta["torch"] = torch_result.get("torch")
@@ -145,8 +189,28 @@ def main(argv=None) -> int:
   if unchecked:
     print(f"gpu_suite: cases without a correctness check: {', '.join(unchecked)}")
   print(f"gpu_suite: {len(rows)} rows, {len(failed)} errors, checks failed: {bad or 'none'}; "
-        f"{time.perf_counter() - t0:.0f} s -> {path}")
+        f"{time.perf_counter() - t0:.0f} s -> {path}", flush=True)
   return 1 if (failed or bad) else 0
+
+
+def _num(v) -> str:
+  return "-" if v is None else f"{v:.2f}"
+
+
+def _previous_rows(path: Path, args) -> tuple[list, set]:
+  """(rows of an earlier suite.json to keep, their (op, case, variant)):
+  the timed ones and those of the same program as another, and, unless
+  ``--retry-failed``, those whose compile timed out (they would again)."""
+  try:
+    old = json.loads(path.read_text())
+  except (OSError, ValueError):
+    return [], set()
+  keep = []
+  for r in old.get("rows", []):
+    timed = "ms" in r and "error" not in r
+    if timed or r.get("same_program_as") or (r.get("status") == "compile_timeout" and not args.retry_failed):
+      keep.append({**r, "resumed": True})
+  return keep, {(r["op"], r["case"], r["variant"]) for r in keep}
 
 
 def _record_clocks(meta: dict, key: str) -> None:
@@ -213,4 +277,11 @@ import torch_baselines  # noqa: E402  (bench/ is not a package)
 _vendored_wheels()
 
 if __name__ == "__main__":
-  sys.exit(main())
+  rc = main()
+  if core.ABANDONED_COMPILES:
+    # A compile given up on still runs in its thread: leave without waiting
+    # for it (everything is written).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+  sys.exit(rc)

@@ -258,6 +258,9 @@ def cmd_report(args, out=print) -> int:
                                   include_cpu=args.include_cpu, full_page=docs / "benchmarks.md")
   out(f"{docs / 'performance.md'}, {docs / 'benchmarks.md'}: performance tables "
       f"{'updated' if changed else 'unchanged'}")
+  from fuseopt.benchmarks import tpu_report
+  changed = tpu_report.render_tpu(args.results, args.root / "README.md", docs / "benchmarks.md")
+  out(f"README.md, {docs / 'benchmarks.md'}: TPU v5e rows {'updated' if changed else 'unchanged'}")
   tier_page = docs / "compile_tier.md"
   if tier_page.exists():
     changed = compiled.render_tables(tier_page, args.results / "compiled")

@@ -88,7 +88,16 @@ def test_untagged_muon_row_is_the_default_call():
     state = jax.eval_shape(tx.init, struct)
     ours = _h200_text(muon_cases.step_fn(rows[label][0]), struct, struct, state)
     assert ours == _h200_text(muon_cases.step_fn(tx), struct, struct, state), label
-  assert [c.defaults for c in muon_cases.cases("quick", "gpu")] == [("fuseopt_muon",)]
+  # ``fuseopt_step``: the same call through fo.step, as a user writes it.
+  tx = fo.muon(0.02, **common)
+  state = jax.eval_shape(tx.init, struct)
+
+  def step(params, grads, state):
+    return fo.step(tx, grads, state, params)
+  written_step = jax.jit(step, donate_argnums=(0, 2))
+  assert (_h200_text(muon_cases.step_fn(rows["fuseopt_step"][0], "step"), struct, struct, state)
+          == _h200_text(written_step, struct, struct, state))
+  assert [c.defaults for c in muon_cases.cases("quick", "gpu")] == [("fuseopt_muon", "fuseopt_step")]
 
 
 def test_stochastic_rounding_default_row_is_the_default_call():

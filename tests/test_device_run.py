@@ -58,7 +58,7 @@ def test_dry_run_survives_a_crash_and_an_error(tmp_path):
   faults = "abort:adam/heuristic,raise:ns_gram/heuristic"
   proc = subprocess.run(
       [sys.executable, "bench/device_run.py", str(tmp_path / "out"), "--dry-run"],
-      cwd=ROOT, env=_env(tmp_path, FUSEOPT_CONFIG_FAULT=faults), capture_output=True, text=True, timeout=240)
+      cwd=ROOT, env=_env(tmp_path, FUSEOPT_CONFIG_FAULT=faults), capture_output=True, text=True, timeout=330)
   out = proc.stdout + proc.stderr
   assert proc.returncode == 0, out[-4000:]
   data = json.loads((tmp_path / "out" / "cpu" / "device_run.json").read_text())
@@ -69,7 +69,7 @@ def test_dry_run_survives_a_crash_and_an_error(tmp_path):
   assert "--xla_gpu_graph_min_graph_size=1" in data["meta"]["config_xla_flags"]
   recs = {r["id"]: r for r in data["configs"]}
   families = {r["family"] for r in recs.values()}
-  assert families == {"stochastic_round", "adam", "adam_bf16", "adam_group", "adam_int8",
+  assert families == {"stochastic_round", "adam", "adam_bf16", "adam_group", "adam_int8", "adam_int4",
                       "adam_int8_group", "ns_poly", "ns_gram", "ns_update", "ns_fused"}
   # Every family: the heuristic and one search-space config (--dry-run keeps 2).
   assert len(recs) == 2 * len(families)
@@ -89,6 +89,21 @@ def test_dry_run_survives_a_crash_and_an_error(tmp_path):
   assert recs["stochastic_round/7"]["bitwise_vs_heuristic"] is True
   summary = data["summary"]["adam"]
   assert summary["status"] == {"crashed": 1, "ok": 1} and summary["best"]["id"] == "adam/7"
+  # Every family's check against its reference (its heuristic), the blockwise formats included.
+  checks = data["kernel_checks"]
+  assert set(checks) == families
+  assert checks["adam"]["status"] == "crashed" and checks["ns_gram"]["status"] == "error"
+  for fam in ("stochastic_round", "adam_int8", "adam_int4", "ns_fused"):
+    assert checks[fam]["status"] == "ok" and checks[fam]["check"], checks[fam]
+  assert "bitwise" in checks["stochastic_round"]["check"] and checks["stochastic_round"]["bitwise_ref"]
+  # The checks ran first: every heuristic before any other config, the blockwise formats last.
+  order = [line.split()[0] for line in proc.stdout.splitlines()
+           if line.startswith("  ") and line.split()[0] in recs]
+  heads = [i for i in order if i.endswith("/heuristic")]
+  assert order[:len(heads)] == heads and len(heads) == len(families), order
+  assert {h.split("/")[0] for h in heads[-2:]} == {"adam_int8", "adam_int4"} or \
+      "int8_group" in heads[-1], heads
+  assert "kernel checks against the references" in proc.stdout
   # Then the suite, with its environment record.
   assert data["parts"]["suite"]["rc"] == 0 and data["parts"]["suite"]["timed"] > 0
   suite = json.loads((tmp_path / "out" / "cpu" / "suite.json").read_text())
@@ -246,3 +261,186 @@ def test_the_suite_runs_when_no_config_process_starts(tmp_path):
   assert "SIGABRT" in data["parts"]["configs"]["error"]
   assert data["parts"]["suite"]["rc"] == 0 and data["parts"]["suite"]["timed"] > 0
   report.validate(json.loads((tmp_path / "cpu" / "suite.json").read_text()))
+
+
+# ----------------------------------------------------------- the suite's new rules --
+def test_the_tree_is_sized_from_the_device_memory():
+  """The 1.2 B tree where optax's fp32 AdamW step fits, else the most layers
+  of the same d and ff that do: 6 on a 16 GiB v5e."""
+  from fuseopt.benchmarks import workloads as w
+  assert w.llama_params(**w.LLAMA_1B) == 1_204_881_408
+  assert w.adamw_step_bytes(1) == 28
+  v5e = w.fitting_dims(int(15.7 * 2**30))
+  assert v5e == {**w.LLAMA_1B, "layers": 6} and w.llama_params(**v5e) == 533_751_808
+  assert w.tree_name(v5e, "tpu") == "llama0.53b" and w.tree_name(w.LLAMA_1B, "gpu") == "llama1.2b"
+  assert w.fitting_dims(None) == w.LLAMA_1B              # the limit unknown
+  assert w.fitting_dims(int(0.75 * 141e9)) == w.LLAMA_1B  # an H200
+  assert w.fitting_dims(10**6)["layers"] == 1             # nothing fits: the smallest
+  for limit in (8 * 2**30, 15.7 * 2**30, 32 * 2**30):
+    dims = w.fitting_dims(int(limit))
+    assert w.adamw_step_bytes(w.llama_params(**dims)) <= w.MEMORY_HEADROOM * limit
+    if dims["layers"] < 16:
+      more = {**dims, "layers": dims["layers"] + 1}
+      assert w.adamw_step_bytes(w.llama_params(**more)) > w.MEMORY_HEADROOM * limit
+  assert w.llama_params(**w.LLAMA_CPU) == w.tree_params(w.llama_tree_cpu())
+  info = w.tree_info("cpu")
+  assert info["name"] == "llama_cpu_196928" and info["params"] == 196_928
+
+
+class _SlowLowered:
+  """A lowered program whose compile takes ``seconds``."""
+
+  def __init__(self, seconds):
+    self.seconds = seconds
+
+  def as_text(self):
+    return f"slow {id(self)}"
+
+  def compile(self):
+    import time
+    time.sleep(self.seconds)
+    raise AssertionError("never used")
+
+
+class _SlowFn:
+  def __init__(self, seconds):
+    self.seconds = seconds
+
+  def lower(self, *args):
+    return _SlowLowered(self.seconds)
+
+
+def _ceilings():
+  return {"copy_gbps": 10.0, "matmul_tflops": 1.0, "spec_gbps": 20.0}
+
+
+def test_a_compile_past_its_budget_is_recorded_and_the_next_row_runs():
+  import jax.numpy as jnp
+  from fuseopt.benchmarks import core
+
+  def loop(lr):
+    def build():
+      fn = jax.jit(lambda p, s, g: (p - lr * g, s + 1), donate_argnums=(0, 1))
+      return core.Loop(fn, (jnp.ones((256,)), jnp.zeros((256,)), jnp.ones((256,))),
+                       lambda a, o: (o[0], o[1], a[2]))
+    return build
+
+  case = core.Case(op="adam", name="tiny", baseline="base", default="fuseopt", params=256, bytes=256 * 12,
+                   variants={"slow": lambda: (_SlowFn(5.0), (jnp.ones(3),)), "base": loop(0.1),
+                             "fuseopt": loop(0.2)},
+                   meta={"fuseopt": {"moved_bytes_per_param": 12}},
+                   check=lambda outs: {"ok[fuseopt]": bool(jnp.all(outs["fuseopt"][0] < 1))})
+  recs = {r["variant"]: r for r in core.run_case(case, _ceilings(), iters=2, compile_budget_s=0.5)}
+  slow = recs["slow"]
+  assert slow["status"] == "compile_timeout" and "compile_timeout" in slow["error"] and "ms" not in slow
+  assert slow["compile_s"] == 0.5 and core.ABANDONED_COMPILES
+  for label in ("base", "fuseopt"):
+    r = recs[label]
+    assert r["status"] == "ok" and r["ms"] > 0 and r["compile_s"] >= 0 and r["runs"] >= 10, r
+  # The spec floor from the row's own bytes; the check saw the first step's outputs.
+  assert recs["fuseopt"]["fraction_of_spec_floor"] > 0 and "spec_floor_ms" not in recs["base"]
+  assert recs["fuseopt"]["check"] == {"ok[fuseopt]": True}
+  report.validate(report.make_results({"device_kind": "x", "platform": "cpu", "size": "quick",
+                                       "jax": "0"}, _ceilings(), list(recs.values())))
+
+
+def test_a_failed_case_never_breaks_the_next():
+  """A case whose shared setup fails (as an out-of-memory error would) is
+  recorded as errors, its release still runs, and a later case that uses
+  the same data holder starts clean (no half-set entry: the KeyError: 'grads'
+  class of failure)."""
+  import jax.numpy as jnp
+  from fuseopt.benchmarks import core, workloads
+
+  struct = {"w": jax.ShapeDtypeStruct((64, 32), jnp.float32)}
+  td = workloads.TreeData(struct)
+  calls = {"n": 0, "released": 0}
+  real = workloads.materialize
+
+  def flaky(tree, **kw):
+    calls["n"] += 1
+    if calls["n"] == 2:   # the grads of the first case: RESOURCE_EXHAUSTED, say
+      raise RuntimeError("RESOURCE_EXHAUSTED: out of memory (injected)")
+    return real(tree, **kw)
+
+  def variant():
+    g = td.grads()
+    p = td.params()
+    step = lambda p, g: (jax.tree.map(lambda a, b: a - b, p, g), g)
+    return core.Loop(jax.jit(step, donate_argnums=(0,)), (p, g),
+                     lambda a, o: (o[0], a[1]))
+
+  def release():
+    calls["released"] += 1
+    td.release()
+
+  def case(name):
+    return core.Case(op="adam", name=name, variants={"base": variant, "fuseopt": variant},
+                     baseline="base", default="fuseopt", params=64 * 32, release=release)
+
+  td.params()  # draw 1
+  import unittest.mock as mock
+  with mock.patch.object(workloads, "materialize", flaky):
+    recs = core.run_suite([case("first"), case("second")], _ceilings(), iters=2)
+  by = {(r["case"], r["variant"]): r for r in recs}
+  first = by[("first", "base")]
+  assert first["status"] == "error" and "RESOURCE_EXHAUSTED" in first["error"]
+  for key in (("first", "fuseopt"), ("second", "base")):
+    assert by[key]["status"] == "ok" and by[key]["ms"] > 0, by[key]
+  assert by[("second", "fuseopt")]["same_program_as"] == "base"   # (the same builder)
+  assert calls["released"] == 2
+
+
+def test_plan_runs_the_headline_rows_first_and_resume_leaves_out_what_is_done():
+  from fuseopt.benchmarks import core
+  from fuseopt.benchmarks.cases import adam as adam_cases, muon as muon_cases
+  cases = adam_cases.cases("quick", "cpu") + muon_cases.cases("quick", "cpu")
+  first, rest = core.plan(cases)
+  labels = [(c.name, tuple(c.variants)) for c in first]
+  fp32, bf16 = cases[0].name, cases[1].name
+  assert labels[0] == (fp32, ("optax_adamw_fp32", "optax_adamw_mu_bf16", "fuseopt_step",
+                              "fuseopt_adamw[drop_in]"))
+  assert labels[1] == (bf16, ("optax_adamw_bf16_params", "fuseopt_step"))
+  assert labels[2][1] == ("optax_muon", "optax_muon_bf16", "fuseopt_muon", "fuseopt_step")
+  assert labels[3] == (fp32, ("fuseopt_step[int8]", "fuseopt_step[int4]"))
+  assert cases[2].defaults == ("fuseopt_muon", "fuseopt_step")
+  everything = {(c.op, c.name, k) for c in cases for k in c.variants}
+  planned = [(c.op, c.name, k) for c in first + rest for k in c.variants]
+  assert sorted(planned) == sorted(everything)   # each row once
+  done = {("adam", fp32, "optax_adamw_fp32"), ("muon", cases[2].name, "fuseopt_step")}
+  first2, rest2 = core.plan(cases, done=done)
+  left = {(c.op, c.name, k) for c in first2 + rest2 for k in c.variants}
+  assert left == everything - done
+
+
+def test_the_tpu_table_renders_default_calls_first_against_optax(tmp_path):
+  from fuseopt.benchmarks import tpu_report
+  assert "pending" in tpu_report.tpu_markdown(None) and "pending" in tpu_report.tpu_status(None)
+  assert tpu_report.tpu_results(tmp_path) is None
+  row = lambda v, ms, **kw: {"op": "adam", "case": "llama0.53b", "variant": v, "is_baseline": False,
+                             "is_default": False, "ms": ms, "compile_s": 3.0, **kw}
+  rows = [row("optax_adamw_fp32", 24.4, is_baseline=True, moved_bytes_per_param=28),
+          row("optax_adamw_mu_bf16", 21.2),
+          row("fuseopt_adamw[drop_in]", 21.7),
+          row("fuseopt_step", 18.7, is_default=True, fraction_of_spec_floor=0.8, moved_bytes_per_param=20),
+          {**row("fuseopt_step[int4]", 0), "status": "compile_timeout", "error": "compile_timeout: ..."}]
+  for r in rows:
+    r.pop("ms") if r.get("error") else r.setdefault("baseline_ms", 24.4)
+    if "ms" in r:
+      r["ratio_to_baseline"] = r["ms"] / 24.4
+  meta = {"device_kind": "TPU v5 lite", "device_slug": "tpu-v5-lite", "platform": "tpu", "size": "full",
+          "jax": "0.10.2", "time_utc": "2026-12-07T10:00:00Z", "compile_budget_s": 90.0,
+          "tree": {"name": "llama0.53b", "layers": 6, "params": 533_751_808, "full_tree": False}}
+  report.save_json(report.make_results(meta, {"copy_gbps": 700.0, "spec_gbps": 819.0}, rows),
+                   tmp_path / "tpu-v5-lite" / "suite.json")
+  res = tpu_report.tpu_results(tmp_path)
+  table = tpu_report.tpu_markdown(res)
+  lines = [l for l in table.splitlines() if l.startswith("| adam")]
+  assert "**`fuseopt_step`** default" in lines[0] and "1.30× faster" in lines[0] and "80%" in lines[0]
+  assert lines[-2].split("|")[3].strip() == "`optax_adamw_fp32`" and "compile timeout" in table
+  assert "819 GB/s" in table and "533,751,808" in table
+  status = tpu_report.tpu_status(res)
+  assert "`fuseopt_step` (adam) 18.7 ms, 1.30× faster than optax" in status
+  page = tmp_path / "page.md"
+  page.write_text(f"x\n{tpu_report.TPU_START}\nold\n{tpu_report.TPU_END}\n")
+  assert tpu_report.render_tpu(tmp_path, None, page) and "1.30× faster" in page.read_text()

@@ -214,6 +214,27 @@ def copy_ceilings(platform: str, *, calls: int, reps: int, n: int | None = None,
 
 
 # ------------------------------------------------------- the suite's ceilings --
+# The memory bandwidth each device kind is sold with (GB/s), keyed by
+# ``jax.devices()[0].device_kind``: the denominator of a row's "% of the
+# spec floor" (its bytes moved at this rate), beside the copy ceiling
+# measured in the same run.
+SPEC_GBPS = {
+    "TPU v5 lite": 819.0, "TPU v5e": 819.0,
+    "TPU v6 lite": 1640.0, "TPU v6e": 1640.0,
+    "TPU v5": 2765.0, "TPU v5p": 2765.0,
+    "TPU v4": 1228.0,
+    "NVIDIA H200": 4800.0,
+    "NVIDIA H100 80GB HBM3": 3350.0,
+    "NVIDIA L4": 300.0,
+    "NVIDIA GeForce RTX 4090": 1008.0,
+}
+
+
+def spec_gbps(device_kind: str | None) -> float | None:
+  """:data:`SPEC_GBPS` of ``device_kind``, or None for a kind not listed."""
+  return SPEC_GBPS.get(device_kind or "")
+
+
 def measure_ceilings(platform: str | None = None, *, quick: bool = False) -> dict[str, Any]:
   """Copy bandwidth (GB/s) and bf16 matmul rate (TFLOP/s), measured now on
   the default device.

@@ -547,3 +547,4 @@ def render_summary(page: Path | str, results_root: Path | str, *, include_cpu: b
   if full_page is not None and Path(full_page).exists():
     changed |= replace_between(full_page, PERF_START, PERF_END, markdown(results))
   return changed
+

@@ -1,11 +1,16 @@
 """AdamW, one update of the Llama-shaped tree of docs/measurements.md.
 
 On a GPU/TPU ("full" and "quick") the 1.20 B tree (d=2048, ff=8192, 16
-layers, vocab 32000; 147 leaves); on the CPU the scaled-down tree of
+layers, vocab 32000; 147 leaves) where the device's memory holds optax's
+fp32 AdamW step on it, else the most layers that fit
+(:func:`fuseopt.benchmarks.workloads.tree_dims`: 6 layers, 0.53 B, case
+``llama0.53b``, on a 16 GiB TPU v5e); on the CPU the scaled-down tree of
 :func:`fuseopt.benchmarks.workloads.llama_tree_cpu`. One call is a whole
 step ``(params, state, grads) -> (params', state')`` with params and state
-donated (params first: see :func:`fuseopt.optim.step` on donation order).
-lr 1e-3, weight decay 0.1 on every leaf, b1 0.9, b2 0.999.
+donated (params first: see :func:`fuseopt.optim.step` on donation order),
+timed as training runs it: each step's outputs are the next step's inputs
+(:class:`fuseopt.benchmarks.core.Loop`). lr 1e-3, weight decay 0.1 on
+every leaf, b1 0.9, b2 0.999.
 
 Row names (docs/benchmarks.md, "Row names"): an untagged fuseopt row is the
 default call, ``fo.step(tx, grads, state, params)`` with
@@ -34,7 +39,9 @@ step's minimal traffic: read p, g 4+4, mu, nu 2+2, write p 4, mu, nu 2+2):
 
 Case ``llama1.2b_bf16_params`` (bf16 params and grads; 14 B/param): the
 default call, its ``[group]``, ``[per_leaf]`` and ``[xla]`` variants, against
-optax fp32 measured again in that case, and ``flashoptim_adamw``
+optax fp32 measured again in that case and ``optax_adamw_bf16_params``
+(``optax.adamw`` on the same bf16 params and grads: bf16 moments too, as
+optax keeps them in the params' dtype), and ``flashoptim_adamw``
 (FlashOptim's default: bf16 params with an 8-bit error-correction companion,
 24-bit master weights, 8-bit moments).
 
@@ -168,7 +175,11 @@ def bf16_optimizers(platform: str) -> dict[str, Variant]:
   stores = "p, mu and nu bf16"
   out = {"optax_adamw_fp32": Variant(optax.adamw(LR, weight_decay=WD), "update", F32,
                                      "p, mu and nu fp32 (fp32 params)", 12, 28,
-                                     f"optax.adamw({LR}, weight_decay={WD}) on fp32 params")}
+                                     f"optax.adamw({LR}, weight_decay={WD}) on fp32 params"),
+         # optax on the same bf16 params: its moments take the params' dtype.
+         "optax_adamw_bf16_params": Variant(optax.adamw(LR, weight_decay=WD), "update", BF16,
+                                            "p, mu and nu bf16", 6, 14,
+                                            f"optax.adamw({LR}, weight_decay={WD}) on bf16 params")}
   out.update(_step_variants((), fo.adamw(LR, weight_decay=WD), BF16, stores, 6, 14, platform,
                             wd + ")"))
   if _accel(platform):
@@ -270,32 +281,36 @@ def _moment_mismatch(a, b):
   return diff / max(n, 1), worst
 
 
+def feed(args, out):
+  """The next step's ``(params, state, grads)``: this step's outputs, the same grads."""
+  return out[0], out[1], args[2]
+
+
+# The suite's first pass (core.plan): the user's default calls and optax's
+# rows, then the blockwise formats, whose compiles take longest.
+HEADLINE = (("optax_adamw_fp32", "optax_adamw_mu_bf16", DEFAULT, "fuseopt_adamw[drop_in]"),
+            (INT8, DEFAULT + "[int4]"))
+HEADLINE_BF16 = (("optax_adamw_bf16_params", DEFAULT), ())
+
+
 def cases(size: str, platform: str):
   struct = workloads.tree_for(platform, size, F32, abstract=True)
   n = workloads.tree_params(struct)
-  cache = {}
-
-  def data(dtype):
-    if dtype not in cache:
-      if F32 not in cache:
-        cache[F32] = (workloads.materialize(struct, seed=0), workloads.materialize(struct, seed=1))
-      if dtype != F32:
-        cache[dtype] = jax.tree.map(lambda x: x.astype(dtype), cache[F32])
-    return cache[dtype]
+  td = workloads.TreeData(struct)
 
   def variant(v: Variant):
-    def build():  # grads in the params' dtype
-      params, grads = data(v.params)
-
-      def refresh():  # params and state are donated: fresh buffers per call
-        p = jax.tree.map(jnp.copy, params)
-        return p, v.tx.init(p), grads
-      return step_fn(v.tx, v.how), refresh(), refresh
+    def build():  # grads in the params' dtype; params drawn afresh (donated)
+      grads = td.grads(v.params)
+      params = td.params(v.params)
+      return core.Loop(step_fn(v.tx, v.how), (params, v.tx.init(params), grads), feed)
     return build
+
+  def reduce(label, out):
+    return workloads.sample(out)
 
   def make_check(variants: dict[str, Variant], baseline):
     def check(outs):
-      base_params, _ = data(F32)
+      base_params = td.start(F32)
       ref = outs.get(baseline)
       figures = {}
       ref_delta = (jax.tree.map(lambda a, b: a.astype(F32) - b, ref[0], base_params)
@@ -303,7 +318,7 @@ def cases(size: str, platform: str):
       for label, (p, _) in outs.items():
         v = variants[label]
         figures[f"bytes_per_param[{label}]"] = v.moved
-        start, _ = data(v.params)
+        start = td.start(v.params)
         delta = jax.tree.map(lambda a, b: a.astype(F32) - b.astype(F32), p, start)
         finite = all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(delta))
         figures[f"finite[{label}]"] = finite
@@ -332,15 +347,16 @@ def cases(size: str, platform: str):
     st = jax.eval_shape(v.tx.init, params)
     return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(st)))
 
-  def make_case(name, variants, bytes_per_param):
+  def make_case(name, variants, bytes_per_param, headline):
     return Case(
         op="adam", name=name, variants={k: variant(v) for k, v in variants.items()},
         baseline="optax_adamw_fp32", default=tuple(k for k in (DEFAULT, INT8) if k in variants),
         bytes=bytes_per_param * n, params=n,
         state_bytes={k: state_bytes(v) for k, v in variants.items()},
         meta={k: v.meta() for k, v in variants.items()},
-        check=make_check(variants, "optax_adamw_fp32"))
+        check=make_check(variants, "optax_adamw_fp32"), headline=headline, reduce=reduce,
+        release=td.release)
 
-  prefix = "llama1.2b" if _accel(platform) else f"llama_cpu_{n}"
-  return [make_case(prefix, optimizers(platform), 20),
-          make_case(f"{prefix}_bf16_params", bf16_optimizers(platform), 14)]
+  prefix = workloads.tree_name(workloads.tree_dims(platform, size), platform)
+  return [make_case(prefix, optimizers(platform), 20, HEADLINE),
+          make_case(f"{prefix}_bf16_params", bf16_optimizers(platform), 14, HEADLINE_BF16)]

@@ -3,8 +3,11 @@
 The layers' matrices (q/k/v/o, gate/up/down: 112 leaves, stored per layer)
 take Muon, the embedding, LM head and norms AdamW. One call is a full
 optimizer step, ``(params, grads, state) -> (params', state')``, with params
-and state donated. On a GPU/TPU ("full") the 1.20 B tree (d=2048, ff=8192,
-16 layers, vocab 32000); on the CPU the scaled-down tree of
+and state donated, timed as training runs it (each step's outputs are the
+next step's inputs). On a GPU/TPU ("full") the 1.20 B tree (d=2048,
+ff=8192, 16 layers, vocab 32000) where the device's memory holds it, else
+the most layers that fit (:func:`fuseopt.benchmarks.workloads.tree_dims`);
+on the CPU the scaled-down tree of
 :func:`fuseopt.benchmarks.workloads.llama_tree_cpu`.
 
 Variants (lr 0.02, weight decay 0.1; optax with Jordan's coefficients, 5
@@ -18,6 +21,9 @@ steps, which are also fuseopt's default):
   workload's arguments only (learning rate, weight decay, which leaves are
   matrices) through ``tx.update`` + ``optax.apply_updates``, fp32 grads and
   momentum: whatever NS path, coefficients and call sizes are the default;
+- ``fuseopt_step``: the same transformation through
+  ``fo.step(tx, grads, state, params)`` (the fused in-place step), a default
+  call too;
 - ``fuseopt_muon[gram]`` (accelerators): ``execution=Execution(newton_schulz=NewtonSchulz(gram="auto"))``
   (Gram NS for the 1:4 MLP matrices); ``fuseopt_muon[no_gram]``
   (accelerators): ``NewtonSchulz(gram=False)``; one of them may be the
@@ -45,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import fuseopt.optim as fo
 from fuseopt.benchmarks import core, workloads
 from fuseopt.benchmarks.core import Case
 from fuseopt.kernels.newton_schulz.coefficients import JORDAN
@@ -81,6 +88,8 @@ def optimizers(platform: str = "cpu") -> dict:
                                              mu_dtype=jnp.bfloat16,
                                              muon_weight_dimension_numbers=muon_dims), jnp.bfloat16),
       "fuseopt_muon": (fmuon.muon(**common), jnp.float32),
+      # The default call through the fused step (``step_fn(tx, "step")``).
+      "fuseopt_step": (fmuon.muon(**common), jnp.float32),
   }
   if platform in ("gpu", "tpu"):
     out["fuseopt_muon[gram]"] = (fmuon.muon(**common, execution=_ns(gram="auto")), jnp.float32)
@@ -100,6 +109,8 @@ CALLS = {
     "optax_muon": "optax.contrib.muon(lr, weight_decay=wd, ns_coeffs=JORDAN, ...)",
     "optax_muon_bf16": "optax.contrib.muon(lr, weight_decay=wd, ns_coeffs=JORDAN, mu_dtype=bf16, ...), bf16 grads",
     "fuseopt_muon": "fo.muon(lr, weight_decay=wd, muon_weight_dimension_numbers=dims)",
+    "fuseopt_step": "fo.step(tx, grads, state, params); tx = fo.muon(lr, weight_decay=wd, "
+                    "muon_weight_dimension_numbers=dims)",
     "fuseopt_muon[gram]": "fo.muon(..., execution=fo.Execution(newton_schulz=fo.NewtonSchulz(gram='auto')))",
     "fuseopt_muon[no_gram]": "fo.muon(..., execution=fo.Execution(newton_schulz=fo.NewtonSchulz(gram=False)))",
     "fuseopt_muon[gram,jordan]": "fo.muon(..., ns_coeffs='jordan', execution=fo.Execution(newton_schulz=fo.NewtonSchulz(gram='auto')))",
@@ -108,45 +119,51 @@ CALLS = {
 }
 
 
-def step_fn(tx):
-  def step(params, grads, state):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
+DEFAULTS = ("fuseopt_muon", "fuseopt_step")
+HEADLINE = (("optax_muon", "fuseopt_muon", "fuseopt_step", "optax_muon_bf16"),)
+
+
+def step_fn(tx, how: str = "update"):
+  """The jitted step ``(params, grads, state) -> (params', state')``,
+  params and state donated: ``tx.update`` + ``optax.apply_updates``, or
+  ``fo.step`` (``how="step"``)."""
+  if how == "step":
+    def step(params, grads, state):
+      return fo.step(tx, grads, state, params)
+  else:
+    def step(params, grads, state):
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
   return jax.jit(step, donate_argnums=(0, 2))
+
+
+def feed(args, out):
+  """The next step's ``(params, grads, state)``."""
+  return out[0], args[1], out[1]
 
 
 def cases(size: str, platform: str):
   struct = workloads.tree_for(platform, size, jnp.float32, abstract=True)
   n = workloads.tree_params(struct)
-  cache = {}
-
-  def data():
-    if not cache:
-      cache["params"] = workloads.materialize(struct, seed=0)
-      cache["grads"] = workloads.materialize(struct, seed=1, scale=1.0)
-    return cache["params"], cache["grads"]
-
+  td = workloads.TreeData(struct, grads_scale=1.0)
   opts = optimizers(platform)
 
   def variant(label):
     def build():
       tx, gdtype = opts[label]
-      params, grads = data()
-      grads = jax.tree.map(lambda g: g.astype(gdtype), grads)
-
-      def refresh():  # params and state are donated: fresh buffers per call
-        p = jax.tree.map(jnp.copy, params)
-        return p, grads, tx.init(p)
-      return step_fn(tx), refresh(), refresh
+      grads = td.grads(gdtype)
+      params = td.params()
+      how = "step" if label == "fuseopt_step" else "update"
+      return core.Loop(step_fn(tx, how), (params, grads, tx.init(params)), feed)
     return build
 
   def check(outs):
-    params, _ = data()
+    params = td.start()
     delta = {k: jax.tree.map(lambda a, b: a - b, v[0], params) for k, v in outs.items()}
     # bf16 NS against fp32 NS: a few percent (Jordan's band is wide).
     return core.checks_against(delta, "optax_muon", tol=0.1)
 
-  name = "llama1.2b" if platform in ("gpu", "tpu") else f"llama_cpu_{n}"
+  name = workloads.tree_name(workloads.tree_dims(platform, size), platform)
   state_bytes, meta = {}, {}
   for label, (tx, _) in opts.items():
     st = jax.eval_shape(tx.init, struct)
@@ -155,4 +172,5 @@ def cases(size: str, platform: str):
     meta[label] = {"stores": "p fp32, state as init builds it",
                    "stored_bytes_per_param": 4 + state_bytes[label] / n, "calls": CALLS[label]}
   return [Case(op="muon", name=name, variants={k: variant(k) for k in opts}, baseline="optax_muon",
-               default="fuseopt_muon", params=n, state_bytes=state_bytes, meta=meta, check=check)]
+               default=DEFAULTS, params=n, state_bytes=state_bytes, meta=meta, check=check,
+               headline=HEADLINE, reduce=lambda label, out: workloads.sample(out), release=td.release)]

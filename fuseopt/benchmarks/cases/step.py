@@ -1,9 +1,11 @@
 """Whole training-recipe steps: optax chain vs fuseopt fallback vs fuseopt fused.
 
 The recipes a config runs, on the Llama-shaped tree (the 1.20 B tree on a
-GPU/TPU, :func:`fuseopt.benchmarks.workloads.llama_tree_cpu` on the CPU),
-fp32 params and grads, one call a whole step with params and state donated
-(params first):
+GPU/TPU whose memory holds it, else the most layers that fit:
+:func:`fuseopt.benchmarks.workloads.tree_dims`;
+:func:`fuseopt.benchmarks.workloads.llama_tree_cpu` on the CPU), fp32
+params and grads, one call a whole step with params and state donated
+(params first), each step's outputs the next step's inputs:
 
 - ``adamw_recipe``: global-norm clip 1.0, then two groups under
   ``partition``: the norms without weight decay, the rest with 0.1; cosine
@@ -95,26 +97,17 @@ step_fn = adam_cases.step_fn
 def cases(size: str, platform: str):
   struct = workloads.tree_for(platform, size, F32, abstract=True)
   n = workloads.tree_params(struct)
-  cache = {}
-
-  def data():
-    if not cache:
-      cache["params"] = workloads.materialize(struct, seed=0)
-      cache["grads"] = workloads.materialize(struct, seed=1)
-    return cache["params"], cache["grads"]
+  td = workloads.TreeData(struct)
 
   def variant(tx, fused):
     def build():
-      params, grads = data()
-
-      def refresh():  # params and state are donated: fresh buffers per call
-        p = jax.tree.map(jnp.copy, params)
-        return p, tx.init(p), grads
-      return step_fn(tx, fused), refresh(), refresh
+      grads = td.grads(F32)
+      params = td.params(F32)
+      return core.Loop(step_fn(tx, fused), (params, tx.init(params), grads), adam_cases.feed)
     return build
 
   def check(outs):
-    params, _ = data()
+    params = td.start(F32)
     delta = {k: jax.tree.map(lambda a, b: a.astype(F32) - b, v[0], params) for k, v in outs.items()}
     # The first step has zero moments: AdamW agrees to rounding; bf16
     # Newton-Schulz is a few percent off optax's fp32 one.
@@ -128,7 +121,7 @@ def cases(size: str, platform: str):
     st = jax.eval_shape(tx.init, struct)
     return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(st)))
 
-  prefix = "llama1.2b" if platform in ("gpu", "tpu") else f"llama_cpu_{n}"
+  prefix = workloads.tree_name(workloads.tree_dims(platform, size), platform)
   out = []
   for recipe, opts in recipes().items():
     out.append(Case(
@@ -138,7 +131,8 @@ def cases(size: str, platform: str):
         # The AdamW recipe's floor: 20 B/param for the update + 4 for the
         # clip's read of g (docs/fused_step.md); the hybrid's has NS on top.
         bytes=24 * n if recipe == "adamw_recipe" else None,
-        state_bytes={k: state_bytes(tx) for k, (tx, _) in opts.items()}, check=check))
+        state_bytes={k: state_bytes(tx) for k, (tx, _) in opts.items()}, check=check,
+        reduce=lambda label, o: workloads.sample(o), release=td.release))
   return out
 
 

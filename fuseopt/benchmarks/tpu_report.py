@@ -1,0 +1,116 @@
+"""The TPU v5e table of docs/benchmarks.md and the README's line on the TPU
+run, from ``bench/results/tpu-v5-lite/suite.json`` (``scripts/fuseopt
+report`` renders them; until that file exists, both say the run is pending)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fuseopt.benchmarks.report import (_check, _label, _moves, _num, _stores, _vs, current_names,
+                                       replace_between, validate)
+
+TPU_SLUG = "tpu-v5-lite"          # core.device_slug("TPU v5 lite")
+TPU_START, TPU_END = "<!-- tpu-table:start -->", "<!-- tpu-table:end -->"
+TPU_STATUS_START, TPU_STATUS_END = "<!-- tpu-status:start -->", "<!-- tpu-status:end -->"
+TPU_LINK = "docs/benchmarks.md#tpu-v5e"
+TPU_PENDING = (f"TPU v5e: run pending (no `bench/results/{TPU_SLUG}/suite.json` yet; "
+               "`bench/device_run.py` on the chip writes it)")
+
+
+def tpu_results(results_root: Path | str) -> dict | None:
+  """The TPU v5e suite (``<root>/tpu-v5-lite/suite.json``), or None where
+  there is none (or it does not validate)."""
+  path = Path(results_root) / TPU_SLUG / "suite.json"
+  try:
+    res = json.loads(path.read_text())
+    validate(res)
+  except (OSError, ValueError):
+    return None
+  res["_path"] = str(path)
+  return res
+
+
+def _optax_rows(rows: list[dict]) -> list[dict]:
+  return sorted((r for r in rows if r["variant"].startswith("optax") and "ms" in r), key=lambda r: r["ms"])
+
+
+def _pct(v) -> str:
+  return f"{100 * v:.0f}%" if v else "-"
+
+
+def tpu_markdown(res: dict | None) -> str:
+  """The TPU v5e table: per case the default calls first, then fuseopt's
+  other timed rows, then optax's rows, each fuseopt row against optax's
+  baseline (fp32 AdamW / fp32 Muon) and its fastest row of the same run;
+  ms, B/param stored and moved, % of the spec-bandwidth floor (the row's
+  own bytes at the device's spec bandwidth) and of the measured copy
+  ceiling's, compile time; rows that failed or timed out compiling say so."""
+  if res is None:
+    return f"_{TPU_PENDING}._\n"
+  m, c = res["meta"], res["ceilings"]
+  tree = m.get("tree") or {}
+  parts = [f"**{m['device_kind']}** — jax {m['jax']}, {m.get('time_utc', '')[:10]}, "
+           f"tree `{tree.get('name', '?')}` ({tree.get('layers', '?')} layers, "
+           f"{tree.get('params', 0):,} params{'' if tree.get('full_tree', True) else ': the 1.2 B tree does not fit'}); "
+           f"spec bandwidth {c.get('spec_gbps', 0):.0f} GB/s, measured copy ceiling "
+           f"{c.get('copy_gbps', 0):.0f} GB/s; compile budget {m.get('compile_budget_s')} s "
+           f"(`{res.get('_path', '')}`)", "",
+           "| op | case | row | ms | vs optax baseline | vs fastest optax | stores B/param | moves B/param "
+           "| % of spec floor | % of copy-ceiling floor | compile s | check |",
+           "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+  cases: dict[tuple[str, str], list[dict]] = {}
+  for r in current_names(res)["rows"]:
+    cases.setdefault((r["op"], r["case"]), []).append(r)
+  for (op, case), rows in cases.items():
+    if not any(r["variant"].startswith("optax") or r.get("is_default") for r in rows):
+      continue
+    optax = _optax_rows(rows)
+    base = next((r for r in rows if r.get("is_baseline") and "ms" in r), None)
+    ours = [r for r in rows if not r["variant"].startswith("optax")]
+    ordered = ([r for r in ours if r.get("is_default")] + [r for r in ours if not r.get("is_default")]
+               + [r for r in rows if r["variant"].startswith("optax")])
+    for r in ordered:
+      label = _label(r, "default" if r.get("is_default") else "")
+      if "ms" not in r:
+        why = "compile timeout" if r.get("status") == "compile_timeout" else (
+            f"same program as `{r['same_program_as']}`" if r.get("same_program_as") else
+            (r.get("error") or f"skipped ({r.get('skipped')})")[:80])
+        parts.append(f"| {op} | {case} | {label} | {why} | | | {_stores(r)} | {_moves(r)} | | | "
+                     f"{_num(r.get('compile_s'), '.1f')} | |")
+        continue
+      is_optax = r["variant"].startswith("optax")
+      vs_base = "-" if base is None or r is base else _vs(r, base).replace("best peer", "-")
+      vs_best = "-" if is_optax or not optax else _vs(r, optax[0]).replace("best peer", "-")
+      parts.append(f"| {op} | {case} | {label} | {r['ms']:.3f} | {vs_base} | {vs_best} | {_stores(r)} | "
+                   f"{_moves(r)} | {_pct(r.get('fraction_of_spec_floor'))} | {_pct(r.get('fraction_of_floor'))} | "
+                   f"{_num(r.get('compile_s'), '.1f')} | {_check(r)} |")
+  return "\n".join(parts).rstrip() + "\n"
+
+
+def tpu_status(res: dict | None) -> str:
+  """The README's line on the TPU run: pending, or the default calls' ms
+  against optax's baseline, with a link to the table."""
+  if res is None:
+    return f"{TPU_PENDING}.\n"
+  bits = []
+  for r in current_names(res)["rows"]:
+    if r.get("is_default") and "ms" in r and r.get("ratio_to_baseline"):
+      bits.append(f"`{r['variant']}` ({r['op']}) {r['ms']:.1f} ms, {_vs(r, {'ms': r['baseline_ms']})} "
+                  f"than optax")
+  tree = res["meta"].get("tree") or {}
+  return (f"Measured on a TPU v5e ({res['meta'].get('time_utc', '')[:10]}, tree `{tree.get('name', '?')}`): "
+          + ("; ".join(bits) or "no default call timed") + f" ([table]({TPU_LINK})).\n")
+
+
+def render_tpu(results_root: Path | str, readme: Path | str | None = None,
+               page: Path | str | None = None) -> bool:
+  """Replaces the TPU markers' text in ``readme`` (a status line) and
+  ``page`` (docs/benchmarks.md: the table), where the markers exist."""
+  res = tpu_results(results_root)
+  changed = False
+  for path, start, end, body in ((readme, TPU_STATUS_START, TPU_STATUS_END, tpu_status(res)),
+                                 (page, TPU_START, TPU_END, tpu_markdown(res))):
+    if path is not None and Path(path).exists() and start in Path(path).read_text():
+      changed |= replace_between(path, start, end, body)
+  return changed
