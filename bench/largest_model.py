@@ -18,9 +18,11 @@ e.g. ``bench/results/tpu-v5-lite/``) it writes, rewritten after every trial:
    device memory (RESOURCE_EXHAUSTED at compile or run time: the child
    reports ``oom``) and a finite loss whose mean over the last three steps
    lies below the first step's. Found by bisection on the layers, the
-   bracket from a byte model (parameters + gradients + optimizer state from
+   first guess from a byte model (parameters + gradients + optimizer state from
    ``jax.eval_shape`` of each mode's ``init``, exact, plus an estimate of the
-   activations kept with remat), so a mode takes a handful of trials. Per
+   activations kept with remat; once a trial has run, the measured peak less
+   the training state), tried first and then walked from, so a mode takes
+   two to four trials. Per
    mode: the layers, parameters, peak memory, tokens/s and the optimizer's
    share of the step (the update alone, timed on its own, over the step) of
    the largest model that trains, and the smallest that does not.
@@ -139,12 +141,19 @@ def estimate(bytes_: dict, f: dict, layers: int) -> float:
   return one + (two - one) * (layers - 1) + activation_bytes(f, layers)
 
 
-def bracket(bytes_: dict, f: dict, limit: float, max_layers: int) -> tuple[int, int, int]:
-  """(estimated largest, lower, upper) layers for ``limit`` bytes."""
-  est = 0
-  while est < max_layers and estimate(bytes_, f, est + 1) <= 0.92 * limit:
-    est += 1
-  return est, max(1, int(0.8 * est)), min(max_layers, max(2, math.ceil(1.15 * est) + 1))
+def guess(bytes_: dict, f: dict, limit: float, max_layers: int,
+          overhead: float | None = None) -> int:
+  """The most layers whose estimate fits ``limit``: the training state plus
+  the measured ``overhead`` when a trial has measured one, else the
+  activations' estimate (with 8 % of the memory kept free)."""
+  one, two = bytes_["1"]["training_bytes"], bytes_["2"]["training_bytes"]
+  fits = ((lambda n: one + (two - one) * (n - 1) + overhead <= 0.98 * limit) if overhead is not None
+          else (lambda n: estimate(bytes_, f, n) <= 0.92 * limit))
+  n = 0
+  while n < max_layers and fits(n + 1):
+    n += 1
+  return n
+
 
 # ---------------------------------------------------------------- trials --
 
@@ -234,12 +243,13 @@ def trial_summary(layers: int, rec: dict) -> dict:
   return out
 
 
-def search(known: dict, run_trial, lo: int, hi: int, max_layers: int) -> tuple[int | None, bool]:
-  """The largest layer count that trains, by bisection from the bracket
-  [lo, hi]. ``known``: layers -> trains (bool) of finished trials; a count at
-  or below one that trains trains, one at or above one that failed fails.
-  ``run_trial(layers)`` returns trains (bool) or None (out of budget).
-  Returns (largest or None, complete)."""
+def search(known: dict, run_trial, guess: int, max_layers: int) -> tuple[int | None, bool]:
+  """The largest layer count that trains: from the byte model's ``guess``,
+  steps of 1, 2, 4, ... up (while it trains) or down (while it fails) until
+  the answer is bracketed, then bisection. ``known``: layers -> trains
+  (bool) of finished trials; a count at or below one that trains trains, one
+  at or above one that failed fails. ``run_trial(layers)`` returns trains
+  (bool) or None (out of budget). Returns (largest or None, complete)."""
   def ok(n):
     if any(v and m >= n for m, v in known.items()):
       return True
@@ -250,31 +260,46 @@ def search(known: dict, run_trial, lo: int, hi: int, max_layers: int) -> tuple[i
       known[n] = r
     return r
 
-  while True:  # lo must train
-    r = ok(lo)
+  guess, step = min(max(1, guess), max_layers), 1
+  r = ok(guess)
+  if r is None:
+    return None, False
+  lo, hi = (guess, None) if r else (None, guess)
+  while lo is None:  # walk down until one trains
+    n = hi - step
+    if n < 1:
+      lo = 0
+      break
+    r = ok(n)
     if r is None:
       return None, False
-    if r:
-      break
-    hi, lo = lo, lo // 2
-    if lo == 0:
-      return None, True  # not even one layer
-  while hi <= max_layers:  # hi must fail
-    r = ok(hi)
+    lo, hi = (n, hi) if r else (None, n)
+    step *= 2
+  while hi is None:  # walk up until one fails
+    n = min(lo + step, max_layers + 1)
+    if n > max_layers:
+      return lo, True
+    r = ok(n)
     if r is None:
       return lo, False
-    if not r:
-      break
-    lo, hi = hi, min(max_layers + 1, math.ceil(hi * 1.3) + 1)
-  if hi > max_layers:
-    return lo, True
+    lo, hi = (n, None) if r else (lo, n)
+    step *= 2
   while hi - lo > 1:
     mid = (lo + hi) // 2
     r = ok(mid)
     if r is None:
-      return lo, False
+      return lo or None, False
     lo, hi = (mid, hi) if r else (lo, mid)
-  return lo, True
+  return lo or None, True
+
+
+def measured_overhead(data: dict) -> float | None:
+  """Peak memory less the training state, the largest over the trials that
+  trained with a reported peak: the activations and temporaries as measured."""
+  out = [t["memory"]["peak_bytes_in_use"] - t["bytes"]["training_bytes"]
+         for m in data.get("modes", {}).values() for t in m.get("trials", [])
+         if t.get("trains") and "peak_bytes_in_use" in t.get("memory", {}) and "bytes" in t]
+  return max(out) if out else None
 
 
 def run_largest(run: Run, probe: dict, family: dict) -> None:
@@ -289,12 +314,16 @@ def run_largest(run: Run, probe: dict, family: dict) -> None:
     m = d["modes"].setdefault(mode, {"trials": []})
     if m.get("complete"):
       continue
-    est, lo, hi = bracket(probe["bytes"][mode], family, limit, a.max_layers)
-    m["byte_model"] = {"estimated_layers": est, "bracket": [lo, hi],
+    overhead = measured_overhead(d)
+    est = guess(probe["bytes"][mode], family, limit, a.max_layers, overhead)
+    m["byte_model"] = {"estimated_layers": est, "overhead_bytes": overhead,
+                       "overhead_from": "measured peak less training state" if overhead is not None
+                       else "activation estimate",
                        "per_layer_bytes": probe["bytes"][mode]["2"]["training_bytes"]
                        - probe["bytes"][mode]["1"]["training_bytes"],
                        "bytes_per_param": probe["bytes"][mode]["2"]["bytes_per_param"]}
-    print(f"{mode}: byte model {est} layers, bracket [{lo}, {hi}]", flush=True)
+    print(f"{mode}: byte model {est} layers"
+          + ("" if overhead is None else f" (measured overhead {overhead / 2**30:.2f} GiB)"), flush=True)
     known = {t["layers"]: t["trains"] for t in m["trials"]}
 
     def run_trial(layers, mode=mode, m=m):
@@ -310,7 +339,7 @@ def run_largest(run: Run, probe: dict, family: dict) -> None:
       run.save()
       return m["trials"][-1]["trains"]
 
-    largest, complete = search(known, run_trial, lo, hi, a.max_layers)
+    largest, complete = search(known, run_trial, est, a.max_layers)
     m["complete"] = complete
     m["largest_layers"] = largest
     best = [t for t in m["trials"] if t["layers"] == largest and t["trains"]]

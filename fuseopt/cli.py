@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 
   p = sub.add_parser("report", help="render the README performance table from bench/results/**.json, the compiled "
                      "tables of docs/compile_tier.md, the scale table of docs/scaling.md and the "
-                     "quality table of docs/adam.md")
+                     "quality table of docs/adam.md, the training tables of docs/training.md")
   p.add_argument("--results", type=Path, default=Path("bench/results"))
   p.add_argument("--readme", type=Path, default=Path("README.md"))
   p.add_argument("--include-cpu", action="store_true", help="also render CPU results")
@@ -271,6 +271,12 @@ def cmd_report(args, out=print) -> int:
     changed = quality_report.render(adam_page, quality)
     if changed is not None:
       out(f"{adam_page}: quality table {'updated' if changed else 'unchanged'}")
+  from fuseopt.benchmarks import training_report
+  training = args.readme.parent / "docs" / "training.md"
+  if training.exists():
+    changed = training_report.render(training, args.results, include_dry_run=args.include_cpu)
+    if changed is not None:
+      out(f"{training}: training tables {'updated' if changed else 'unchanged'}")
   from fuseopt.benchmarks import memory_report
   if adam_page.exists():
     changed = memory_report.render(adam_page, args.results / "compiled")
