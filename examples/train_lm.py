@@ -607,7 +607,8 @@ def parse(argv) -> argparse.Namespace:
   ap.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 10 %% of --steps)")
   ap.add_argument("--seed", type=int, default=0, help="the model's and the batches' seed")
   ap.add_argument("--seeds", type=int, nargs="+", default=None,
-                  help="several seeds, one after another on one compiled step (overrides --seed)")
+                  help="several seeds, one after another on one compiled step (overrides "
+                       "--seed; each seed its own model and batches, the rounding seed the first's)")
   ap.add_argument("--text", default=None, help="a text file (default: pydoc_data.topics)")
   ap.add_argument("--heldout", type=float, default=0.1, help="the held-out fraction (the end)")
   ap.add_argument("--eval-batches", type=int, default=0,
