@@ -302,6 +302,10 @@ def measured_overhead(data: dict) -> float | None:
   return max(out) if out else None
 
 
+class Broken(Exception):
+  """A trial failed for another reason than memory (an error, a crash)."""
+
+
 def run_largest(run: Run, probe: dict, family: dict) -> None:
   a = run.args
   limit = a.memory_limit or probe.get("bytes_limit")
@@ -337,9 +341,18 @@ def run_largest(run: Run, probe: dict, family: dict) -> None:
         return None
       m["trials"].append(trial_summary(layers, rec))
       run.save()
+      if rec["status"] in ("error", "crashed"):
+        raise Broken(rec.get("error", "")[-600:])
       return m["trials"][-1]["trains"]
 
-    largest, complete = search(known, run_trial, est, a.max_layers)
+    try:
+      largest, complete = search(known, run_trial, est, a.max_layers)
+    except Broken as e:  # not a memory limit: bisecting would only repeat it
+      m.update(complete=True, largest_layers=None, first_failing_layers=None,
+               error=f"the mode fails for another reason than memory: {e}")
+      print(f"{mode}: {m['error'][:300]}", flush=True)
+      run.save()
+      continue
     m["complete"] = complete
     m["largest_layers"] = largest
     best = [t for t in m["trials"] if t["layers"] == largest and t["trains"]]

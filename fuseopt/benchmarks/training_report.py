@@ -92,6 +92,8 @@ def largest_markdown(data: dict) -> str:
              _gib(big.get("peak_bytes")), _num(big.get("tokens_per_s"), ",.0f"),
              _num(big.get("opt_share") and 100 * big["opt_share"], ".1f") + ("%" if big.get("opt_share") else ""),
              "-" if fail is None else f"{fail} layers ({why})"]
+    if m.get("error"):
+      cells[3:] = ["error: " + m["error"].splitlines()[-1][:120].replace("|", "/")] + ["-"] * 5
     out.append("| " + " | ".join(cells) + " |")
   return "\n".join(out) + "\n\n" + _footer(data) + "\n"
 
