@@ -518,7 +518,12 @@ def main(argv=None) -> int:
   {"largest": lambda: run_largest(run, probe, family), "fixed": lambda: run_fixed(run, family),
    "quality": lambda: run_quality(run, family)}[a.kind]()
   run.save()
-  print(f"wrote {run.path} ({run.remaining():.0f} s of the budget left)", flush=True)
+  left = [m for m in a.modes if m not in run.data.get("modes", {})
+          or run.data["modes"][m].get("status") == "skipped"
+          or (a.kind == "largest" and not run.data["modes"][m].get("complete"))]
+  print(f"wrote {run.path} ({run.remaining():.0f} s of the budget left); "
+        + (f"modes left: {' '.join(left)}: run the same command again (with --resume)" if left
+           else "every mode done"), flush=True)
   return 0
 
 
