@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
   p = sub.add_parser("report", help="render the performance tables of docs/performance.md and "
                      "docs/benchmarks.md from bench/results/**.json, the compiled "
                      "tables of docs/compile_tier.md, the scale table of docs/scaling.md and the "
-                     "quality and memory tables of docs/adam.md")
+                     "quality and memory tables of docs/adam.md, the training tables of docs/training.md")
   p.add_argument("--results", type=Path, default=Path("bench/results"))
   p.add_argument("--root", type=Path, default=Path("."),
                  help="the checkout whose docs/ pages get the tables (default: here)")
@@ -278,6 +278,12 @@ def cmd_report(args, out=print) -> int:
     changed = quality_report.render(adam_page, quality)
     if changed is not None:
       out(f"{adam_page}: quality table {'updated' if changed else 'unchanged'}")
+  from fuseopt.benchmarks import training_report
+  training = args.root / "docs" / "training.md"
+  if training.exists():
+    changed = training_report.render(training, args.results, include_dry_run=args.include_cpu)
+    if changed is not None:
+      out(f"{training}: training tables {'updated' if changed else 'unchanged'}")
   from fuseopt.benchmarks import memory_report
   if adam_page.exists():
     changed = memory_report.render(adam_page, args.results / "compiled")

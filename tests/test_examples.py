@@ -1,16 +1,23 @@
-"""examples/char_lm.py: a smoke run of a few steps with every optimizer."""
+"""The examples: smoke runs of a few steps. examples/char_lm.py and
+examples/quality.py (flax nnx) with every optimizer; examples/train_lm.py
+(plain JAX) with three formats, and bench/largest_model.py's dry run, whose
+JSON ``fuseopt report`` renders into docs/training.md."""
 
 import importlib.util
+import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("flax.nnx")
+needs_flax = pytest.mark.skipif(importlib.util.find_spec("flax") is None, reason="needs flax")
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@needs_flax
 def test_char_lm_smoke(capsys):
   spec = importlib.util.spec_from_file_location("char_lm", ROOT / "examples" / "char_lm.py")
   char_lm = importlib.util.module_from_spec(spec)
@@ -27,6 +34,7 @@ def test_char_lm_smoke(capsys):
   assert "ms/step" in capsys.readouterr().out
 
 
+@needs_flax
 def test_char_lm_bf16_params_smoke():
   spec = importlib.util.spec_from_file_location("char_lm", ROOT / "examples" / "char_lm.py")
   char_lm = importlib.util.module_from_spec(spec)
@@ -42,6 +50,7 @@ def test_char_lm_bf16_params_smoke():
   assert len(set(bf16)) == 1
 
 
+@needs_flax
 def test_char_lm_moments_smoke():
   spec = importlib.util.spec_from_file_location("char_lm", ROOT / "examples" / "char_lm.py")
   char_lm = importlib.util.module_from_spec(spec)
@@ -54,6 +63,7 @@ def test_char_lm_moments_smoke():
   assert results["fuseopt AdamW, fp32 moments"][0][0] == results["fuseopt AdamW, int8 moments"][0][0]
 
 
+@needs_flax
 def test_quality_smoke(capsys, monkeypatch):
   spec = importlib.util.spec_from_file_location("quality", ROOT / "examples" / "quality.py")
   quality = importlib.util.module_from_spec(spec)
@@ -74,3 +84,94 @@ def test_quality_smoke(capsys, monkeypatch):
     assert math.isfinite(out["modes"][name]["heldout"]["0"])
   peer = out["modes"]["flashoptim"]  # flashoptim-jax is the bench extra's, maybe not installed here
   assert math.isfinite(peer["heldout"]["0"]) if peer["available"] else "not available" in peer["verdict"]
+
+
+def _module(name: str, path: Path):
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+TINY = ["--d", "64", "--ff", "128", "--layers", "2", "--heads", "2", "--seq", "16", "--batch", "2",
+        "--steps", "3", "--quiet"]
+
+
+# (optimizer, B/param of params + grads + state on the tiny model: its embedding and head,
+# AdamW's on the Muon side, weigh more than at scale); the first also times the update alone
+# and reports the held-out loss (two more programs: one case pays for them).
+TRAIN_LM_CASES = [("fo-int4", 9.06, 9.2), ("optax-adamw", 16.0, 16.0), ("fo-muon-int8", 5.02, 6.0)]
+
+
+@pytest.mark.parametrize("optimizer,low,high", TRAIN_LM_CASES)
+def test_train_lm_smoke(optimizer, low, high, tmp_path):
+  train_lm = _module("train_lm", ROOT / "examples" / "train_lm.py")
+  out = tmp_path / "run.json"
+  first = optimizer == TRAIN_LM_CASES[0][0]
+  extra = ["--timing", "opt", "--eval-batches", "1"] if first else ["--timing", "none"]
+  rec = train_lm.main(TINY + ["--optimizer", optimizer, "--remat", "--vocab", "320",
+                              "--json", str(out)] + extra)
+  assert rec["status"] == "ok" and json.loads(out.read_text())["status"] == "ok"
+  losses = rec["runs"][0]["losses"]
+  assert len(losses) == 3 and all(math.isfinite(l) for l in losses) and rec["tokens_per_s"] > 0
+  if first:
+    assert math.isfinite(rec["runs"][0]["heldout_loss"]) and rec["timing"]["opt_alone_ms"] > 0
+  assert rec["optimizer"]["params"] == ("bfloat16" if optimizer == "fo-muon-int8" else "float32")
+  assert low - 0.01 <= rec["bytes"]["bytes_per_param"] <= high + 0.01
+
+
+def test_largest_model_search_brackets_then_bisects():
+  lm = _module("largest_model", ROOT / "bench" / "largest_model.py")
+  for true in (1, 5, 13):
+    for guess in (1, 6, 40):
+      calls = []
+      found = lm.search({}, lambda n: calls.append(n) or n <= true, guess, 64)
+      assert found == (true, True) and len(calls) == len(set(calls))
+  assert lm.search({}, lambda n: False, 5, 64) == (None, True)
+  assert lm.search({}, lambda n: True, 5, 20) == (20, True)
+  assert lm.search({3: True, 4: False}, lambda n: pytest.fail("no trial needed"), 9, 64) == (3, True)
+  assert lm.search({}, lambda n: None, 5, 64) == (None, False)  # out of budget
+
+
+def test_largest_model_dry_run_renders(tmp_path):
+  from fuseopt.benchmarks import training_report
+  out = tmp_path / "results"
+  subprocess.run([sys.executable, "bench/largest_model.py", str(out), "--dry-run", "--modes",
+                  "fo-int4"], cwd=ROOT, check=True, capture_output=True, text=True)
+  data = json.loads((out / "cpu" / "largest_model.json").read_text())
+  m = data["modes"]["fo-int4"]
+  assert m["complete"] and m["largest_layers"] >= 1 and data["dry_run"]
+  assert any(t["trains"] and t["status"] == "ok" for t in m["trials"])
+  assert m["first_failing_layers"] is None or m["first_failing_layers"] > m["largest_layers"]
+  page = tmp_path / "training.md"
+  page.write_text((ROOT / "docs" / "training.md").read_text())
+  assert training_report.render(page, out) is False  # a dry run is left out by default
+  assert training_report.render(page, out, include_dry_run=True) is True
+  text = page.read_text()
+  assert "| `fo-int4` `fo.adamw(lr, moment_dtype=\"int4\")`, float32 params | 9.0" in text
+  assert "a CPU dry run, not a measurement" in text
+  assert text.count("_Not yet run:") == 2  # the speed and quality tables
+
+
+def test_training_report_speed_and_quality_tables():
+  from fuseopt.benchmarks import training_report as tr
+  base = {"schema": tr.SCHEMA, "family": {"d": 64, "ff": 128, "heads": 2, "vocab": 256, "seq": 16,
+                                          "batch": 2}, "device": {"device_kind": "TPU v5 lite"},
+          "steps": 20, "date": "2026-12-07", "command": "python bench/largest_model.py"}
+  speed = dict(base, kind="fixed", layers=6, modes={
+      "fo-int8": {"status": "ok", "tokens_per_s": 1234.0, "step_ms": 10.0,
+                  "memory": {"peak_bytes_in_use": 2**30},
+                  "timing": {"fwd_bwd_ms": 9.0, "opt_in_step_ms": 1.0, "opt_share": 0.1,
+                             "opt_alone_ms": 1.2}}})
+  row = tr.speed_markdown(speed).splitlines()[4]
+  assert row == "| `fo-int8` | 1,234 | 10.00 | 9.00 | 1.00 (10.0%) | 1.20 | 1.00 GiB | ok |"
+  quality = dict(base, kind="quality", seeds=[0, 1], modes={
+      "optax-adamw": {"heldout": {"0": 1.50, "1": 1.52}}, "fo-int4": {"heldout": {"0": 1.53, "1": 1.57}},
+      "fo-int8": {"status": "timeout"}})
+  lm = _module("largest_model", ROOT / "bench" / "largest_model.py")
+  quality["summary"] = lm.summarise_quality(quality["modes"])
+  text = tr.quality_markdown(quality)
+  assert "| `optax-adamw` | 1.5100 ± 0.0141 | 1.5000, 1.5200 | - | yardstick |" in text
+  assert "| `fo-int4` | 1.5500 ± 0.0283 | 1.5300, 1.5700 | +0.0400 | **outside**" in text
+  assert "| `fo-int8` | - | - | - | timeout |" in text
+  assert tr.markdown("fixed", []).startswith("_Not yet run: `PYTHONPATH=$PWD python bench/largest_model.py --fixed-layers")
