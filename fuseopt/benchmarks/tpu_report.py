@@ -1,6 +1,8 @@
 """The TPU v5e table of docs/benchmarks.md and the README's line on the TPU
-run, from ``bench/results/tpu-v5-lite/suite.json`` (``scripts/fuseopt
-report`` renders them; until that file exists, both say the run is pending)."""
+run, from ``bench/results/tpu-v5-lite/suite.json`` (``bench/device_run.py``)
+or, where that is absent, ``sweep.json`` (``bench/tpu_sweep.py``)
+(``scripts/fuseopt report`` renders them; until one exists, both say the
+run is pending)."""
 
 from __future__ import annotations
 
@@ -103,14 +105,103 @@ def tpu_status(res: dict | None) -> str:
           + ("; ".join(bits) or "no default call timed") + f" ([table]({TPU_LINK})).\n")
 
 
+# The sweep's rows a user meets, in the table's order: (row name, what the
+# user calls, the row it is compared with).
+SWEEP_ROWS = (
+    ("optax_adamw", "`optax.adamw` fp32", None),
+    ("optax_adamw_mu_bf16", "`optax.adamw(mu_dtype=bf16)`", "optax_adamw"),
+    ("fo_step", "**`fo.step(fo.adamw(...))`** (default)", "optax_adamw"),
+    ("fo_dropin", "**`fo.adamw` drop-in** (`update` + `optax.apply_updates`)", "optax_adamw"),
+    ("fo_step[xla]", "`fo.step`, `Execution(implementation=\"xla\")` (XLA's fusion)", "optax_adamw"),
+    ("fo_step_int8", "**`moment_dtype=\"int8\"`**", "fo_step"),
+    ("fo_step_int4", "**`moment_dtype=\"int4\"`**", "fo_step_int8"),
+    ("optax_adamw_bf16_params", "`optax.adamw` on bf16 params", None),
+    ("fo_step_bf16_params", "**`fo.step` on bf16 params**", "optax_adamw_bf16_params"),
+    ("optax_contrib_muon", "`optax.contrib.muon`", None),
+    ("fo_muon_step", "**`fo.step(fo.muon(...))`**, donated", "optax_contrib_muon"),
+    ("fo_muon_dropin", "**`fo.muon` drop-in**", "optax_contrib_muon"),
+    ("fo_muon_step[xla]", "`fo.step(fo.muon)`, `implementation=\"xla\"`", "optax_contrib_muon"),
+)
+
+
+def sweep_results(results_root: Path | str) -> dict | None:
+  path = Path(results_root) / TPU_SLUG / "sweep.json"
+  try:
+    doc = json.loads(path.read_text())
+  except (OSError, ValueError):
+    return None
+  doc["_path"] = str(path)
+  return doc
+
+
+def sweep_markdown(doc: dict) -> str:
+  """The sweep's steps (ms, B/param moved, % of the spec-bandwidth floor,
+  the ratio to the row it answers, compile time), then stochastic rounding
+  and Newton–Schulz per shape."""
+  m = doc["meta"]
+  rows = {r["name"]: r for r in doc["rows"] if r.get("status") == "ok"}
+  out = [f"**{m['device_kind']}**: jax {m['jax']}, Python {m['python']}; {m.get('tree', '')}; median of 10 "
+         f"jitted steps, params and state donated, each step's outputs the next one's inputs; floor = "
+         f"bytes moved / {m.get('floor_gbs', 819):.0f} GB/s (`{doc.get('_path', '')}`, "
+         f"`bench/tpu_sweep.py`).", "",
+         "| what a user runs | ms | B/param moved | % of floor | vs | compile s |",
+         "| --- | ---: | ---: | ---: | --- | ---: |"]
+  for name, label, against in SWEEP_ROWS:
+    r = rows.get(name)
+    if r is None:
+      continue
+    vs = ""
+    if against in rows:
+      vs = f"{r['ms'] / rows[against]['ms']:.2f} × {against}"
+    moved = f"{r['bytes'] / r['params']:.2f}" if r.get("bytes") else "-"
+    pct = f"{r['pct_floor']:.0f} %" if r.get("pct_floor") else "-"
+    out.append(f"| {label} | {r['ms']:.2f} | {moved} | {pct} | {vs} | {r['compile_s']:.1f} |")
+  sr = [r for r in doc["rows"] if r["part"] == "sr" and r.get("status") == "ok"]
+  if sr:
+    out += ["", "Stochastic rounding, 2^28 fp32 elements (6 B each):", "",
+            "| path | ms | % of floor |", "| --- | ---: | ---: |"]
+    out += [f"| {r['name']} | {r['ms']:.2f} | {r['pct_floor']:.0f} % |" for r in sr]
+  ns = [r for r in doc["rows"] if r["part"] == "ns" and r.get("status") == "ok"]
+  if ns:
+    out += ["", "Newton–Schulz, 5 steps, bf16 (TFLOP/s at the standard count; `default` as measured, "
+            "before the Gram iteration moved to XLA's matmuls on a TPU: today's default is the "
+            "`xla,gram` row where the aspect ratio is ≥ 2, else `xla`):", "",
+            "| shape | variant | ms | TFLOP/s |", "| --- | --- | ---: | ---: |"]
+    out += [f"| {'x'.join(map(str, r['shape']))} | {r['variant']} | {r['ms']:.2f} | {r['tflops']:.0f} |"
+            for r in ns]
+  checks = [r for r in doc["rows"] if r["part"] == "check"]
+  if checks:
+    bad = [r["name"] for r in checks if r.get("status") != "ok"]
+    out += ["", f"On-chip checks against the reference (two steps, codes and scales equal, "
+            f"parameters to the ulp): {len(checks) - len(bad)} of {len(checks)} ok"
+            + (f"; not ok: {', '.join(bad)}" if bad else "") + "."]
+  return "\n".join(out) + "\n"
+
+
+def sweep_status(doc: dict) -> str:
+  rows = {r["name"]: r for r in doc["rows"] if r.get("status") == "ok"}
+  bits = []
+  for name, label, against in (("fo_step", "`fo.step(fo.adamw)`", "optax_adamw"),
+                               ("fo_dropin", "the drop-in", "optax_adamw"),
+                               ("fo_muon_step", "`fo.step(fo.muon)`", "optax_contrib_muon")):
+    if name in rows and against in rows:
+      bits.append(f"{label} {rows[name]['ms']:.1f} ms ({rows[name]['ms'] / rows[against]['ms']:.2f} × "
+                  f"optax)")
+  return (f"Measured on a TPU v5e (jax {doc['meta']['jax']}, 533 M-parameter Llama tree): "
+          + "; ".join(bits) + f" ([table]({TPU_LINK})).\n")
+
+
 def render_tpu(results_root: Path | str, readme: Path | str | None = None,
                page: Path | str | None = None) -> bool:
   """Replaces the TPU markers' text in ``readme`` (a status line) and
   ``page`` (docs/benchmarks.md: the table), where the markers exist."""
   res = tpu_results(results_root)
+  sweep = sweep_results(results_root) if res is None else None
+  status = sweep_status(sweep) if sweep is not None else tpu_status(res)
+  table = sweep_markdown(sweep) if sweep is not None else tpu_markdown(res)
   changed = False
-  for path, start, end, body in ((readme, TPU_STATUS_START, TPU_STATUS_END, tpu_status(res)),
-                                 (page, TPU_START, TPU_END, tpu_markdown(res))):
+  for path, start, end, body in ((readme, TPU_STATUS_START, TPU_STATUS_END, status),
+                                 (page, TPU_START, TPU_END, table)):
     if path is not None and Path(path).exists() and start in Path(path).read_text():
       changed |= replace_between(path, start, end, body)
   return changed
