@@ -282,7 +282,7 @@ def _blockwise_kernel(s_ref, seed_ref, *refs, layout, rows, length, transposed, 
       nu32 = fmt.dequantize_nu(nu_in[h], read(nus_ref, k))
       out, mu_new, nu_new = adam_math(lambda i: s_ref[i], param(lanes) if apply else None,
                                       f32(g_ref, lanes), mu32, nu32, nesterov=nesterov,
-                                      apply=apply, reciprocal=True)
+                                      apply=apply)
       index = sharding_lib.global_index(row + (col + jnp.uint32(first)), index_map,
                                         seed(SEED_BASE))
       if tracked:
