@@ -446,3 +446,32 @@ def test_mosaic_tpu_8bit_both_scale_layouts_match_reference(request, shape, conf
   assert got[1].scales.shape == want[1].scales.shape == mu.scales.shape
   for a, b in zip(jax.tree.leaves(got[1:]), jax.tree.leaves(want[1:])):
     bw.same(a, b, f"moments {shape}")
+
+
+def test_nu_never_zero_down_to_the_smallest_normal_maxima():
+  """Blocks whose largest nu lies between the smallest normal fp32 (2**-126)
+  and 1e-30, elements down to 2**-126: no stored nu reads 0 (code 1 of a
+  block below 7.6e-34 would be subnormal, flushed to zero by XLA); and
+  through every backend, a gradient whose nu is that small, with ``eps=0``,
+  leaves the parameters finite."""
+  tiny = np.float32(2.0 ** -126)
+  maxima = tiny * np.float32(2.0) ** np.arange(0, 28, 3, dtype=np.float32)
+  rel = np.float32(2.0) ** -np.linspace(0, 27, Q.BLOCK, dtype=np.float32)
+  v = jnp.asarray(np.maximum(maxima[:, None] * rel[None, :], tiny), F32)
+  bits = counter_hash.hash_bits(jnp.arange(v.size, dtype=jnp.uint32).reshape(v.shape),
+                                jnp.uint32(9))
+  codes, scale = Q.quantize_nu(v, bits)
+  assert np.all(np.asarray(Q.dequantize_nu(codes, scale)) > 0)
+  # nu = (1 - b2) g^2 from 3e-36 down to 1.2e-38
+  g = jnp.asarray(5.5e-17 * 10.0 ** -np.linspace(0, 1.2, Q.BLOCK), F32)
+  g = jnp.stack([g, -g])
+  p = jnp.ones(g.shape, F32)
+  hyper = dict(bw.HYPER, eps=0.0)
+  for impl in ("xla", *KERNELS):
+    f = jax.jit(lambda p, g, mu, nu, c, impl=impl: adam_update(
+        p, g, mu, nu, count=c, implementation=impl, interpret=True, **hyper))
+    state = (p, Q.zeros(g.shape, signed=True), Q.zeros(g.shape, signed=False))
+    for c in (1, 2):
+      state = f(state[0], g, state[1], state[2], c)
+      assert np.all(np.asarray(Q.dequantize(state[2], signed=False)) > 0), (impl, c)
+    assert np.all(np.isfinite(np.asarray(state[0]))), impl

@@ -19,6 +19,8 @@ its last axis divides, so codes and scales shard with the leaf's
   :math:`\\max/65025` (a linear map: :math:`\\max/255`). ``c >= 1`` wherever the
   fp32 :math:`\\nu > 0`, so a stored second moment is 0 only where the fp32 one is
   (no division blow-up in :math:`u = \\hat m / (\\sqrt{\\hat v} + \\varepsilon)`).
+  The scale is at least :data:`NU_SCALE_FLOOR`, so code 1 never stands for a
+  subnormal value (which XLA and the GPUs flush to 0).
 
 Codes are written with stochastic rounding from the counter hash
 (:mod:`fuseopt.kernels.counter_hash`): element ``i`` (its flat index in the
@@ -190,18 +192,30 @@ def mu_scale(x, axis=-1):
   return jnp.max(jnp.abs(x), axis=axis, keepdims=axis is not None) * jnp.float32(_MU_STEP)
 
 
+# The smallest scale of a block holding a positive nu: 2**-63, whose square
+# (the first code's value) is the smallest normal fp32, 2**-126. Below it that
+# value would be subnormal, which XLA and the GPUs flush to zero, and an
+# element on code 1 would read nu = 0.
+NU_SCALE_FLOOR = 2.0 ** -63
+
+
 def nu_scale(x, axis=-1):
   """A block's ``nu`` scale, ``sqrt(max x) · fl(1/255)`` (``axis`` as
-  :func:`mu_scale`); NaN where the block holds a NaN. A block holding
-  ``+Inf`` (and no NaN) gets ``-sqrt(max of its finite values) · fl(1/254)``,
-  or -1 where those are all 0: negative, the mark :func:`dequantize_nu` reads."""
+  :func:`mu_scale`), at least :data:`NU_SCALE_FLOOR` where the block holds a
+  positive value (0 for an all-zero block); NaN where the block holds a NaN.
+  A block holding ``+Inf`` (and no NaN) gets ``-sqrt(max of its finite
+  values) · fl(1/254)`` (at least the floor), or -1 where those are all 0:
+  negative, the mark :func:`dequantize_nu` reads."""
   keep = axis is not None
+  floor = jnp.float32(NU_SCALE_FLOOR)
   top = jnp.max(x, axis=axis, keepdims=keep)
   finite_top = jnp.max(jnp.where(x < jnp.float32(jnp.inf), x, jnp.zeros_like(x)), axis=axis,
                        keepdims=keep)
   marked = jnp.sqrt(finite_top) * jnp.float32(_NU_STEP_INF)
-  marked = -jnp.where(marked > 0, marked, jnp.ones_like(marked))
-  return jnp.where(top == jnp.float32(jnp.inf), marked, jnp.sqrt(top) * jnp.float32(_NU_STEP))
+  marked = -jnp.where(finite_top > 0, jnp.maximum(marked, floor), jnp.ones_like(marked))
+  plain = jnp.sqrt(top) * jnp.float32(_NU_STEP)
+  plain = jnp.where(top > 0, jnp.maximum(plain, floor), plain)
+  return jnp.where(top == jnp.float32(jnp.inf), marked, plain)
 
 
 def quantize_mu(x, bits, scale=None):
