@@ -9,7 +9,11 @@ where or how often the step runs (sharded, unsharded, fused or not). An
 8-bit momentum (``mu_dtype="int8"``) is Adam's 8-bit ``mu``
 (:mod:`fuseopt.kernels.adam.quantized`: int8 codes, an fp32 scale per block
 of 256 along the last axis) written with the same hash and Muon's
-``STREAM_MU`` seeds: :func:`store_int8`, :func:`load`.
+``STREAM_MU`` seeds: :func:`store_int8`, :func:`load`. On Explicit mesh axes
+whose shards split its blocks (a leaf's last axis sharded below 256 a
+device), both run with the blocked axes gathered and put their results back
+where the leaf lies, as Adam's blockwise moments do
+(:mod:`fuseopt.kernels.adam.tree`): a block's scale is its absmax.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import jax.numpy as jnp
 from fuseopt import compat
 from fuseopt import kernels
 from fuseopt.kernels import counter_hash
+from fuseopt.kernels import sharding as sharding_lib
+from fuseopt.kernels.adam import blocks
 from fuseopt.kernels.adam import formats
 from fuseopt.kernels.adam import quantized
 
@@ -42,11 +48,44 @@ def store(x32, dtype, count, leaf_index, stream):
   return x32.astype(dtype)
 
 
+def _splitting(x):
+  """The placement of a leaf-shaped ``x`` where it lies on Explicit mesh axes
+  whose shards split its quantisation blocks (its blocked view's rows), else
+  None. (On Auto axes XLA partitions the blocked reshape itself.)"""
+  placement = sharding_lib.placement_of(x)
+  shape = jnp.shape(x)
+  if (not isinstance(placement, sharding_lib.Placement) or not blocks.fits(shape)
+      or blocks.shard_fits(shape, placement.local_shape(shape))):
+    return None
+  return placement
+
+
+def _placed(x, placement, spec):
+  """``x`` resharded to ``spec`` on ``placement``'s mesh, fitted to its shape
+  (an axis whose shards would split it stays whole)."""
+  fitted = sharding_lib.Placement(placement.mesh, spec).dividing_spec(jnp.shape(x))
+  return jax.sharding.reshard(x, jax.sharding.NamedSharding(placement.mesh, fitted))
+
+
+def _gathered(m, placement, shape):
+  """An 8-bit momentum ``m`` of a leaf of ``shape`` with its blocked axes
+  whole: the codes placed as the gathered leaf, the scales as its blocked view."""
+  spec = blocks.gathered_spec(placement.spec, shape)
+  return quantized.QuantizedMoment(_placed(m.codes, placement, spec),
+                                   _placed(m.scales, placement, blocks.blocked_spec(spec, shape)))
+
+
 def load(m):
   """A stored momentum leaf as a value to compute with: an 8-bit one
   (:class:`~fuseopt.kernels.adam.quantized.QuantizedMoment`) decoded to fp32
   (plain jnp, fused by XLA into the pass that reads it), any other as it is."""
-  return quantized.dequantize(m, signed=True) if quantized.is_quantized(m) else m
+  if not quantized.is_quantized(m):
+    return m
+  placement = _splitting(m.codes)
+  if placement is None:
+    return quantized.dequantize(m, signed=True)
+  x = quantized.dequantize(_gathered(m, placement, m.codes.shape), signed=True)
+  return _placed(x, placement, placement.spec)
 
 
 def store_int8(x32, count, leaf_index, stream, keep=None, old=None):
@@ -60,6 +99,18 @@ def store_int8(x32, count, leaf_index, stream, keep=None, old=None):
   mixes both is quantised again from ``x32``, which holds the old values
   there)."""
   shape = x32.shape
+  placement = _splitting(x32)
+  if placement is not None:
+    # (the blocked axes gathered, the result put back where the leaf lies)
+    spec = blocks.gathered_spec(placement.spec, shape)
+    x32 = _placed(x32, placement, spec)
+    if keep is not None:
+      keep = _placed(jnp.broadcast_to(keep, shape), placement, spec)
+      old = _gathered(old, placement, shape)
+    new = store_int8(x32, count, leaf_index, stream, keep, old)
+    return quantized.QuantizedMoment(
+        _placed(new.codes, placement, placement.spec),
+        _placed(new.scales, placement, blocks.blocked_spec(placement.spec, shape)))
   bshape = quantized.scales_shape(shape) + (quantized.BLOCK,)
   seed = counter_hash.derive_seed(MUON_SEED, count, leaf_index, stream)
   index = jax.lax.iota(jnp.uint32, x32.size).reshape(bshape)

@@ -214,3 +214,33 @@ def test_nu_never_zero_where_fp32_nu_is_positive():
     _, _, new_nu = adam_update(None, g, int4.zeros(g.shape), int4.zeros(g.shape), count=1,
                                implementation=impl, interpret=True)
     assert np.all(np.asarray(int4.dequantize(new_nu, signed=False)) > 0), impl
+
+
+def test_nu_never_zero_down_to_the_smallest_normal_maxima():
+  """Blocks whose largest nu lies between the smallest normal fp32 (2**-126)
+  and 1e-30, elements down to 2**-126: no stored nu reads 0 (a first level
+  of max/256 would be subnormal, flushed to zero by XLA); and through every
+  backend, a gradient whose nu is that small, with ``eps=0``, leaves the
+  parameters finite."""
+  tiny = np.float32(2.0 ** -126)
+  maxima = tiny * np.float32(2.0) ** np.arange(0, 28, 3, dtype=np.float32)
+  rel = np.float32(2.0) ** -np.linspace(0, 27, int4.BLOCK, dtype=np.float32)
+  v = np.maximum(maxima[:, None] * rel[None, :], tiny)
+  v = jnp.asarray(v, F32)
+  bits = counter_hash.hash_bits(jnp.arange(v.size, dtype=jnp.uint32).reshape(v.shape),
+                                jnp.uint32(9))
+  codes, scale = int4.quantize_nu(v, bits)
+  assert np.all(np.asarray(int4.dequantize_nu(codes, scale)) > 0)
+  # nu = (1 - b2) g^2 from 3e-36 down to 2e-38: every level of the block normal
+  g = jnp.asarray(5.5e-17 * 10.0 ** -np.linspace(0, 1.1, int4.ROW), F32)
+  g = jnp.stack([g, -g])
+  p = jnp.ones(g.shape, F32)
+  hyper = dict(bw.HYPER, eps=0.0)
+  for impl in ("xla", "triton", "mosaic_tpu", "mosaic_gpu"):
+    f = jax.jit(lambda p, g, mu, nu, c, impl=impl: adam_update(
+        p, g, mu, nu, count=c, implementation=impl, interpret=True, **hyper))
+    state = (p, int4.zeros(g.shape), int4.zeros(g.shape))
+    for c in (1, 2):
+      state = f(state[0], g, state[1], state[2], c)
+      assert np.all(np.asarray(int4.dequantize(state[2], signed=False)) > 0), (impl, c)
+    assert np.all(np.isfinite(np.asarray(state[0]))), impl

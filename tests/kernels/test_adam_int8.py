@@ -200,15 +200,77 @@ def test_nonfinite_gradient_poisons_its_block_only(impl):
   others = np.ones(shape, bool)
   others[0, 3] = others[1, 300] = False
   np.testing.assert_array_equal(pb[others], np.asarray(clean[0])[others])
-  for new, old in ((bad[1], clean[1]), (bad[2], clean[2])):
+  # mu: both blocks poisoned (NaN, and an Inf beside finite values); nu: the
+  # NaN's block poisoned, the Inf kept as +Inf beside its block's finite values
+  for new, old, signed in ((bad[1], clean[1], True), (bad[2], clean[2], False)):
     s, s0 = np.asarray(new.scales), np.asarray(old.scales)
     poisoned = np.zeros(s.shape, bool)
-    poisoned[0, 0] = poisoned[1, 1] = True
+    poisoned[0, 0] = True
+    poisoned[1, 1] = signed
     assert not np.any(np.isfinite(s[poisoned])) and np.all(np.isfinite(s[~poisoned]))
-    np.testing.assert_array_equal(s[~poisoned], s0[~poisoned])
-    back = np.asarray(Q.dequantize(new, signed=new.codes.dtype == jnp.int8))
-    assert np.all(np.isnan(back[0, :256])) and np.all(np.isnan(back[1, 256:]))
-    assert np.all(np.isfinite(back[0, 256:])) and np.all(np.isfinite(back[1, :256]))
+    touched = poisoned.copy()
+    touched[1, 1] = True
+    np.testing.assert_array_equal(s[~touched], s0[~touched])
+    back = np.asarray(Q.dequantize(new, signed=signed))
+    assert np.all(np.isnan(back[0, :256])) and np.all(np.isfinite(back[0, 256:]))
+    assert np.all(np.isfinite(back[1, :256]))
+    if signed:
+      assert np.all(np.isnan(back[1, 256:]))
+    else:
+      assert s[1, 1] < 0 and np.isposinf(back[1, 300])
+      assert np.sum(np.isfinite(back[1, 256:])) == 255
+
+
+def test_nu_block_with_inf_keeps_its_finite_values():
+  """A block of nu holding +Inf beside finite values (a square that
+  overflowed fp32): the Inf reads back as +Inf, the finite values within the
+  format's resolution (codes up to 254), zeros as zeros; a block of Infs
+  reads all +Inf; a NaN still makes its block NaN."""
+  rel = np.concatenate([[0.0], 10.0 ** -np.linspace(0, 6, Q.BLOCK - 1)])
+  v = np.stack([rel * 3e7, rel * 3e7, np.full(Q.BLOCK, np.inf), rel])
+  v[0, 5] = v[0, 9] = np.inf
+  v[3, 7] = np.nan
+  v = jnp.asarray(v, F32)
+  bits = counter_hash.hash_bits(jnp.arange(v.size, dtype=jnp.uint32).reshape(v.shape),
+                                jnp.uint32(3))
+  codes, scale = Q.quantize_nu(v, bits)
+  back, v = np.asarray(Q.dequantize_nu(codes, scale)), np.asarray(v)
+  inf = np.isinf(v)
+  assert np.all(np.isposinf(back[inf])) and np.all(np.isfinite(back[:3][~inf[:3]]))
+  assert np.all(np.asarray(codes)[0][~inf[0]] <= 254)
+  assert np.all((back[:3] > 0) == (v[:3] > 0))
+  # the finite values of the marked block within a code of the unmarked one's
+  width = 2 * np.sqrt(back[1].max()) / 254
+  assert np.all(np.abs(np.sqrt(back[0][~inf[0]]) - np.sqrt(v[0][~inf[0]])) <= width)
+  assert np.all(np.isnan(back[3]))
+
+
+@pytest.mark.parametrize("impl", ["xla", *KERNELS])
+def test_huge_finite_gradient_keeps_the_parameters_finite(impl):
+  """A finite gradient element whose square overflows fp32 (2e19): as in
+  optax, its nu is +Inf and its step 0 (only the weight decay) from then on;
+  its block's other parameters stay finite, and the other blocks run as if
+  it were not there."""
+  shape = (2, 512)                       # four blocks
+  k = jax.random.split(jax.random.key(12), 2)
+  p = jax.random.normal(k[0], shape)
+  g = jax.random.normal(k[1], shape)
+  mu, nu = Q.zeros(shape, signed=True), Q.zeros(shape, signed=False)
+  clean = bw.steps(impl, p, g, mu, nu, n=3)
+  bad = bw.steps(impl, p, g.at[0, 3].set(2e19), mu, nu, n=3)
+  pb, pc = np.asarray(bad[0]), np.asarray(clean[0])
+  assert np.all(np.isfinite(pb))
+  decayed = np.float32(p[0, 3]) * (1 - np.float32(bw.HYPER["learning_rate"] * bw.HYPER["weight_decay"])) ** 3
+  np.testing.assert_allclose(pb[0, 3], decayed, rtol=1e-6)
+  others = np.ones(shape, bool)
+  others[0, :256] = False
+  np.testing.assert_array_equal(pb[others], pc[others])
+  back = np.asarray(Q.dequantize(bad[2], signed=False))
+  assert np.isposinf(back[0, 3])
+  assert np.sum(~np.isfinite(back)) == 1 and np.all(back[0, :256][np.arange(256) != 3] > 0)
+  for new, old in ((bad[1], clean[1]), (bad[2], clean[2])):
+    np.testing.assert_array_equal(np.asarray(new.scales)[others[:, ::256]],
+                                  np.asarray(old.scales)[others[:, ::256]])
 
 
 @pytest.mark.parametrize("impl", ["xla", *KERNELS])
@@ -386,3 +448,32 @@ def test_mosaic_tpu_8bit_grids_match_reference(request, shape, config, grid):
   assert got[1].scales.shape == want[1].scales.shape == mu.scales.shape
   for a, b in zip(jax.tree.leaves(got[1:]), jax.tree.leaves(want[1:])):
     bw.same(a, b, f"moments {shape}")
+
+
+def test_nu_never_zero_down_to_the_smallest_normal_maxima():
+  """Blocks whose largest nu lies between the smallest normal fp32 (2**-126)
+  and 1e-30, elements down to 2**-126: no stored nu reads 0 (code 1 of a
+  block below 7.6e-34 would be subnormal, flushed to zero by XLA); and
+  through every backend, a gradient whose nu is that small, with ``eps=0``,
+  leaves the parameters finite."""
+  tiny = np.float32(2.0 ** -126)
+  maxima = tiny * np.float32(2.0) ** np.arange(0, 28, 3, dtype=np.float32)
+  rel = np.float32(2.0) ** -np.linspace(0, 27, Q.BLOCK, dtype=np.float32)
+  v = jnp.asarray(np.maximum(maxima[:, None] * rel[None, :], tiny), F32)
+  bits = counter_hash.hash_bits(jnp.arange(v.size, dtype=jnp.uint32).reshape(v.shape),
+                                jnp.uint32(9))
+  codes, scale = Q.quantize_nu(v, bits)
+  assert np.all(np.asarray(Q.dequantize_nu(codes, scale)) > 0)
+  # nu = (1 - b2) g^2 from 3e-36 down to 1.2e-38
+  g = jnp.asarray(5.5e-17 * 10.0 ** -np.linspace(0, 1.2, Q.BLOCK), F32)
+  g = jnp.stack([g, -g])
+  p = jnp.ones(g.shape, F32)
+  hyper = dict(bw.HYPER, eps=0.0)
+  for impl in ("xla", *KERNELS):
+    f = jax.jit(lambda p, g, mu, nu, c, impl=impl: adam_update(
+        p, g, mu, nu, count=c, implementation=impl, interpret=True, **hyper))
+    state = (p, Q.zeros(g.shape, signed=True), Q.zeros(g.shape, signed=False))
+    for c in (1, 2):
+      state = f(state[0], g, state[1], state[2], c)
+      assert np.all(np.asarray(Q.dequantize(state[2], signed=False)) > 0), (impl, c)
+    assert np.all(np.isfinite(np.asarray(state[0]))), impl

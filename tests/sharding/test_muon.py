@@ -269,3 +269,49 @@ def test_sharded_int8_momentum_step_is_bitwise_the_unsharded_step(kind, axis):
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(w)[0], jax.tree.leaves(g)):
       np.testing.assert_array_equal(np.asarray(b), np.asarray(a),
                                     err_msg=f"step {t} {jax.tree_util.keystr(path)}")
+
+
+# Every Explicit placement of a (64, 512) leaf: name -> (mesh shape, axes, spec).
+# "columns" and "both" split its blocks of 256 (64 and 128 columns a device).
+INT8_PLACEMENTS = {"rows": ((8,), ("x",), P("x")), "columns": ((8,), ("x",), P(None, "x")),
+                   "both": ((4, 2), ("x", "y"), P("y", "x")), "replicated": ((8,), ("x",), P())}
+
+
+@pytest.mark.parametrize("path", ["step", "update"])
+@pytest.mark.parametrize("placement", sorted(INT8_PLACEMENTS))
+def test_int8_momentum_on_every_explicit_placement_is_bitwise(placement, path):
+  """mu_dtype='int8' on an Explicit mesh, the leaf placed on rows, on columns
+  below a block a device (the blocked axis gathered for the momentum pass and
+  put back), on both or replicated: two steps, fused and through ``update``,
+  bitwise the one-device steps, the momentum's codes placed as the leaf."""
+  import optax
+  shapes = {"w": (64, 512)}
+  params = _tree(0, shapes)
+  grads = [_tree(10 + t, shapes) for t in range(2)]
+  tx = fo.muon(1e-2, mu_dtype="int8", weight_decay=0.1)
+
+  def run(params):
+    state = tx.init(params)
+    if path == "step":
+      update = jax.jit(lambda p, s, g: fo.step(tx, g, s, p))
+    else:
+      def update(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+      update = jax.jit(update)
+    for g in grads:
+      params, state = update(params, state, put(g))
+    return params, state
+
+  put = lambda t: t
+  want = run(params)
+  mesh_shape, names, spec = INT8_PLACEMENTS[placement]
+  mesh = jax.make_mesh(mesh_shape, names, axis_types=(AxisType.Explicit,) * len(names))
+  put = lambda t: {n: jax.device_put(a, NamedSharding(mesh, spec)) for n, a in t.items()}
+  got = run(put(params))
+  for (where, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                  err_msg=f"{placement} {path} {jax.tree_util.keystr(where)}")
+  mu = got[1].inner_states["muon"].inner_state[0].mu["w"]
+  assert mu.codes.sharding.is_equivalent_to(NamedSharding(mesh, spec), 2)
+  assert got[0]["w"].sharding.is_equivalent_to(NamedSharding(mesh, spec), 2)

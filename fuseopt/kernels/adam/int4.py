@@ -25,7 +25,10 @@ the 8-bit format's kernels read, so the two formats share the row grid.
   level for the second moment is what breaks 4-bit Adam (an element whose
   ``nu`` reads 0 takes a step of ``lr * m / eps``); here a stored ``nu`` is 0
   only in an all-zero block. Values below the first level read as it
-  (rounded up: a smaller step, never a larger one).
+  (rounded up: a smaller step, never a larger one). The scale is at least
+  :data:`NU_SCALE_FLOOR`, ``2**-63``, so the first level is never below the
+  smallest normal fp32 (a subnormal level is flushed to zero by XLA and the
+  GPUs: it read as ``nu = 0`` in blocks whose largest value was below 3e-36).
 
 Rounding. ``nu`` is written with the counter-hash stochastic rounding of the
 8-bit format (:mod:`.quantized`): the nu stream's seed, element ``i`` (its
@@ -129,9 +132,21 @@ def mu_scale(x, axis=-1):
   return jnp.max(jnp.abs(x), axis=axis, keepdims=axis is not None)
 
 
+# The smallest scale of a block holding a positive nu: 2**-63, whose square
+# (the first level) is the smallest normal fp32, 2**-126. Below it the first
+# level would be subnormal, which XLA and the GPUs flush to zero, and an
+# element at that level would read nu = 0.
+NU_SCALE_FLOOR = 2.0 ** -63
+
+
 def nu_scale(x, axis=-1):
-  """A block's ``nu`` scale, ``sqrt(max x) · 1/16``."""
-  return jnp.sqrt(jnp.max(x, axis=axis, keepdims=axis is not None)) * jnp.float32(_NU_STEP)
+  """A block's ``nu`` scale, ``sqrt(max x) · 1/16``, at least
+  :data:`NU_SCALE_FLOOR` where the block holds a positive value (a block whose
+  largest nu is below ``256 · 2**-126``, 3.0e-36, has its levels from
+  ``2**-126`` up: every level normal, none read as 0); 0 for an all-zero block."""
+  top = jnp.max(x, axis=axis, keepdims=axis is not None)
+  scale = jnp.sqrt(top) * jnp.float32(_NU_STEP)
+  return jnp.where(top > 0, jnp.maximum(scale, jnp.float32(NU_SCALE_FLOOR)), scale)
 
 
 def quantize_mu(x, bits, scale=None, fence=_no_fence):

@@ -48,8 +48,7 @@ ADAM_FLOPS_PER_ELEMENT = 14
 ADAM_TRANSCENDENTALS_PER_ELEMENT = 1
 
 
-def adam_math(s, p32, g32, mu32, nu32, *, nesterov: bool, apply: bool,
-              reciprocal: bool = False, fence=None):
+def adam_math(s, p32, g32, mu32, nu32, *, nesterov: bool, apply: bool, fence=None):
   """fp32 math of one element block; ``s`` indexes the scalar vector.
 
   The operation order follows optax (clip's ``g * scale``, scale_by_adam,
@@ -60,16 +59,16 @@ def adam_math(s, p32, g32, mu32, nu32, *, nesterov: bool, apply: bool,
   back bit for bit through the stochastic rounding, which leaves values that
   are already bf16 unchanged.
 
-  ``reciprocal``: divide by the bias corrections as multiplications by their
-  reciprocals, each a scalar division. XLA rewrites a division by a
-  broadcast scalar into a multiplication by its reciprocal, and ``(a / b) /
-  c`` into ``a / (b * c)``, wherever it sees the scalar's origin, so two
-  programs of the optax order (a kernel alone, the same kernel in a
-  ``shard_map``) can round the parameter differently in the last bit (XLA:CPU
-  without FMA, Triton interpret mode: 1 of 256 elements). Written as
-  multiplications there is nothing left to rewrite. The 8-bit moments use
-  it (no optax bits to keep, and their codes must be the same on every
-  placement); the fp32/bf16 path keeps optax's order.
+  The bias corrections divide as multiplications by their reciprocals (each
+  a scalar division): XLA rewrites a division by a broadcast scalar into a
+  multiplication by its reciprocal, and ``(a / b) / c`` into ``a / (b * c)``,
+  choosing between the two by the program around them, so two programs of
+  optax's ``mu / bc1 / (sqrt(nu / bc2) + eps)`` (a leaf alone, the same leaf
+  inside a ``shard_map`` where every leaf of the tree is sharded; a kernel in
+  interpret mode alone and in a ``shard_map``) rounded the parameter
+  differently in the last bit. Written as multiplications there is nothing
+  left to rewrite; they are what XLA makes of optax's divisions wherever it
+  takes the first rewrite, so fp32 moments keep optax's bits there.
 
   ``fence``: :func:`fuseopt.kernels.fp_contract.rounded` where the math runs
   as an XLA program (the reference): every product that feeds an add is
@@ -83,15 +82,11 @@ def adam_math(s, p32, g32, mu32, nu32, *, nesterov: bool, apply: bool,
   g32 = g32 * s(GRAD_SCALE)
   mu_new = r(s(OMB1) * g32) + r(s(B1) * mu32)
   nu_new = r(s(OMB2) * (g32 * g32)) + r(s(B2) * nu32)
-  if reciprocal:
-    div = lambda x, k: x * (jnp.float32(1.0) / s(k))
-  else:
-    div = lambda x, k: x / s(k)
+  div = lambda x, k: x * (jnp.float32(1.0) / s(k))
   if nesterov:
     mu_hat = r(s(B1) * div(mu_new, BC1_NEXT)) + r(s(OMB1) * div(g32, BC1))
   else:
-    mu_hat = div(mu_new, BC1)
-  # (a division by a scalar may be rewritten as a product: rounded too)
+    mu_hat = r(div(mu_new, BC1))
   nu_hat = r(div(nu_new, BC2))
   u = mu_hat / (jnp.sqrt(nu_hat + s(EPS_ROOT)) + s(EPS))
   if apply:

@@ -409,7 +409,7 @@ def _quantized_kernel(s_ref, seed_ref, g_ref, *refs, n, block, nesterov, apply, 
     nu32 = quantized.dequantize_nu(nuc_ref[elems], nus_ref[row])
     out, mu_new, nu_new = adam_lib.adam_math(
         s, _blockwise_param(p_ref, lo_ref, elems) if apply else None, f32(g_ref), mu32, nu32,
-        nesterov=nesterov, apply=apply, reciprocal=True)
+        nesterov=nesterov, apply=apply)
     index = sharding_lib.global_index(elementwise_tiling.mosaic_gpu_flat_index(start, q_block),
                                       index_map, seeds[adam_lib.SEED_BASE])
     _blockwise_store(o_ref, lo_ref, elems, out, index, seeds[0])
@@ -495,8 +495,7 @@ def _int4_kernel(s_ref, seed_ref, g_ref, *refs, n, block, nesterov, apply, index
     out, mu_new, nu_new = adam_lib.adam_math(
         s, _blockwise_param(p_ref, lo_ref, elems) if apply else None, f32(g_ref),
         int4.dequantize_mu((old_mu >> shift) & 15, old_mus),
-        int4.dequantize_nu((old_nu >> shift) & 15, old_nus), nesterov=nesterov, apply=apply,
-        reciprocal=True)
+        int4.dequantize_nu((old_nu >> shift) & 15, old_nus), nesterov=nesterov, apply=apply)
     index = sharding_lib.global_index(elementwise_tiling.mosaic_gpu_flat_index(start, half),
                                       index_map, seeds[adam_lib.SEED_BASE])
     _blockwise_store(o_ref, lo_ref, elems, out, index, seeds[0])

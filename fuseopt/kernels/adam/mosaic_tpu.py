@@ -337,7 +337,7 @@ def _blockwise_kernel(s_ref, seed_ref, *refs, layout, tiling, length, nesterov, 
       nu32 = fmt.dequantize_nu(nu_in[h], _column(nu_scales, lane, k))
       p32 = load_param(p_ref[:, lanes], lo_ref[:, lanes] if tracked else None) if apply else None
       out, mu_new, nu_new = adam_math(lambda i: s_ref[i], p32, g_ref[:, lanes].astype(jnp.float32),
-                                      mu32, nu32, nesterov=nesterov, apply=apply, reciprocal=True)
+                                      mu32, nu32, nesterov=nesterov, apply=apply)
       index = sharding_lib.global_index(row + (col + first.astype(jnp.uint32)), index_map,
                                         seed(SEED_BASE))
       if tracked:

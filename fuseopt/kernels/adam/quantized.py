@@ -19,6 +19,8 @@ its last axis divides, so codes and scales shard with the leaf's
   :math:`\\max/65025` (a linear map: :math:`\\max/255`). ``c >= 1`` wherever the
   fp32 :math:`\\nu > 0`, so a stored second moment is 0 only where the fp32 one is
   (no division blow-up in :math:`u = \\hat m / (\\sqrt{\\hat v} + \\varepsilon)`).
+  The scale is at least :data:`NU_SCALE_FLOOR`, so code 1 never stands for a
+  subnormal value (which XLA and the GPUs flush to 0).
 
 Codes are written with stochastic rounding from the counter hash
 (:mod:`fuseopt.kernels.counter_hash`): element ``i`` (its flat index in the
@@ -31,11 +33,18 @@ between its two neighbouring representable values, in the value's own domain
 stored value is the fp32 value (up to fp32 rounding and the 2**-24 resolution
 of the uniform), except where ``nu``'s floor of one code lifts it.
 
-Non-finite values: a block whose new moment holds a NaN or an Inf gets a
-non-finite scale and codes 0, so every element of that block reads back as
-NaN on the next step (blockwise scales cannot keep the other elements); the
-step that meets the non-finite gradient computes with the fp32 moments, as
-with bf16 moments. Skipping non-finite steps is the builder's job.
+Non-finite values: a block whose new moment holds a NaN (or, for ``mu``,
+an Inf) gets a non-finite scale and codes 0, so every element of that block
+reads back as NaN on the next step (blockwise scales cannot keep the other
+elements); the step that meets the non-finite gradient computes with the fp32
+moments, as with bf16 moments. A ``nu`` of ``+Inf`` beside finite values (a
+finite gradient whose square overflows fp32, ``|g| > 1.8e19``) is kept
+element by element, as optax keeps it: the block's scale is stored negated
+(``-sqrt(finite max) * fl(1/254)``, or -1 where every finite value is 0),
+its finite values take codes 0..254 and its ``+Inf`` ones code 255, which
+reads back as ``+Inf``; so that element's step stays 0 (``mu / Inf``, as in
+optax) and the block's other elements keep their own second moments. Skipping
+non-finite steps is the builder's job.
 
 Every function below is plain ``jnp`` on blocks laid out ``(..., BLOCK)``
 with their scale ``(..., 1)``, so the reference and the kernels (which hold
@@ -155,9 +164,12 @@ def dequantize_mu(codes, scale):
 
 
 def dequantize_nu(codes, scale):
-  """fp32 ``nu`` of uint8 ``codes`` (..., B) with ``scale`` (..., 1)."""
-  a = _codes_f32(codes) * scale
-  return a * a
+  """fp32 ``nu`` of uint8 ``codes`` (..., B) with ``scale`` (..., 1): a
+  negative scale marks a block holding ``+Inf`` values, whose code 255
+  reads ``+Inf`` (module docstring)."""
+  c = _codes_f32(codes)
+  a = c * jnp.abs(scale)
+  return jnp.where((scale < 0) & (c == NU_CODE_MAX), jnp.float32(jnp.inf), a * a)
 
 
 def _no_fence(x):
@@ -171,6 +183,7 @@ def _no_fence(x):
 # two backends differently; a multiplication leaves nothing to rewrite.
 _MU_STEP = 1.0 / MU_CODE_MAX
 _NU_STEP = 1.0 / NU_CODE_MAX
+_NU_STEP_INF = 1.0 / (NU_CODE_MAX - 1)   # a block holding +Inf: codes 0..254 finite
 
 
 def mu_scale(x, axis=-1):
@@ -179,9 +192,30 @@ def mu_scale(x, axis=-1):
   return jnp.max(jnp.abs(x), axis=axis, keepdims=axis is not None) * jnp.float32(_MU_STEP)
 
 
+# The smallest scale of a block holding a positive nu: 2**-63, whose square
+# (the first code's value) is the smallest normal fp32, 2**-126. Below it that
+# value would be subnormal, which XLA and the GPUs flush to zero, and an
+# element on code 1 would read nu = 0.
+NU_SCALE_FLOOR = 2.0 ** -63
+
+
 def nu_scale(x, axis=-1):
-  """A block's ``nu`` scale, ``sqrt(max x) · fl(1/255)`` (``axis`` as :func:`mu_scale`)."""
-  return jnp.sqrt(jnp.max(x, axis=axis, keepdims=axis is not None)) * jnp.float32(_NU_STEP)
+  """A block's ``nu`` scale, ``sqrt(max x) · fl(1/255)`` (``axis`` as
+  :func:`mu_scale`), at least :data:`NU_SCALE_FLOOR` where the block holds a
+  positive value (0 for an all-zero block); NaN where the block holds a NaN.
+  A block holding ``+Inf`` (and no NaN) gets ``-sqrt(max of its finite
+  values) · fl(1/254)`` (at least the floor), or -1 where those are all 0:
+  negative, the mark :func:`dequantize_nu` reads."""
+  keep = axis is not None
+  floor = jnp.float32(NU_SCALE_FLOOR)
+  top = jnp.max(x, axis=axis, keepdims=keep)
+  finite_top = jnp.max(jnp.where(x < jnp.float32(jnp.inf), x, jnp.zeros_like(x)), axis=axis,
+                       keepdims=keep)
+  marked = jnp.sqrt(finite_top) * jnp.float32(_NU_STEP_INF)
+  marked = -jnp.where(finite_top > 0, jnp.maximum(marked, floor), jnp.ones_like(marked))
+  plain = jnp.sqrt(top) * jnp.float32(_NU_STEP)
+  plain = jnp.where(top > 0, jnp.maximum(plain, floor), plain)
+  return jnp.where(top == jnp.float32(jnp.inf), marked, plain)
 
 
 def quantize_mu(x, bits, scale=None):
@@ -200,11 +234,16 @@ def quantize_nu(x, bits, scale=None, fence=_no_fence):
   """fp32 ``x >= 0`` (..., B) → ``(uint8 codes, scale (..., 1))``: codes
   linear in ``sqrt(x)``, rounded stochastically between the neighbouring
   values ``(k s)^2`` and ``((k+1) s)^2`` so that the stored ``nu`` is
-  unbiased; at least 1 wherever ``x > 0``. ``scale`` as in :func:`quantize_mu`;
+  unbiased; at least 1 wherever ``x > 0``. In a block marked as holding
+  ``+Inf`` (a negative scale, :func:`nu_scale`) the finite values take codes
+  up to 254 and ``+Inf`` code 255. ``scale`` as in :func:`quantize_mu`;
   ``fence`` as in :func:`fuseopt.kernels.adam.math.adam_math`."""
   scale = nu_scale(x) if scale is None else scale
-  s = jnp.where(scale > 0, scale, jnp.ones_like(scale))
-  t = jnp.clip(jnp.sqrt(x) * _inverse(scale), 0.0, NU_CODE_MAX - 1)
+  has_inf = scale < 0
+  mag = jnp.abs(scale)
+  s = jnp.where(mag > 0, mag, jnp.ones_like(mag))
+  top = jnp.where(has_inf, jnp.float32(NU_CODE_MAX - 2), jnp.float32(NU_CODE_MAX - 1))
+  t = jnp.minimum(jnp.maximum(jnp.sqrt(x) * _inverse(mag), 0.0), top)
   k = _floor(t)
   below, above = k * s, (k + 1.0) * s
   # (squares rounded before the subtractions below: no FMA, fp_contract.py)
@@ -214,6 +253,7 @@ def quantize_nu(x, bits, scale=None, fence=_no_fence):
   code = k + jnp.where(uniform(bits) < frac, 1.0, 0.0)
   code = jnp.maximum(code, jnp.where(x > 0, 1.0, 0.0))
   code = jnp.where(_finite(t) & _finite(scale), code, 0.0)
+  code = jnp.where(has_inf & (x == jnp.float32(jnp.inf)), jnp.float32(NU_CODE_MAX), code)
   return code.astype(jnp.int32).astype(NU_CODE_DTYPE), scale
 
 

@@ -93,7 +93,7 @@ def update_quantized(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, index
   p32 = (load_param(p.reshape(bshape), None if lo is None else lo.reshape(bshape))
          if apply else None)
   out, mu_new, nu_new = adam_math(s, p32, blocks(g), mu32, nu32,
-                                  nesterov=nesterov, apply=apply, reciprocal=True,
+                                  nesterov=nesterov, apply=apply,
                                   fence=fp_contract.rounded)
   idx = lambda: sharding_lib.global_index(jax.lax.iota(jnp.uint32, g.size).reshape(bshape),
                                           index_map, seeds[SEED_BASE])
@@ -138,7 +138,7 @@ def update_int4(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, index_map=
   outs, mu_c, mu_s, nu_c, nu_s = [], [], [], [], []
   for h in range(2):
     out, mu_new, nu_new = adam_math(s, p_h[h], g_h[h], mu32[h], nu32[h], nesterov=nesterov,
-                                    apply=apply, reciprocal=True, fence=fp_contract.rounded)
+                                    apply=apply, fence=fp_contract.rounded)
     outs.append(out if lo is not None else store(out, out_dtype, i_h[h], seeds[0]))
     c, sc = int4.quantize_mu(mu_new, counter_hash.hash_bits(i_h[h], seeds[1]),
                              fence=fp_contract.rounded)

@@ -104,7 +104,7 @@ def _quantized_step(scalar, seed, loaded, index, *, nesterov, apply):
   mu32 = quantized.dequantize_mu(muc, mus[:, None])
   nu32 = quantized.dequantize_nu(nuc, nus[:, None])
   out, mu_new, nu_new = adam_math(scalar, f32(p) if apply else None, f32(g), mu32, nu32,
-                                  nesterov=nesterov, apply=apply, reciprocal=True)
+                                  nesterov=nesterov, apply=apply)
   mu_codes, mu_scale = quantized.quantize_mu(mu_new, counter_hash.hash_bits(index, seed(1)))
   nu_codes, nu_scale = quantized.quantize_nu(nu_new, counter_hash.hash_bits(index, seed(2)))
   keep = lambda new, old: blocks.kept_on_skip(scalar(APPLY) == 0, new, old)
@@ -143,7 +143,7 @@ def _int4_step(scalar, seed, loaded, index, *, nesterov, apply):
   mu32 = int4.dequantize_mu(_unpack_halves(muc), mus[:, :, None])
   nu32 = int4.dequantize_nu(_unpack_halves(nuc), nus[:, :, None])
   out, mu_new, nu_new = adam_math(scalar, f32(p) if apply else None, f32(g), mu32, nu32,
-                                  nesterov=nesterov, apply=apply, reciprocal=True)
+                                  nesterov=nesterov, apply=apply)
   mu_codes, mu_scale = int4.quantize_mu(mu_new, counter_hash.hash_bits(index, seed(1)))
   nu_codes, nu_scale = int4.quantize_nu(nu_new, counter_hash.hash_bits(index, seed(2)))
   keep = lambda new, old: blocks.kept_on_skip(scalar(APPLY) == 0, new, old)
