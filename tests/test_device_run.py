@@ -444,3 +444,32 @@ def test_the_tpu_table_renders_default_calls_first_against_optax(tmp_path):
   page = tmp_path / "page.md"
   page.write_text(f"x\n{tpu_report.TPU_START}\nold\n{tpu_report.TPU_END}\n")
   assert tpu_report.render_tpu(tmp_path, None, page) and "1.30× faster" in page.read_text()
+
+
+def test_tpu_sweep_dry_run_records_every_row_and_renders(tmp_path):
+  """bench/tpu_sweep.py (the TPU defaults' measurements) runs its stochastic
+  rounding part at CPU size in interpret mode, records each row with its
+  compile time, and `fuseopt report`'s TPU renderer turns such a file into
+  the table and the README's line."""
+  from fuseopt.benchmarks import tpu_report
+  out = tmp_path / tpu_report.TPU_SLUG / "sweep.json"
+  out.parent.mkdir()
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+  subprocess.run([sys.executable, str(ROOT / "bench" / "tpu_sweep.py"), str(out), "--dry-run",
+                  "--parts", "sr"], check=True, env=env, cwd=ROOT, timeout=300)
+  doc = json.loads(out.read_text())
+  rows = [r for r in doc["rows"] if r["part"] == "sr"]
+  assert {r["name"] for r in rows} >= {"default", "xla", "xla convert"}
+  assert all(r["status"] == "ok" and r["compile_s"] >= 0 and r["ms"] > 0 for r in rows)
+  doc["rows"] += [dict(part="tree", name="optax_adamw", status="ok", ms=2.0, params=10, bytes=280,
+                       pct_floor=70.0, compile_s=1.0),
+                  dict(part="tree", name="fo_step", status="ok", ms=1.5, params=10, bytes=200,
+                       pct_floor=65.0, compile_s=1.0)]
+  out.write_text(json.dumps(doc))
+  readme, page = tmp_path / "README.md", tmp_path / "benchmarks.md"
+  readme.write_text(f"x\n{tpu_report.TPU_STATUS_START}\n{tpu_report.TPU_STATUS_END}\n")
+  page.write_text(f"y\n{tpu_report.TPU_START}\n{tpu_report.TPU_END}\n")
+  assert tpu_report.render_tpu(tmp_path, readme, page)
+  assert "0.75 × optax_adamw" in page.read_text()
+  assert "`fo.step(fo.adamw)` 1.5 ms (0.75 × optax)" in readme.read_text()
