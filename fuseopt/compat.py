@@ -8,14 +8,13 @@ transforms call these functions instead of branching on the release.
 - **TPU interpret mode's race detection** lives with the kernels' interpret
   parameters (:mod:`fuseopt.kernels.interpret`): jax 0.12 added
   ``InterpretParams(on_race=...)``; fuseopt raises on a race where the
-  release can, and runs without detection on 0.11.2.
+  release can, and runs without detection on 0.10.2 and 0.11.2.
 - **Mosaic GPU loads**: jax 0.12 removed ``plgpu.load(ref, idx)``; the form
   both releases accept is ``plgpu.load(ref.at[idx], layout=...)`` (or a whole
   ref), which fuseopt's Mosaic GPU kernels use, so no shim is needed.
 - **Mosaic GPU on jax 0.10.2**: its Pallas Mosaic GPU module has no
-  interpret mode (``plgpu.InterpretGPUParams``), no ``plgpu.store`` and no
-  ``plgpu.load`` without an index, all of which fuseopt's Mosaic GPU kernels
-  use; :func:`mosaic_gpu_missing` names what the installed release lacks,
+  interpret mode (``plgpu.InterpretGPUParams``) and no ``plgpu.load``
+  without an index, both of which fuseopt's Mosaic GPU kernels use; :func:`mosaic_gpu_missing` names what the installed release lacks,
   and the ``mosaic_gpu`` backend of every op refuses a call there with that
   reason (:func:`fuseopt.kernels.dispatch.mosaic_gpu_reason`).
 - **A pinned layout as a donated output**: jax 0.10.2 gives a jitted

@@ -9,10 +9,10 @@ backend its value, with the race detection the environment asks for
 
 Release-dependent (docs/compatibility.md): jax 0.12 added
 ``InterpretParams(on_race=...)``, and with ``detect_races=True`` a race
-raises by default; 0.11.2 only records races where no public API reads them.
-fuseopt asks for ``on_race="raise"`` where the release has it, so a race is an
-error on 0.12, and runs without detection on 0.11.2 (it would find and report
-nothing there). Decided by the signature, never by the version string.
+raises by default; 0.10.2 and 0.11.2 only record races where no public API
+reads them. fuseopt asks for ``on_race="raise"`` where the release has it, so a
+race is an error on 0.12, and runs without detection on 0.10.2 and 0.11.2 (it
+would find and report nothing there). Decided by the signature, never by the version string.
 
 Nothing here imports Pallas at module level.
 """
@@ -36,7 +36,7 @@ def tpu_params(*, detect_races: bool = False, **kwargs: Any) -> Any:
   """``pltpu.InterpretParams(**kwargs)``, detecting races (and raising on
   one) where the release can and ``detect_races`` asks. An explicit
   ``detect_races`` / ``on_race`` in ``kwargs`` wins; ``on_race`` is dropped
-  on a release that does not know it (0.11.2)."""
+  on a release that does not know it (0.10.2, 0.11.2)."""
   from jax.experimental.pallas import tpu as pltpu
   if raises_on_race():
     if detect_races:
