@@ -212,7 +212,9 @@ def nu_scale(x, axis=-1):
   finite_top = jnp.max(jnp.where(x < jnp.float32(jnp.inf), x, jnp.zeros_like(x)), axis=axis,
                        keepdims=keep)
   marked = jnp.sqrt(finite_top) * jnp.float32(_NU_STEP_INF)
-  marked = -jnp.where(finite_top > 0, jnp.maximum(marked, floor), jnp.ones_like(marked))
+  # (1 written as arithmetic on the block's value: Mosaic GPU cannot lower a
+  # constant scalar array, which ones_like of a whole-block reduction is)
+  marked = -jnp.where(finite_top > 0, jnp.maximum(marked, floor), marked * 0.0 + 1.0)
   plain = jnp.sqrt(top) * jnp.float32(_NU_STEP)
   plain = jnp.where(top > 0, jnp.maximum(plain, floor), plain)
   return jnp.where(top == jnp.float32(jnp.inf), marked, plain)
