@@ -177,7 +177,8 @@ def test_per_leaf_adam_arithmetic_is_the_same_at_every_size(param_dtype):
   element with one sequence of fp32 instructions, whatever its block, its
   warps and the leaf's size (a leaf, or one of its shards): the fp32
   instruction counts of the compiled PTX are the per-element counts times
-  the elements a thread holds, and every multiply and add is rounded as
+  the elements a thread holds, plus the same few scalar instructions a
+  thread (the bias corrections' reciprocals), and every multiply and add is rounded as
   written (``.rn``: ptxas contracts none into an FMA). This is what makes a
   sharded step bitwise the unsharded one on the GPU, which the CPU's
   interpret mode cannot show for fp32 parameters (tests/sharding/test_elementwise.py)."""
@@ -189,16 +190,25 @@ def test_per_leaf_adam_arithmetic_is_the_same_at_every_size(param_dtype):
   # (block, warps, leaf size): elements a thread = block / (32 warps)
   runs = [(256, 8, 1 << 16), (1024, 8, 1 << 16), (1024, 8, (1 << 13) + 3), (2048, 8, 1 << 16),
           (1024, 4, 1 << 16)]
-  per_element = {}
-  for block, warps, n in runs:
-    ops = ptx_figures.float_ops(_adam_ptx("h200", TritonConfig(block, warps), n, dtype))
+  # A thread's count of each instruction is (elements it holds) x (the
+  # per-element count) + (its scalar work: the bias corrections' reciprocals,
+  # computed once a thread): read both off the runs of 1 and 4 elements a
+  # thread, then every run must be that line.
+  counts = {(block, warps, n): ptx_figures.float_ops(_adam_ptx("h200", TritonConfig(block, warps),
+                                                                n, dtype))
+            for block, warps, n in runs}
+  one, four = counts[runs[0]], counts[runs[1]]
+  assert set(one) == set(four), (one, four)
+  assert all((four[k] - one[k]) % 3 == 0 for k in one), (one, four)
+  per_element = {k: (four[k] - one[k]) // 3 for k in one}
+  scalar = {k: one[k] - per_element[k] for k in one}
+  assert per_element.get("div.full.f32") and per_element.get("sqrt.approx.f32"), per_element
+  assert all(v <= 2 for v in scalar.values()), f"scalar work a thread: {scalar}"
+  for (block, warps, n), ops in counts.items():
     per_thread = block // (32 * warps)
-    assert all(c % per_thread == 0 for c in ops.values()), (block, warps, n, ops)
-    per_element[(block, warps, n)] = {k: c // per_thread for k, c in ops.items()}
-  first = next(iter(per_element.values()))
-  assert first.get("div.full.f32") and first.get("sqrt.approx.f32"), first
-  for key, ops in per_element.items():
-    assert ops == first, f"block/warps/size {key}: {ops} != {first}"
+    want = {k: per_thread * per_element[k] + scalar[k] for k in per_element}
+    assert ops == want, f"block/warps/size {(block, warps, n)}: {ops} != {want}"
+  first = per_element
   contractible = [k for k in first if k.split(".")[0] in ("mul", "add", "sub")
                   and ".rn." not in k]
   assert not contractible, f"multiplies or adds without .rn (an assembler may fuse them): {contractible}"
