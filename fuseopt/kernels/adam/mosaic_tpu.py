@@ -288,7 +288,7 @@ def _column(columns, lane, k):
 
 
 def _blockwise_kernel(s_ref, seed_ref, *refs, layout, tiling, length, nesterov, apply,
-                      index_map, tracked):
+                      index_map, tracked, interpret):
   """One grid step of ``tiling.groups`` row groups of ``tiling.rows`` rows,
   a loop over the groups (one body, whatever their number: the kernel's
   compile time does not grow with the leaf): each group's code bytes read
@@ -325,20 +325,20 @@ def _blockwise_kernel(s_ref, seed_ref, *refs, layout, tiling, length, nesterov, 
 
   def group(j, new_scales):
     new_mu_scales, new_nu_scales = new_scales
-    code_lanes = pl.ds(pl.multiple_of(j * layout.code_lanes, layout.code_lanes),
-                       layout.code_lanes)
+    aligned = lambda start, n: pl.ds(start if isinstance(start, int) else pl.multiple_of(start, n), n)
+    code_lanes = aligned(j * layout.code_lanes, layout.code_lanes)
     mu_in, nu_in = layout.unpack(muc_ref[:, code_lanes]), layout.unpack(nuc_ref[:, code_lanes])
     mu_codes, nu_codes = [], []
     for h in range(bpr):
       k = j * bpr + h
       first = j * blocks.ROW + h * block
-      lanes = pl.ds(pl.multiple_of(first, block), block)
+      lanes = aligned(first, block)
       mu32 = fmt.dequantize_mu(mu_in[h], _column(mu_scales, lane, k))
       nu32 = fmt.dequantize_nu(nu_in[h], _column(nu_scales, lane, k))
       p32 = load_param(p_ref[:, lanes], lo_ref[:, lanes] if tracked else None) if apply else None
       out, mu_new, nu_new = adam_math(lambda i: s_ref[i], p32, g_ref[:, lanes].astype(jnp.float32),
                                       mu32, nu32, nesterov=nesterov, apply=apply)
-      index = sharding_lib.global_index(row + (col + first.astype(jnp.uint32)), index_map,
+      index = sharding_lib.global_index(row + (col + jnp.asarray(first).astype(jnp.uint32)), index_map,
                                         seed(SEED_BASE))
       if tracked:
         o_ref[:, lanes], lo_out[:, lanes] = mantissa.split(out, lo_out.dtype)
@@ -354,8 +354,16 @@ def _blockwise_kernel(s_ref, seed_ref, *refs, layout, tiling, length, nesterov, 
     nuc_out[:, code_lanes] = keep(layout.pack(nu_codes), nuc_ref[:, code_lanes])
     return new_mu_scales, new_nu_scales
 
-  zeros = jnp.zeros_like(mu_scales)
-  new_mu_scales, new_nu_scales = jax.lax.fori_loop(0, groups, group, (zeros, zeros))
+  new_scales = (jnp.zeros_like(mu_scales),) * 2
+  if interpret:
+    # (jax's TPU interpreter with race detection runs a loop of dynamic lane
+    # slices slowly enough that a sharded step's devices time out waiting for
+    # each other: interpret mode unrolls the same body over static groups)
+    for j in range(groups):
+      new_scales = group(j, new_scales)
+  else:
+    new_scales = jax.lax.fori_loop(0, groups, group, new_scales)
+  new_mu_scales, new_nu_scales = new_scales
   mus_out[...] = keep(_scale_rows(new_mu_scales, n_scales), mus_ref[...])
   nus_out[...] = keep(_scale_rows(new_nu_scales, n_scales), nus_ref[...])
 
@@ -410,7 +418,8 @@ def _update_blockwise(layout, scalars, seeds, p, g, mu, nu, *, nesterov, out_dty
   block_bytes = int(2 * stream * rows * width) + 8 * 4 * 2 * 128 * max(rows, 128)
   outs = pl.pallas_call(
       functools.partial(_blockwise_kernel, layout=layout, tiling=tiling, length=length,
-                        nesterov=nesterov, apply=apply, index_map=index_map, tracked=tracked),
+                        nesterov=nesterov, apply=apply, index_map=index_map, tracked=tracked,
+                        interpret=bool(interpret)),
       out_shape=out_shape,
       grid=tiling.grid,
       in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
