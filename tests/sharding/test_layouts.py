@@ -203,7 +203,9 @@ def test_views_compile_for_tpu_with_shard_local_kernels(layout, kind):
   avals = {n: jax.ShapeDtypeStruct(s, jnp.float32, sharding=sh[n])
            for n, (s, _, _) in leaves.items()}
   dims = {n: spec for n, (_, spec, _) in leaves.items()}
-  tx = fo.muon(1e-2, muon_weight_dimension_numbers=dims, execution=fo.Execution(shardings=None if kind == AxisType.Explicit else sh))
+  # (the Mosaic kernels named: a TPU's default runs Newton-Schulz as XLA's matmuls)
+  tx = fo.muon(1e-2, muon_weight_dimension_numbers=dims, execution=fo.Execution(
+      implementation="mosaic_tpu", shardings=None if kind == AxisType.Explicit else sh))
   rep = NamedSharding(mesh, P())
   with targets.lowering_for(t, mesh):
     state = jax.tree.map(
