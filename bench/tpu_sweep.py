@@ -150,6 +150,17 @@ def part_adam(rec, dry, interpret):
           bytes_moved=12 * n, donate=(0,), feed=lambda out, a: (out, a[1]))
 
 
+def _step_args(tx, structs):
+  """``make_args`` of a step on ``structs``: fresh params made on the device,
+  their state, and the gradients (made once)."""
+  init, gen, grads = jax.jit(tx.init), _maker(structs), _materialize(structs, 7)
+
+  def make():
+    p = gen()
+    return p, init(p), grads
+  return make
+
+
 def _feed_step(out, args):
   """A step's (params, state) outputs as the next step's inputs, same grads."""
   return out[0], out[1], args[2]
@@ -177,28 +188,15 @@ def _materialize(structs, seed=0):
 def part_tree(rec, dry, interpret, block_rows):
   import optax
   import fuseopt.optim as fo
+  from fuseopt.benchmarks import compile_steps
   from fuseopt.kernels.adam import mosaic_tpu as adam_tpu
   from fuseopt.kernels.elementwise_tiling import MosaicTPUConfig
 
   def case(name, tx, p_dtype, fused, b_per_param, **extra):
     structs = _tree(dry, p_dtype)
     n = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(structs))
-    grads = _materialize(structs, 7)
-    init, gen = jax.jit(tx.init), _maker(structs)
-
-    def make():
-      p = gen()
-      return p, init(p), grads
-
-    if fused:
-      f = lambda p, s, g: fo.step(tx, g, s, p)
-    else:
-      def f(p, s, g):
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s
-    rec.run("tree", name, f, make, bytes_moved=b_per_param * n, donate=(0, 1), params=n,
-            feed=_feed_step, **extra)
-    del grads
+    rec.run("tree", name, compile_steps.step_fn(tx, fused), _step_args(tx, structs),
+            bytes_moved=b_per_param * n, donate=(0, 1), params=n, feed=_feed_step, **extra)
 
   ex = lambda impl: fo.Execution(implementation=impl)
   adamw = lambda **kw: fo.adamw(1e-3, weight_decay=0.1, **kw)
@@ -268,23 +266,13 @@ def part_ns(rec, dry, interpret):
 def part_muon(rec, dry, interpret):
   import optax
   import fuseopt.optim as fo
+  from fuseopt.benchmarks import compile_steps
   structs = _tree(dry, jnp.float32)
   n = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(structs))
-  grads = _materialize(structs, 7)
-  gen = _maker(structs)
 
   def case(name, tx, fused, donate=(0, 1)):
-    init = jax.jit(tx.init)
-    def make():
-      p = gen()
-      return p, init(p), grads
-    if fused:
-      f = lambda p, s, g: fo.step(tx, g, s, p)
-    else:
-      def f(p, s, g):
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s
-    rec.run("muon", name, f, make, donate=donate, params=n, feed=_feed_step)
+    rec.run("muon", name, compile_steps.step_fn(tx, fused), _step_args(tx, structs),
+            donate=donate, params=n, feed=_feed_step)
 
   def is_matrix(p):
     return jax.tree_util.tree_map_with_path(

@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import fuseopt.optim as fo
+from fuseopt.benchmarks import compile_steps
 from fuseopt import kernels
 from fuseopt.kernels import sharding as sharding_lib
 from tests.kernels.harness import assert_bitwise_equal
@@ -192,13 +193,7 @@ def test_step_on_a_tree_of_sharded_leaves_is_bitwise(moments, master_bits, path,
 
   def run(params, grads_seq):
     state = tx.init(params)
-    if path == "step":
-      update = jax.jit(lambda p, s, g: fo.step(tx, g, s, p))
-    else:
-      def update(p, s, g):
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s
-      update = jax.jit(update)
+    update = jax.jit(compile_steps.step_fn(tx, path == "step"))
     for g in grads_seq:
       params, state = update(params, state, g)
     return params, state

@@ -10,6 +10,7 @@ from jax.sharding import (AbstractDevice, AbstractMesh, AxisType, NamedSharding,
                           PartitionSpec as P, use_abstract_mesh)
 
 import fuseopt.optim as fo
+from fuseopt.benchmarks import compile_steps
 from fuseopt.kernels import newton_schulz
 from fuseopt.kernels import sharding as sharding_lib
 from fuseopt.kernels.newton_schulz import distributed
@@ -292,13 +293,7 @@ def test_int8_momentum_on_every_explicit_placement_is_bitwise(placement, path):
 
   def run(params):
     state = tx.init(params)
-    if path == "step":
-      update = jax.jit(lambda p, s, g: fo.step(tx, g, s, p))
-    else:
-      def update(p, s, g):
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s
-      update = jax.jit(update)
+    update = jax.jit(compile_steps.step_fn(tx, path == "step"))
     for g in grads:
       params, state = update(params, state, put(g))
     return params, state

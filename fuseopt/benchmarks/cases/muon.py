@@ -127,13 +127,11 @@ def step_fn(tx, how: str = "update"):
   """The jitted step ``(params, grads, state) -> (params', state')``,
   params and state donated: ``tx.update`` + ``optax.apply_updates``, or
   ``fo.step`` (``how="step"``)."""
-  if how == "step":
-    def step(params, grads, state):
-      return fo.step(tx, grads, state, params)
-  else:
-    def step(params, grads, state):
-      updates, state = tx.update(grads, state, params)
-      return optax.apply_updates(params, updates), state
+  from fuseopt.benchmarks import compile_steps
+  inner = compile_steps.step_fn(tx, how == "step")
+
+  def step(params, grads, state):
+    return inner(params, state, grads)
   return jax.jit(step, donate_argnums=(0, 2))
 
 
