@@ -83,3 +83,18 @@ def wide_nu(block: int):
   bits = counter_hash.hash_bits(jnp.arange(v.size, dtype=jnp.uint32).reshape(v.shape),
                                 jnp.uint32(5))
   return v, bits
+
+
+def tiny_nu(block: int):
+  """Blocks of ``block`` second moments whose largest runs from the smallest
+  normal fp32 (2**-126) up by factors of 8, each down to 27 binary orders
+  below it, floored at 2**-126 (nothing subnormal), and hash bits to round
+  them: the blocks whose levels would fall into the subnormals."""
+  tiny = np.float32(2.0 ** -126)
+  maxima = tiny * np.float32(2.0) ** np.arange(0, 28, 3, dtype=np.float32)
+  rel = np.float32(2.0) ** -np.linspace(0, 27, block, dtype=np.float32)
+  v = jnp.asarray(np.maximum(maxima[:, None] * rel[None, :], tiny), F32)
+  bits = counter_hash.hash_bits(jnp.arange(v.size, dtype=jnp.uint32).reshape(v.shape),
+                                jnp.uint32(9))
+  return v, bits
+

@@ -222,13 +222,7 @@ def test_nu_never_zero_down_to_the_smallest_normal_maxima():
   of max/256 would be subnormal, flushed to zero by XLA); and through every
   backend, a gradient whose nu is that small, with ``eps=0``, leaves the
   parameters finite."""
-  tiny = np.float32(2.0 ** -126)
-  maxima = tiny * np.float32(2.0) ** np.arange(0, 28, 3, dtype=np.float32)
-  rel = np.float32(2.0) ** -np.linspace(0, 27, int4.BLOCK, dtype=np.float32)
-  v = np.maximum(maxima[:, None] * rel[None, :], tiny)
-  v = jnp.asarray(v, F32)
-  bits = counter_hash.hash_bits(jnp.arange(v.size, dtype=jnp.uint32).reshape(v.shape),
-                                jnp.uint32(9))
+  v, bits = bw.tiny_nu(int4.BLOCK)
   codes, scale = int4.quantize_nu(v, bits)
   assert np.all(np.asarray(int4.dequantize_nu(codes, scale)) > 0)
   # nu = (1 - b2) g^2 from 3e-36 down to 2e-38: every level of the block normal
