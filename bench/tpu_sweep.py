@@ -188,14 +188,14 @@ def _materialize(structs, seed=0):
 def part_tree(rec, dry, interpret, block_rows):
   import optax
   import fuseopt.optim as fo
-  from fuseopt.benchmarks import compile_steps
+  from fuseopt.benchmarks import user_step
   from fuseopt.kernels.adam import mosaic_tpu as adam_tpu
   from fuseopt.kernels.elementwise_tiling import MosaicTPUConfig
 
   def case(name, tx, p_dtype, fused, b_per_param, **extra):
     structs = _tree(dry, p_dtype)
     n = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(structs))
-    rec.run("tree", name, compile_steps.step_fn(tx, fused), _step_args(tx, structs),
+    rec.run("tree", name, user_step.step_fn(tx, fused), _step_args(tx, structs),
             bytes_moved=b_per_param * n, donate=(0, 1), params=n, feed=_feed_step, **extra)
 
   ex = lambda impl: fo.Execution(implementation=impl)
@@ -266,12 +266,12 @@ def part_ns(rec, dry, interpret):
 def part_muon(rec, dry, interpret):
   import optax
   import fuseopt.optim as fo
-  from fuseopt.benchmarks import compile_steps
+  from fuseopt.benchmarks import user_step
   structs = _tree(dry, jnp.float32)
   n = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(structs))
 
   def case(name, tx, fused, donate=(0, 1)):
-    rec.run("muon", name, compile_steps.step_fn(tx, fused), _step_args(tx, structs),
+    rec.run("muon", name, user_step.step_fn(tx, fused), _step_args(tx, structs),
             donate=donate, params=n, feed=_feed_step)
 
   def is_matrix(p):

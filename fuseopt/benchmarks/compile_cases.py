@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from fuseopt import targets as targets_lib
-from fuseopt.benchmarks import compile_steps
+from fuseopt.benchmarks import compile_steps, user_step
 from fuseopt.benchmarks import memory
 from fuseopt.benchmarks.compile_harness import Case
 
@@ -407,7 +407,7 @@ def step_cases() -> list[Case]:
         tx, fused = _recipes()[recipe][variant]
         tree = workloads.llama_tree(F32)
         state = jax.eval_shape(tx.init, tree)
-        return compile_steps.step_fn(tx, fused), (tree, state, tree), (0, 1)
+        return user_step.step_fn(tx, fused), (tree, state, tree), (0, 1)
       ci = CI_TARGETS["builder"] if recipe == "builder_recipe" else CI_TARGETS["steps"]
       if variant == "fuseopt_fallback":
         ci = CI_TARGETS["builder_fallback" if recipe == "builder_recipe" else "fallback"]
@@ -452,7 +452,7 @@ def variant_step_cases() -> list[Case]:
       tx, dtype = _variant_recipes()[recipe]
       tree = workloads.llama_tree(dtype)
       state = jax.eval_shape(tx.init, tree)
-      return compile_steps.step_fn(tx, True), (tree, state, tree), (0, 1)
+      return user_step.step_fn(tx, True), (tree, state, tree), (0, 1)
     # (cautious decay: the hybrid step with one more elementwise term, full sweep)
     out.append(Case(f"step/{recipe}/fuseopt_step/llama1.2b", build, kind="step",
                     ci_targets=() if recipe == "cautious_hybrid_recipe" else CI_TARGETS["variants"]))
@@ -462,7 +462,7 @@ def variant_step_cases() -> list[Case]:
     tx = fo.adamw(1e-3, weight_decay=0.1, moment_dtype="int8")
     tree = workloads.llama_tree(F32)
     state = jax.eval_shape(tx.init, tree)
-    return compile_steps.step_fn(tx, True), (tree, state, tree), (0, 1)
+    return user_step.step_fn(tx, True), (tree, state, tree), (0, 1)
   out.append(Case("step/adamw_int8_recipe/fuseopt_step/llama1.2b", build_int8, kind="step",
                   ci_targets=CI_TARGETS["int8"]))
   return out
@@ -482,7 +482,7 @@ def memory_step_cases() -> list[Case]:
       tx = mode.make(muon_cases.muon_dims)
       tree = workloads.llama_tree(mode.params)
       state = memory.quiet(jax.eval_shape, tx.init, tree)
-      return compile_steps.step_fn(tx, True), (tree, state, tree), (0, 1)
+      return user_step.step_fn(tx, True), (tree, state, tree), (0, 1)
     out.append(Case(f"step/memory/{mode.key}/llama1.2b", build, kind="step", ci_targets=(),
                     full_only=True, on_targets=memory.STEP_TARGETS))
   return out

@@ -1,5 +1,4 @@
-"""The steps the compile tier compiles: the step function (fused or through
-``tx.update``), the hybrid Muon + AdamW recipe of the sharded and scale
+"""The steps the compile tier compiles: the hybrid Muon + AdamW recipe of the sharded and scale
 cases, and a sharded step's arguments placed as a user places them (the
 optimizer state like the parameters, :func:`shard_like_params`). Shared by
 :mod:`.compile_cases` and :mod:`.scale`, below both.
@@ -11,25 +10,9 @@ import jax
 import jax.numpy as jnp
 
 from fuseopt import targets as targets_lib
+from fuseopt.benchmarks.user_step import step_fn
 
 BF16 = jnp.dtype(jnp.bfloat16)
-
-
-def step_fn(tx, fused):
-  """The step a case compiles: :func:`fuseopt.optim.step` (``fused``) or
-  ``tx.update`` + ``optax.apply_updates``, as ``(params, state, grads) ->
-  (params, state)``."""
-  import optax
-
-  import fuseopt.optim as fo
-  if fused:
-    def step(params, state, grads):
-      return fo.step(tx, grads, state, params)
-  else:
-    def step(params, state, grads):
-      updates, state = tx.update(grads, state, params)
-      return optax.apply_updates(params, updates), state
-  return step
 
 
 FSDP_AXIS = "fsdp"

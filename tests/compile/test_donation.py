@@ -13,7 +13,7 @@ import pytest
 
 import fuseopt.optim as fo
 from fuseopt import targets
-from fuseopt.benchmarks import compile_harness, compile_steps
+from fuseopt.benchmarks import compile_harness, user_step
 
 F32 = jnp.float32
 
@@ -36,7 +36,7 @@ def test_the_donated_fused_step_compiles_in_place_for_a_tpu(make):
 
   def build(t):
     tx = make()
-    return compile_steps.step_fn(tx, True), (tree, jax.eval_shape(tx.init, tree), tree), (0, 1)
+    return user_step.step_fn(tx, True), (tree, jax.eval_shape(tx.init, tree), tree), (0, 1)
 
   figures = compile_harness.compile_case("v5e", compile_harness.Case("donated", build, kind="step"))
   params = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))

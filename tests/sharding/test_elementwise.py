@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import fuseopt.optim as fo
-from fuseopt.benchmarks import compile_steps
+from fuseopt.benchmarks import user_step
 from fuseopt import kernels
 from fuseopt.kernels import sharding as sharding_lib
 from tests.kernels.harness import assert_bitwise_equal
@@ -193,7 +193,7 @@ def test_step_on_a_tree_of_sharded_leaves_is_bitwise(moments, master_bits, path,
 
   def run(params, grads_seq):
     state = tx.init(params)
-    update = jax.jit(compile_steps.step_fn(tx, path == "step"))
+    update = jax.jit(user_step.step_fn(tx, path == "step"))
     for g in grads_seq:
       params, state = update(params, state, g)
     return params, state

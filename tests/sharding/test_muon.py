@@ -10,7 +10,7 @@ from jax.sharding import (AbstractDevice, AbstractMesh, AxisType, NamedSharding,
                           PartitionSpec as P, use_abstract_mesh)
 
 import fuseopt.optim as fo
-from fuseopt.benchmarks import compile_steps
+from fuseopt.benchmarks import user_step
 from fuseopt.kernels import newton_schulz
 from fuseopt.kernels import sharding as sharding_lib
 from fuseopt.kernels.newton_schulz import distributed
@@ -293,7 +293,7 @@ def test_int8_momentum_on_every_explicit_placement_is_bitwise(placement, path):
 
   def run(params):
     state = tx.init(params)
-    update = jax.jit(compile_steps.step_fn(tx, path == "step"))
+    update = jax.jit(user_step.step_fn(tx, path == "step"))
     for g in grads:
       params, state = update(params, state, put(g))
     return params, state

@@ -52,7 +52,7 @@ import numpy as np
 import optax
 
 import fuseopt.optim as fo
-from fuseopt.benchmarks import core, workloads
+from fuseopt.benchmarks import core, user_step, workloads
 from fuseopt.benchmarks.core import Case
 from fuseopt.kernels.newton_schulz.coefficients import JORDAN
 from fuseopt.optim import muon_transforms as fmuon
@@ -127,8 +127,7 @@ def step_fn(tx, how: str = "update"):
   """The jitted step ``(params, grads, state) -> (params', state')``,
   params and state donated: ``tx.update`` + ``optax.apply_updates``, or
   ``fo.step`` (``how="step"``)."""
-  from fuseopt.benchmarks import compile_steps
-  inner = compile_steps.step_fn(tx, how == "step")
+  inner = user_step.step_fn(tx, how == "step")
 
   def step(params, grads, state):
     return inner(params, state, grads)
