@@ -27,6 +27,31 @@ def mosaic_compiler_params(interpret: Any, dimension_semantics, **kwargs) -> Any
   return pltpu.CompilerParams(dimension_semantics=dimension_semantics, **kwargs)
 
 
+def in_hbm(arrays, interpret) -> tuple:
+  """``arrays`` (a tuple) kept in HBM, where a Mosaic kernel's pipeline reads
+  them: left free, libtpu copies or slices whole operands into on-chip memory
+  ahead of the kernel, an extra pass over them (docs/kernels.md). Interpret
+  mode: unchanged. Safe under ``jax.vmap`` on every supported release (jax
+  0.10.2's ``with_memory_space_constraint`` has no batching rule; the
+  constraint does not depend on the shape, so a batched operand is pinned as
+  a whole)."""
+  if interpret is not False and interpret is not None:
+    return tuple(arrays)
+  return tuple(_pinned_to_hbm(a) for a in arrays)
+
+
+@jax.custom_batching.custom_vmap
+def _pinned_to_hbm(x):
+  from jax.experimental.pallas import tpu as pltpu
+  return pltpu.with_memory_space_constraint(x, pltpu.HBM)
+
+
+@_pinned_to_hbm.def_vmap
+def _pinned_to_hbm_batched(axis_size, in_batched, x):
+  del axis_size
+  return _pinned_to_hbm(x), in_batched[0]
+
+
 def nbytes(*arrays) -> int:
   """Bytes of arrays or shape-dtype structs (None entries count 0)."""
   total = 0

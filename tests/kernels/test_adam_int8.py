@@ -450,11 +450,12 @@ def test_mosaic_tpu_8bit_grids_match_reference(request, shape, config, grid):
     bw.same(a, b, f"moments {shape}")
 
 
-def test_nu_never_zero_down_to_the_smallest_normal_maxima():
+@pytest.mark.parametrize("impl", ("xla", *KERNELS))
+def test_nu_never_zero_down_to_the_smallest_normal_maxima(impl):
   """Blocks whose largest nu lies between the smallest normal fp32 (2**-126)
   and 1e-30, elements down to 2**-126: no stored nu reads 0 (code 1 of a
   block below 7.6e-34 would be subnormal, flushed to zero by XLA); and
-  through every backend, a gradient whose nu is that small, with ``eps=0``,
+  through each backend, a gradient whose nu is that small, with ``eps=0``,
   leaves the parameters finite."""
   v, bits = bw.tiny_nu(Q.BLOCK)
   codes, scale = Q.quantize_nu(v, bits)
@@ -464,11 +465,10 @@ def test_nu_never_zero_down_to_the_smallest_normal_maxima():
   g = jnp.stack([g, -g])
   p = jnp.ones(g.shape, F32)
   hyper = dict(bw.HYPER, eps=0.0)
-  for impl in ("xla", *KERNELS):
-    f = jax.jit(lambda p, g, mu, nu, c, impl=impl: adam_update(
-        p, g, mu, nu, count=c, implementation=impl, interpret=True, **hyper))
-    state = (p, Q.zeros(g.shape, signed=True), Q.zeros(g.shape, signed=False))
-    for c in (1, 2):
-      state = f(state[0], g, state[1], state[2], c)
-      assert np.all(np.asarray(Q.dequantize(state[2], signed=False)) > 0), (impl, c)
-    assert np.all(np.isfinite(np.asarray(state[0]))), impl
+  f = jax.jit(lambda p, g, mu, nu, c: adam_update(
+      p, g, mu, nu, count=c, implementation=impl, interpret=True, **hyper))
+  state = (p, Q.zeros(g.shape, signed=True), Q.zeros(g.shape, signed=False))
+  for c in (1, 2):
+    state = f(state[0], g, state[1], state[2], c)
+    assert np.all(np.asarray(Q.dequantize(state[2], signed=False)) > 0), c
+  assert np.all(np.isfinite(np.asarray(state[0]))), impl

@@ -103,12 +103,7 @@ def update(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpr
   tracked = lo is not None
   # Reshapes that keep the TPU layout (elementwise_tiling.mosaic_tiling): no copies.
   leaf = ((p, g, mu, nu) if apply else (g, mu, nu)) + ((lo,) if tracked else ())
-  arrays = tuple(a.reshape(tiling.view) for a in leaf)
-  if not interpret:
-    # The operands stay in HBM, where the kernel's pipeline reads them: left
-    # free, libtpu copies or slices whole operands into on-chip memory ahead
-    # of the kernel (an extra pass over them, docs/kernels.md).
-    arrays = tuple(pltpu.with_memory_space_constraint(a, pltpu.HBM) for a in arrays)
+  arrays = pallas_common.in_hbm((a.reshape(tiling.view) for a in leaf), interpret)
   spec = tiling.spec()
   out_shape = tuple(jax.ShapeDtypeStruct(tiling.view, d) for d in (
       (out_dtype, mu.dtype, nu.dtype) + ((lo.dtype,) if tracked else ())))
@@ -395,12 +390,10 @@ def _update_blockwise(layout, scalars, seeds, p, g, mu, nu, *, nesterov, out_dty
   arrays = (((view(p),) if apply else ()) + (view(g), mu2.codes, mu2.scales, nu2.codes,
                                              nu2.scales)
             + ((view(lo),) if tracked else ()))
-  if not interpret:
-    # The operands stay in HBM, where the kernel's pipeline reads them: left
-    # free, libtpu prefetches whole small operands (codes, scales) into
-    # on-chip memory ahead of the kernel, and every prefetch holds a 16 KiB
-    # slot of the step's HBM temporaries (docs/adam.md).
-    arrays = tuple(pltpu.with_memory_space_constraint(a, pltpu.HBM) for a in arrays)
+  # Left free, libtpu prefetches whole small operands (codes, scales) into
+  # on-chip memory ahead of the kernel, and every prefetch holds a 16 KiB
+  # slot of the step's HBM temporaries (docs/adam.md).
+  arrays = pallas_common.in_hbm(arrays, interpret)
   specs = ([tile] if apply else []) + [tile, code_tile, vec, code_tile, vec] + (
       [tile] if tracked else [])
   out_shape = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (

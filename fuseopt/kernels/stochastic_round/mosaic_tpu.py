@@ -50,15 +50,6 @@ def _kernel(scalars_ref, x_ref, o_ref, *, tiling, index_map):
   o_ref[...] = counter_hash.stochastic_round_values(x_ref[...], index, seed)
 
 
-def _in_hbm(x, interpret):
-  """``x`` kept in HBM, where the kernel's pipeline reads it (left free,
-  libtpu copies a whole operand into on-chip memory ahead of the kernel)."""
-  if interpret:
-    return x
-  from jax.experimental.pallas import tpu as pltpu
-  return pltpu.with_memory_space_constraint(x, pltpu.HBM)
-
-
 def _round_tiled(x, scalars, *, tiling: elementwise_tiling.MosaicTiling, interpret,
                  index_map=None):
   from jax.experimental.pallas import tpu as pltpu
@@ -75,7 +66,7 @@ def _round_tiled(x, scalars, *, tiling: elementwise_tiling.MosaicTiling, interpr
       name="fuseopt_stochastic_round",
       cost_estimate=pallas_common.cost_estimate(
           flops=0, bytes_accessed=x.size * (x.dtype.itemsize + 2)),
-  )(scalars.astype(jnp.int32), _in_hbm(x.reshape(tiling.view), interpret))
+  )(scalars.astype(jnp.int32), pallas_common.in_hbm((x.reshape(tiling.view),), interpret)[0])
   return out.reshape(x.shape)
 
 
