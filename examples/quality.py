@@ -68,13 +68,37 @@ VOCAB_SLOTS = 256  # the embedding and LM head rows: a multiple of 8-bit moments
 # ------------------------------------------------------------------ corpus --
 
 
-def corpus_text() -> tuple[str, dict]:
-  """The topics' text and where it came from."""
+def topics_text() -> tuple[str, dict]:
+  """The topics' text (English prose) and where it came from."""
   import pydoc_data.topics
   topics = pydoc_data.topics.topics
   text = "\n\n".join(topics[k] for k in sorted(topics))
   return text, {"source": "pydoc_data.topics.topics (values, sorted keys, joined by blank lines)",
-                "python": platform.python_version(), "topics": len(topics), "chars": len(text),
+                "topics": len(topics)}
+
+
+# Single-file modules of the standard library that every supported Python
+# (3.11-3.13) has: Python source code, a second task unlike the topics' prose.
+SOURCE_MODULES = ("argparse", "ast", "dataclasses", "difflib", "enum", "fractions", "functools",
+                  "inspect", "shlex", "statistics", "string", "textwrap", "tokenize", "typing")
+
+
+def source_text() -> tuple[str, dict]:
+  """The source of :data:`SOURCE_MODULES` as this interpreter ships it."""
+  import sysconfig
+  lib = Path(sysconfig.get_paths()["stdlib"])
+  text = "\n\n".join((lib / f"{m}.py").read_text(encoding="utf-8") for m in SOURCE_MODULES)
+  return text, {"source": "the standard library's " + ", ".join(f"{m}.py" for m in SOURCE_MODULES)
+                + " (joined by blank lines)", "modules": len(SOURCE_MODULES)}
+
+
+CORPORA = {"topics": topics_text, "source": source_text}
+
+
+def corpus_text(name: str = "topics") -> tuple[str, dict]:
+  """The text of corpus ``name`` (:data:`CORPORA`) and where it came from."""
+  text, source = CORPORA[name]()
+  return text, {**source, "corpus": name, "python": platform.python_version(), "chars": len(text),
                 "sha256": hashlib.sha256(text.encode()).hexdigest()}
 
 
@@ -256,7 +280,11 @@ def parse(argv):
   ap.add_argument("--d", type=int, default=256)
   ap.add_argument("--layers", type=int, default=2)
   ap.add_argument("--heads", type=int, default=4)
-  ap.add_argument("--lr", type=float, default=3e-3, help="AdamW's peak rate (warmup 10 %%, cosine)")
+  ap.add_argument("--corpus", default="topics", choices=sorted(CORPORA),
+                  help="topics: CPython's statement documentation (English prose; the study); "
+                       "source: Python source of the standard library")
+  ap.add_argument("--lr", type=float, default=3e-3, help="AdamW's peak rate (warmup, then cosine to 0)")
+  ap.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 10 %% of --steps)")
   ap.add_argument("--weight-decay", type=float, default=0.1)
   ap.add_argument("--heldout", type=float, default=0.1, help="the held-out fraction (the end)")
   ap.add_argument("--eval-windows", type=int, default=None, help="at most this many held-out windows")
@@ -273,11 +301,13 @@ def parse(argv):
 def main(argv=None) -> dict:
   args = parse(argv)
   t_start, cpu_start, commit = time.perf_counter(), time.process_time(), _git_commit()
-  text, source = corpus_text()
+  text, source = corpus_text(args.corpus)
   train_ids, held_ids, vocab = split(text, args.heldout)
   hx, hy = heldout_windows(held_ids, args.seq, args.eval_windows)
-  lr = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10),
-                                          max(args.steps, args.steps // 10 + 1))
+  warmup = max(1, args.steps // 10) if args.warmup is None else args.warmup
+  if not 1 <= warmup < args.steps:
+    raise SystemExit(f"--warmup: between 1 and --steps - 1 ({args.steps - 1}), got {warmup}")
+  lr = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps)
   models = {seed: make_model(args, VOCAB_SLOTS, seed) for seed in args.seed_list}
   graphdef = models[args.seed_list[0]][0]
   n_params = sum(x.size for x in jax.tree.leaves(models[args.seed_list[0]][1]))
@@ -332,7 +362,7 @@ def main(argv=None) -> dict:
                      heldout_windows=len(hx)),
       "settings": {k: v for k, v in vars(args).items() if k not in ("json", "mode_list", "seed_list")}
                   | {"parameters": n_params, "vocab_slots": VOCAB_SLOTS, "optimizer": "AdamW",
-                     "schedule": "warmup 10 % + cosine to 0", "b1": 0.9, "b2": 0.999, "eps": 1e-8},
+                     "schedule": f"warmup {warmup} steps + cosine to 0", "b1": 0.9, "b2": 0.999, "eps": 1e-8},
       "summary": summary, "modes": runs, "wall_s": time.perf_counter() - t_start,
       "cpu_s": time.process_time() - cpu_start,
   }

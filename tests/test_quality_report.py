@@ -5,6 +5,8 @@ matches the committed results."""
 import json
 from pathlib import Path
 
+import pytest
+
 from fuseopt import cli
 from fuseopt.benchmarks import quality_report
 
@@ -45,20 +47,23 @@ def test_the_table_gives_each_mode_its_spread_and_verdict():
 def test_fuseopt_report_renders_it_into_docs_adam(tmp_path, capsys):
   results = tmp_path / "results"
   (results / "quality").mkdir(parents=True)
-  (results / quality_report.RESULTS).write_text(json.dumps(_data()))
+  (results / quality_report.STUDIES[0][1]).write_text(json.dumps(_data()))
   (tmp_path / "docs").mkdir()
   (tmp_path / "docs" / "performance.md").write_text("<!-- perf-table:start -->\n<!-- perf-table:end -->\n")
   page = tmp_path / "docs" / "adam.md"
-  page.write_text(f"a\n{quality_report.QUALITY_START}\nold\n{quality_report.QUALITY_END}\nb\n")
+  start, end = quality_report.markers("quality-table")
+  page.write_text(f"a\n{start}\nold\n{end}\nb\n")
   assert cli.main(["report", "--results", str(results), "--root", str(tmp_path)]) == 0
-  assert "adam.md: quality table updated" in capsys.readouterr().out
+  assert "adam.md: quality tables updated" in capsys.readouterr().out
   table = quality_report.markdown(_data())
-  assert page.read_text() == f"a\n{quality_report.QUALITY_START}\n{table}{quality_report.QUALITY_END}\nb\n"
-  assert quality_report.render(page, results / quality_report.RESULTS) is False
+  assert page.read_text() == f"a\n{start}\n{table}{end}\nb\n"
+  assert quality_report.render(page, results) is False
 
 
-def test_docs_adam_shows_the_committed_results():
-  data = json.loads((ROOT / "bench" / "results" / quality_report.RESULTS).read_text())
+@pytest.mark.parametrize("name,path", quality_report.STUDIES, ids=[n for n, _ in quality_report.STUDIES])
+def test_docs_adam_shows_the_committed_results(name, path):
+  data = json.loads((ROOT / "bench" / "results" / path).read_text())
   page = (ROOT / "docs" / "adam.md").read_text()
-  body = page.split(quality_report.QUALITY_START + "\n", 1)[1].split(quality_report.QUALITY_END, 1)[0]
+  start, end = quality_report.markers(name)
+  body = page.split(start + "\n", 1)[1].split(end, 1)[0]
   assert body == quality_report.markdown(data)

@@ -1,16 +1,22 @@
-"""docs/adam.md's "Quality" table, from the committed results of
-examples/quality.py (``bench/results/quality/char_lm_quality.json``): per
-mode, the held-out loss over seeds and whether its mean lies within the
-seed-to-seed spread of the reference (fp32 moments)."""
+"""docs/adam.md's "Quality" tables, from the committed results of
+examples/quality.py (:data:`STUDIES`: the study on English prose and the
+second task on Python source): per mode, the held-out loss over seeds and
+whether its mean lies within the seed-to-seed spread of the reference (fp32
+moments)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-QUALITY_START = "<!-- quality-table:start -->"
-QUALITY_END = "<!-- quality-table:end -->"
-RESULTS = Path("quality") / "char_lm_quality.json"  # under bench/results
+# (marker name in docs/adam.md, results under bench/results)
+STUDIES = (("quality-table", Path("quality") / "char_lm_quality.json"),
+           ("quality-source-table", Path("quality") / "char_lm_quality_source.json"))
+
+
+def markers(name: str) -> tuple[str, str]:
+  """The start and end markers of table ``name``."""
+  return f"<!-- {name}:start -->", f"<!-- {name}:end -->"
 
 
 def _pm(mean, std) -> str:
@@ -54,16 +60,27 @@ def markdown(data: dict) -> str:
   out.append(f"`{data['command']}` ({data['date']}, {data['device']}, jax {v['jax']}, "
              f"flax {v['flax']}, flashoptim-jax {v['flashoptim-jax']}, Python {v['python']}; "
              f"{s['parameters']:,} parameters, {s['steps']} steps of {s['batch']} × {s['seq']}, "
-             f"peak rate {s['lr']:g}, weight decay {s['weight_decay']:g}; "
+             f"peak rate {s['lr']:g}{_warmup(s)}, weight decay {s['weight_decay']:g}; "
              f"{c['train_chars']:,} training and {c['heldout_chars']:,} held-out characters; "
              f"{data['wall_s'] / 60:.0f} min wall, {data['cpu_s'] / 60:.0f} min CPU)")
   return "\n".join(out) + "\n"
 
 
-def render(page: Path | str = "docs/adam.md",
-           results: Path | str = Path("bench/results") / RESULTS) -> bool | None:
-  """Rewrites the table between the quality-table markers of ``page`` from
-  ``results``; ``None`` when the page has neither marker."""
+def _warmup(settings: dict) -> str:
+  return "" if settings.get("warmup") is None else f" after {settings['warmup']} warmup steps"
+
+
+def render(page: Path | str = "docs/adam.md", results: Path | str = Path("bench/results")) -> bool | None:
+  """Rewrites each study's table (:data:`STUDIES`) between its markers in
+  ``page`` from its JSON under ``results``; whether any changed, ``None``
+  when no study has both its markers and its results."""
   from fuseopt.benchmarks import compiled  # the compile tier's page helper: not needed for markdown
-  return compiled.render_between(page, QUALITY_START, QUALITY_END,
-                                 markdown(json.loads(Path(results).read_text())))
+  changed = None
+  for name, path in STUDIES:
+    if not (Path(results) / path).exists():
+      continue
+    done = compiled.render_between(page, *markers(name),
+                                   markdown(json.loads((Path(results) / path).read_text())))
+    if done is not None:
+      changed = bool(changed) or done
+  return changed
