@@ -66,7 +66,8 @@ SCHEMA = "fuseopt-largest-model/1"
 MODES = ("optax-adamw", "optax-adamw-bf16mu", "fo-adamw", "fo-int8", "fo-int4",
          "fo-master24-int8", "fo-master24-int4", "fo-muon-int8")
 REFERENCE = "optax-adamw"
-FILES = {"largest": "largest_model.json", "fixed": "speed_fixed.json", "quality": "quality.json"}
+FILES = {"largest": "largest_model.json", "fixed": "speed_fixed.json", "quality": "quality.json",
+         "compiled": "largest_compiled.json"}
 FAMILY = {"d": 2048, "ff": 8192, "heads": 16, "vocab": 32000, "seq": 1024, "batch": 8}
 QUALITY_FAMILY = {"d": 512, "ff": 2048, "heads": 4, "vocab": 256, "seq": 256, "batch": 8,
                   "layers": 4}
@@ -88,14 +89,23 @@ def probe_main(argv) -> int:
   spec.loader.exec_module(train_lm)
   import jax
   a = json.loads(argv[0])
-  dev = jax.devices()[0]
-  try:
-    stats = dev.memory_stats() or {}
-  except Exception:  # noqa: BLE001
-    stats = {}
-  kind = dev.device_kind if dev.platform != "cpu" else "cpu"
-  out = {"device_kind": kind, "platform": dev.platform, "bytes_limit": stats.get("bytes_limit"),
+  if a.get("compile_for"):
+    from fuseopt import targets
+    t = targets.get(a["compile_for"])
+    kind, platform, stats = t.device_kind, t.platform, {}
+  else:
+    dev = jax.devices()[0]
+    try:
+      stats = dev.memory_stats() or {}
+    except Exception:  # noqa: BLE001
+      stats = {}
+    kind, platform = (dev.device_kind if dev.platform != "cpu" else "cpu"), dev.platform
+  out = {"device_kind": kind, "platform": platform, "bytes_limit": stats.get("bytes_limit"),
          "jax": jax.__version__, "python": sys.version.split()[0], "bytes": {}}
+  if a.get("compile_for"):
+    import importlib.metadata
+    out["libtpu"] = next((importlib.metadata.version(n) for n in ("libtpu", "libtpu-nightly")
+                          if _installed(n)), None)
   for mode in a["modes"]:
     out["bytes"][mode] = {}
     for layers in (1, 2):
@@ -106,6 +116,15 @@ def probe_main(argv) -> int:
       out["bytes"][mode][str(layers)] = train_lm.byte_model(cfg, tx, m.params)
   print("PROBE " + json.dumps(out), flush=True)
   return 0
+
+
+def _installed(dist: str) -> bool:
+  import importlib.metadata
+  try:
+    importlib.metadata.version(dist)
+    return True
+  except importlib.metadata.PackageNotFoundError:
+    return False
 
 
 def _train_args(family: dict, layers: int, mode: str, steps: int) -> list[str]:
@@ -177,7 +196,7 @@ class Run:
   def child_env(self) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-    if self.args.dry_run:
+    if self.args.dry_run or self.args.compile_for:
       env["JAX_PLATFORMS"] = "cpu"
     return env
 
@@ -207,6 +226,8 @@ class Run:
       out = Path(tmp) / "run.json"
       argv = [sys.executable, str(TRAIN_LM)] + _train_args(family, layers, mode, self.args.steps)
       argv += ["--quiet", "--json", str(out), "--seed", "0"] + extra
+      if self.args.compile_for:
+        argv += ["--compile-for", self.args.compile_for]
       t0 = _now()
       code, text = self.child(argv, timeout)
       wall = _now() - t0
@@ -226,6 +247,9 @@ class Run:
 
 
 def trains(rec: dict) -> bool:
+  """Whether a trial trained (or, compiled deviceless, compiled)."""
+  if rec.get("status") == "compiled":
+    return True
   if rec.get("status") != "ok":
     return False
   losses = rec["runs"][0]["losses"]
@@ -295,11 +319,33 @@ def search(known: dict, run_trial, guess: int, max_layers: int) -> tuple[int | N
 
 def measured_overhead(data: dict) -> float | None:
   """Peak memory less the training state, the largest over the trials that
-  trained with a reported peak: the activations and temporaries as measured."""
+  trained with a reported peak: the activations and temporaries as measured.
+  A peak below the training state is no measurement of them (a TPU's
+  ``peak_bytes_in_use`` leaves the program's temporaries out, the gradients
+  among them) and is not used."""
   out = [t["memory"]["peak_bytes_in_use"] - t["bytes"]["training_bytes"]
          for m in data.get("modes", {}).values() for t in m.get("trials", [])
          if t.get("trains") and "peak_bytes_in_use" in t.get("memory", {}) and "bytes" in t]
+  out = [v for v in out if v > 0]
   return max(out) if out else None
+
+
+def compiled_bounds(run: Run, probe: dict, family: dict) -> dict:
+  """Per mode, ``(largest that compiled, smallest refused)`` from the
+  deviceless search (``--compile-for``'s ``largest_compiled.json`` beside
+  this run's file) where it compiled this family with this run's jax: the
+  chip's compiler refuses at compile time what does not fit, so a count it
+  refused is not tried on the chip, and the largest it took is the first
+  guess. Else {}."""
+  path = run.path.with_name(FILES["compiled"])
+  if run.args.compile_for or not path.exists():
+    return {}
+  c = json.loads(path.read_text())
+  if c.get("family") != family or c.get("versions", {}).get("jax") != probe["jax"]:
+    print(f"{path}: another family or jax release; not used", flush=True)
+    return {}
+  return {mode: (m.get("largest_layers"), m.get("first_failing_layers"))
+          for mode, m in c.get("modes", {}).items() if m.get("complete")}
 
 
 class Broken(Exception):
@@ -314,21 +360,31 @@ def run_largest(run: Run, probe: dict, family: dict) -> None:
   d = run.data
   d.setdefault("modes", {})
   d["memory_limit_bytes"] = limit
+  bounds = compiled_bounds(run, probe, family)
   for mode in a.modes:
     m = d["modes"].setdefault(mode, {"trials": []})
     if m.get("complete"):
       continue
     overhead = measured_overhead(d)
     est = guess(probe["bytes"][mode], family, limit, a.max_layers, overhead)
+    compiled_ok, refused = bounds.get(mode, (None, None))
+    first, source = ((a.start[mode], "--start") if mode in a.start else
+                     (compiled_ok, FILES["compiled"]) if compiled_ok else (est, "byte model"))
     m["byte_model"] = {"estimated_layers": est, "overhead_bytes": overhead,
                        "overhead_from": "measured peak less training state" if overhead is not None
                        else "activation estimate",
                        "per_layer_bytes": probe["bytes"][mode]["2"]["training_bytes"]
                        - probe["bytes"][mode]["1"]["training_bytes"],
                        "bytes_per_param": probe["bytes"][mode]["2"]["bytes_per_param"]}
-    print(f"{mode}: byte model {est} layers"
-          + ("" if overhead is None else f" (measured overhead {overhead / 2**30:.2f} GiB)"), flush=True)
+    m["first_guess"] = {"layers": first, "from": source}
+    print(f"{mode}: first guess {first} layers ({source}; byte model {est}"
+          + ("" if overhead is None else f", measured overhead {overhead / 2**30:.2f} GiB")
+          + ")", flush=True)
     known = {t["layers"]: t["trains"] for t in m["trials"]}
+    if refused is not None:
+      known.setdefault(refused, False)
+      m["compiled"] = {"largest_layers": compiled_ok, "refused_layers": refused,
+                       "from": FILES["compiled"]}
 
     def run_trial(layers, mode=mode, m=m):
       if a.dry_run and estimate(probe["bytes"][mode], family, layers) > limit:
@@ -346,7 +402,7 @@ def run_largest(run: Run, probe: dict, family: dict) -> None:
       return m["trials"][-1]["trains"]
 
     try:
-      largest, complete = search(known, run_trial, est, a.max_layers)
+      largest, complete = search(known, run_trial, first, a.max_layers)
     except Broken as e:  # not a memory limit: bisecting would only repeat it
       m.update(complete=True, largest_layers=None, first_failing_layers=None,
                error=f"the mode fails for another reason than memory: {e}")
@@ -363,7 +419,8 @@ def run_largest(run: Run, probe: dict, family: dict) -> None:
                       "peak_bytes": t.get("memory", {}).get("peak_bytes_in_use"),
                       "tokens_per_s": t.get("tokens_per_s"), "step_ms": t.get("step_ms"),
                       "opt_share": t.get("timing", {}).get("opt_alone_share")}
-    fails = sorted(t["layers"] for t in m["trials"] if not t["trains"])
+    fails = sorted([t["layers"] for t in m["trials"] if not t["trains"]]
+                   + ([refused] if refused is not None else []))
     m["first_failing_layers"] = next((n for n in fails if largest is None or n > largest), None)
     run.save()
     if not complete:
@@ -459,8 +516,22 @@ def parse(argv):
   ap.add_argument("--resume", nargs="?", const=True, default=None,
                   help="keep the finished trials of this JSON (no path: the output file)")
   ap.add_argument("--dry-run", action="store_true", help="CPU, a tiny family (for CI)")
+  ap.add_argument("--start", nargs="+", default=[], metavar="MODE=LAYERS",
+                  help="the first layer count to try for a mode (else the byte model's guess)")
+  ap.add_argument("--compile-for", default=None, metavar="TARGET",
+                  help="the largest search compiled for a fuseopt.targets device (v5e, ...) "
+                       "without one (largest_compiled.json; needs --memory-limit or an earlier "
+                       "device run's bytes_limit for the first guess)")
   a = ap.parse_args(argv)
   a.kind = "fixed" if a.fixed_layers is not None else "quality" if a.quality is not None else "largest"
+  if a.compile_for and a.kind != "largest":
+    ap.error("--compile-for runs the largest search only")
+  try:
+    a.start = {m: int(n) for m, _, n in (x.partition("=") for x in a.start)}
+  except ValueError:
+    ap.error(f"--start: MODE=LAYERS pairs (LAYERS an integer), got {a.start}")
+  if set(a.start) - set(MODES):
+    ap.error(f"--start: modes must be among {', '.join(MODES)}, got {sorted(set(a.start) - set(MODES))}")
   family = dict(QUALITY_FAMILY if a.kind == "quality" else FAMILY)
   if a.dry_run:
     family = dict(DRY_FAMILY)
@@ -486,14 +557,19 @@ def main(argv=None) -> int:
   run = Run(a, a.kind)
   family = a.family
   code, text = run.child([sys.executable, str(Path(__file__).resolve()), "--probe",
-                          json.dumps({"family": family, "modes": a.modes})],
+                          json.dumps({"family": family, "modes": a.modes,
+                                     "compile_for": a.compile_for})],
                          min(300.0, max(30.0, run.remaining())))
   line = next((l for l in text.splitlines() if l.startswith("PROBE ")), None)
   if code != 0 or line is None:
     print(f"the probe failed (exit {code}):\n{text[-3000:]}", file=sys.stderr)
     return 1
   probe = json.loads(line[len("PROBE "):])
-  run.path = a.out_root / slug(probe["device_kind"]) / FILES[a.kind]
+  run.path = a.out_root / slug(probe["device_kind"]) / FILES["compiled" if a.compile_for else a.kind]
+  if a.compile_for and not a.memory_limit:
+    device_run = run.path.with_name(FILES["largest"])
+    if device_run.exists():
+      probe["bytes_limit"] = json.loads(device_run.read_text()).get("device", {}).get("bytes_limit")
   if a.resume:
     earlier = run.path if a.resume is True else Path(a.resume)
     if earlier.exists():
@@ -506,7 +582,9 @@ def main(argv=None) -> int:
   run.data.update({"schema": SCHEMA, "kind": a.kind, "family": family, "steps": a.steps,
                    "modes_requested": a.modes, "remat": a.kind != "quality",
                    "device": {k: probe[k] for k in ("device_kind", "platform", "bytes_limit")},
-                   "versions": {"jax": probe["jax"], "python": probe["python"]},
+                   "versions": {"jax": probe["jax"], "python": probe["python"],
+                                **({"libtpu": probe["libtpu"]} if probe.get("libtpu") else {})},
+                   "compile_for": a.compile_for,
                    "dry_run": a.dry_run, "date": time.strftime("%Y-%m-%d", time.gmtime()),
                    "command": "python bench/largest_model.py " + " ".join(argv)})
   if a.kind == "fixed":

@@ -379,6 +379,17 @@ def _analysis(compiled) -> dict:
     return {}
 
 
+def compile_for(target, train_step, tx, abstract, xs) -> dict:
+  """The donated train step compiled for ``target`` (a :mod:`fuseopt.targets`
+  device) without one: its ``memory_analysis()``. The chip's compiler refuses
+  a program that does not fit its memory at compile time (RESOURCE_EXHAUSTED,
+  the bytes it needed), as it would on the device."""
+  from fuseopt import targets
+  with targets.lowering_for(target):
+    args = targets.avals(target, (abstract, jax.eval_shape(tx.init, abstract), xs, xs))
+    return _analysis(jax.jit(train_step, donate_argnums=(0, 1)).lower(*args).compile())
+
+
 def _timed(fn, *args):
   t0 = time.perf_counter()
   out = jax.block_until_ready(fn(*args))
@@ -480,7 +491,12 @@ def run(args) -> dict:
   ids, source = corpus_bytes(args.text)
   train_ids, held_ids = split(ids, args.heldout)
   held = heldout_batches(held_ids, args.batch, args.seq, args.eval_batches)
-  dev = jax.devices()[0]
+  if args.compile_for:
+    from fuseopt import targets  # the compile tier's deviceless compilers (the compile extra)
+    target = targets.get(args.compile_for)
+    dev = argparse.Namespace(device_kind=target.device_kind, platform=target.platform)
+  else:
+    dev = jax.devices()[0]
   record = {"schema": SCHEMA, "status": "running", "argv": list(args.argv),
             "config": {k: v for k, v in vars(args).items() if k not in ("argv", "json")},
             "optimizer": {"name": args.optimizer, "label": mode.label, "call": mode.call,
@@ -513,6 +529,15 @@ def run(args) -> dict:
                             is_leaf=lambda s: isinstance(s, tuple))
     xs = jax.ShapeDtypeStruct((args.batch, args.seq), jnp.int32)
     t0 = time.perf_counter()
+    if args.compile_for:
+      record["compiled_memory"] = compile_for(target, train_step, tx, abstract, xs)
+      record["compile_s"] = time.perf_counter() - t0
+      record["status"] = "compiled"
+      record["wall_s"] = time.perf_counter() - t_start
+      _write(args, record)
+      say(f"compiled for {target.device_kind} in {record['compile_s']:.1f} s: "
+          f"{record['compiled_memory']}")
+      return record
     step = jax.jit(train_step, donate_argnums=(0, 1)).lower(
         abstract, jax.eval_shape(tx.init, abstract), xs, xs).compile()
     record["compile_s"] = time.perf_counter() - t0
@@ -616,6 +641,9 @@ def parse(argv) -> argparse.Namespace:
   ap.add_argument("--loss-chunk", type=int, default=4096, help="tokens a chunk of the loss")
   ap.add_argument("--timing", default="full", choices=("full", "opt", "none"),
                   help="the step-time split (see the module docstring)")
+  ap.add_argument("--compile-for", default=None, metavar="TARGET",
+                  help="compile the step for a fuseopt.targets device (v5e, v6e, h200, ...) "
+                       "without one and report its memory; no training (the compile extra)")
   ap.add_argument("--quiet", action="store_true", help="no progress and no summary")
   ap.add_argument("--json", default=None, help="write the record here")
   args = ap.parse_args(argv)
@@ -633,4 +661,5 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
   record = main()
-  sys.exit(0 if record["status"] == "ok" else EXIT_OOM if record["status"] == "oom" else 1)
+  sys.exit(0 if record["status"] in ("ok", "compiled") else EXIT_OOM if record["status"] == "oom"
+           else 1)

@@ -8,8 +8,10 @@ import json
 import math
 import subprocess
 import sys
+import types
 from pathlib import Path
 
+import jax
 import pytest
 
 needs_flax = pytest.mark.skipif(importlib.util.find_spec("flax") is None, reason="needs flax")
@@ -145,7 +147,8 @@ def test_largest_model_dry_run_renders(tmp_path):
   assert m["first_failing_layers"] is None or m["first_failing_layers"] > m["largest_layers"]
   page = tmp_path / "training.md"
   page.write_text((ROOT / "docs" / "training.md").read_text())
-  assert training_report.render(page, out) is False  # a dry run is left out by default
+  training_report.render(page, out)  # a dry run is left out by default
+  assert page.read_text().count("_Not yet run:") == 3
   assert training_report.render(page, out, include_dry_run=True) is True
   text = page.read_text()
   assert "| `fo-int4` `fo.adamw(lr, moment_dtype=\"int4\")`, float32 params | 9.0" in text
@@ -175,3 +178,42 @@ def test_training_report_speed_and_quality_tables():
   assert "| `fo-int4` | 1.5500 ± 0.0283 | 1.5300, 1.5700 | +0.0400 | **outside**" in text
   assert "| `fo-int8` | - | - | - | timeout |" in text
   assert tr.markdown("fixed", []).startswith("_Not yet run: `PYTHONPATH=$PWD python bench/largest_model.py --fixed-layers")
+
+
+def test_train_lm_compiles_for_a_tpu_without_one(tmp_path):
+  """``--compile-for v5e``: the donated train step compiled by libtpu with no
+  chip; a model that does not fit the chip is refused at compile time, as on
+  the chip (status oom), one that fits reports its compiled memory."""
+  from fuseopt import targets
+  why = targets.missing("v5e")
+  if why:
+    pytest.skip(why)
+  train_lm = _module("train_lm", ROOT / "examples" / "train_lm.py")
+  rec = train_lm.main(TINY + ["--optimizer", "fo-muon-int8", "--compile-for", "v5e"])
+  assert rec["status"] == "compiled" and rec["compiled_memory"]["temp_size"] > 0
+  assert rec["device"]["kind"] == "TPU v5 lite" and "runs" not in rec
+  big = ["--d", "2048", "--ff", "8192", "--layers", "24", "--heads", "16", "--vocab", "32000",
+         "--seq", "1024", "--batch", "8", "--remat", "--quiet"]
+  rec = train_lm.main(big + ["--optimizer", "optax-adamw", "--compile-for", "v5e"])
+  assert rec["status"] == "oom" and rec["phase"] == "compile"
+  assert "RESOURCE_EXHAUSTED" in rec["error"]
+
+
+def test_largest_model_starts_where_the_chips_compiler_said(tmp_path):
+  """A device run takes the deviceless search's answer (largest_compiled.json,
+  the same jax): the first trial at the largest count that compiled, and the
+  count the compiler refused is not tried."""
+  lm = _module("largest_model", ROOT / "bench" / "largest_model.py")
+  family = dict(lm.DRY_FAMILY)
+  folder = tmp_path / "cpu"
+  folder.mkdir()
+  (folder / lm.FILES["compiled"]).write_text(json.dumps(
+      {"family": family, "versions": {"jax": jax.__version__},
+       "modes": {"fo-int8": {"complete": True, "largest_layers": 3, "first_failing_layers": 4}}}))
+  run = types.SimpleNamespace(path=folder / lm.FILES["largest"],
+                              args=types.SimpleNamespace(compile_for=None))
+  assert lm.compiled_bounds(run, {"jax": jax.__version__}, family) == {"fo-int8": (3, 4)}
+  assert lm.compiled_bounds(run, {"jax": "0.0.1"}, family) == {}
+  trials = []
+  found = lm.search({4: False}, lambda n: trials.append(n) or True, 3, 64)
+  assert found == (3, True) and trials == [3]

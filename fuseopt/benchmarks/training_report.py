@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 SCHEMA = "fuseopt-largest-model/1"
+REFERENCE = "optax-adamw"   # the mode the others' largest models are compared with
 TABLES = {  # kind -> (file, start marker, end marker, the command that writes it)
     "largest": ("largest_model.json", "<!-- training-largest:start -->",
                 "<!-- training-largest:end -->",
@@ -75,25 +76,34 @@ def _first_trial(m: dict, layers) -> dict:
 
 
 def largest_markdown(data: dict) -> str:
-  out = ["| mode | B/param (params + grads + state) | byte model's layers | largest that trains: layers "
-         "| parameters | peak memory | tokens/s | optimizer share | smallest that fails |",
-         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+  ref = (data.get("modes", {}).get(REFERENCE) or {}).get("largest") or {}
+  out = ["| mode | B/param (params + grads + state) | first guess | largest that trains: layers "
+         f"| parameters | × `{REFERENCE}`'s | tokens/s | optimizer share | compiled temp "
+         "| smallest that fails |",
+         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
   for mode, m in data.get("modes", {}).items():
     bm = m.get("byte_model", {})
     big = m.get("largest") or {}
     first = m.get("trials", [{}])[0] if m.get("trials") else {}
+    guess = m.get("first_guess") or {"layers": bm.get("estimated_layers"), "from": "byte model"}
     fail = m.get("first_failing_layers")
-    why = _first_trial(m, fail).get("status", "")
+    failed = _first_trial(m, fail)
+    why = (failed.get("status", "") + (f" at {failed['phase']}" if failed.get("phase") else "")
+           if failed else "refused by the chip's compiler, deviceless"
+           if (m.get("compiled") or {}).get("refused_layers") == fail else "")
     layers = m.get("largest_layers")
+    temp = (_first_trial(m, layers).get("compiled_memory") or {}).get("temp_size")
+    ratio = (big.get("parameters") / ref["parameters"]
+             if big.get("parameters") and ref.get("parameters") else None)
     cells = [_label(mode, first), _num(bm.get("bytes_per_param"), ".2f"),
-             str(bm["estimated_layers"]) if "estimated_layers" in bm else "-",
+             "-" if guess.get("layers") is None else f"{guess['layers']} ({guess['from']})",
              ("-" if layers is None else str(layers)) + ("" if m.get("complete") else " (unfinished)"),
-             _params(big.get("parameters")),
-             _gib(big.get("peak_bytes")), _num(big.get("tokens_per_s"), ",.0f"),
+             _params(big.get("parameters")), _num(ratio, ".2f") + ("×" if ratio else ""),
+             _num(big.get("tokens_per_s"), ",.0f"),
              _num(big.get("opt_share") and 100 * big["opt_share"], ".1f") + ("%" if big.get("opt_share") else ""),
-             "-" if fail is None else f"{fail} layers ({why})"]
+             _gib(temp), "-" if fail is None else f"{fail} layers ({why})"]
     if m.get("error"):
-      cells[3:] = ["error: " + m["error"].splitlines()[-1][:120].replace("|", "/")] + ["-"] * 5
+      cells[3:] = ["error: " + m["error"].splitlines()[-1][:120].replace("|", "/")] + ["-"] * 6
     out.append("| " + " | ".join(cells) + " |")
   return "\n".join(out) + "\n\n" + _footer(data) + "\n"
 

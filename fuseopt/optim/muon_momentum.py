@@ -66,10 +66,46 @@ class Moved(NamedTuple):
 
 
 def momentum(g, m, *, beta, nesterov: bool, correction: BiasCorrection, leaf_index: int,
-             ns_dtype, experts=None) -> Moved:
+             ns_dtype, experts=None, slices=None) -> Moved:
   """Leaf ``leaf_index``'s momentum pass (the module docstring): gradient
   ``g``, old momentum ``m``, the Newton-Schulz input in ``ns_dtype``;
-  ``experts``: the leaf's cut where it is a stack of experts."""
+  ``experts``: the leaf's cut where it is a stack of experts; ``slices``:
+  the plan's :attr:`~fuseopt.optim.muon_plan.LeafPlan.momentum_slices` (an
+  8-bit momentum's pass runs ``slices`` of the leading axis at a time)."""
+  kw = dict(beta=beta, nesterov=nesterov, correction=correction, leaf_index=leaf_index,
+            ns_dtype=ns_dtype)
+  if slices is not None and experts is None and quantized.is_quantized(m):
+    return _sliced(g, m, slices, **kw)
+  return _pass(g, m, experts=experts, **kw)
+
+
+def _sliced(g, m, slices, **kw) -> Moved:
+  """:func:`_pass` over ``slices`` of the leading axis at a time (a
+  ``lax.map``): the fp32 values one pass holds are a slice's, not the
+  leaf's; each slice's hash indices are offset to its place in the leaf."""
+  n = g.shape[0]
+  chunk = g.size // n * slices
+
+  def cut(x):
+    return x.reshape((n // slices, slices) + x.shape[1:])
+
+  def body(args):
+    k, gk, codes, scales = args
+    mv = _pass(gk, quantized.QuantizedMoment(codes, scales), offset=k * jnp.uint32(chunk), **kw)
+    return mv.stored.codes, mv.stored.scales, mv.ns_input
+
+  codes, scales, h = jax.lax.map(
+      body, (jnp.arange(n // slices, dtype=jnp.uint32), cut(g), cut(m.codes), cut(m.scales)))
+
+  def whole(x):
+    return x.reshape((n,) + x.shape[2:])
+  return Moved(quantized.QuantizedMoment(whole(codes), whole(scales)), whole(h), None)
+
+
+def _pass(g, m, *, beta, nesterov, correction, leaf_index, ns_dtype, experts=None,
+          offset=0) -> Moved:
+  """The pass over ``g`` and ``m`` whole (``offset``: the flat index of their
+  first element in the leaf, for the 8-bit store's hash)."""
   a = None if experts is None else matrix_views.active(g, experts)
   int8 = quantized.is_quantized(m)
   # fp32 math for fp32/bf16/8-bit (bf16 momentum is stored stochastically
@@ -86,15 +122,20 @@ def momentum(g, m, *, beta, nesterov: bool, correction: BiasCorrection, leaf_ind
     if a is not None:
       m_new = jnp.where(a, m_new, m32)
     stored = muon_store.store_int8(m_new, correction.count, leaf_index, counter_hash.STREAM_MU,
-                                   keep=None if a is None else ~a, old=m)
+                                   keep=None if a is None else ~a, old=m, offset=offset)
   else:
     stored = muon_store.store(m_new, m.dtype, correction.count, leaf_index, counter_hash.STREAM_MU)
   if a is not None and not int8:
     m_new = jnp.where(a, m_new, m32)
     stored = jnp.where(a, stored, m)
+  # The bias corrections as multiplications by their reciprocals, as Adam's
+  # (adam.math.adam_math): XLA makes a division by a broadcast scalar that
+  # multiplication in some programs and not in others (jax 0.12.1's, or a
+  # slice's pass in a loop), and every program must round alike.
+  inv = lambda bc: 1 / bc.astype(wide)
   if nesterov:
-    h = (r(beta * (m_new / correction.bc2.astype(wide)))
-         + r((1 - beta) * (g32 / correction.bc1.astype(wide))))
+    h = (r(beta * (m_new * inv(correction.bc2)))
+         + r((1 - beta) * (g32 * inv(correction.bc1))))
   else:
-    h = m_new / correction.bc1.astype(wide)
+    h = m_new * inv(correction.bc1)
   return Moved(stored, h.astype(ns_dtype), a)

@@ -208,7 +208,7 @@ class _Walk:
       mv = muon_momentum.momentum(
           g if self.grad_fn is None else self.grad_fn(g), m, beta=direction.beta,
           nesterov=direction.nesterov, correction=self.correction, leaf_index=i,
-          ns_dtype=leaf.ns_dtype, experts=leaf.experts)
+          ns_dtype=leaf.ns_dtype, experts=leaf.experts, slices=leaf.momentum_slices)
       if rnd.pinned:
         # The NS input materialised in the leaf's layout, in the pass that
         # writes the momentum in place: else the compiler splits the pass

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from fuseopt import kernels
 from fuseopt.kernels import sharding as kernel_sharding
+from fuseopt.kernels.adam import blocks
 from fuseopt.kernels.newton_schulz import distributed as distributed_ns
 from fuseopt.kernels.newton_schulz import layout as ns_layout
 from fuseopt.optim import groups as groups_lib
@@ -39,7 +40,8 @@ from fuseopt.optim.matrix_views import (DIMENSION_NUMBER_TYPES, Experts, MatrixV
 
 __all__ = ["ALL_TO_ALL", "BATCHED", "DEFAULT_NS_MAX_ELEMENTS", "LeafPlan", "MuonPlan", "NSCall",
            "SpecReader", "broadcast_specs", "call_plan", "cuts", "declared_specs",
-           "default_ns_max_elements", "expert_cuts", "is_spec", "is_spec_or_none", "plan"]
+           "default_ns_max_elements", "expert_cuts", "is_spec", "is_spec_or_none",
+           "momentum_slices", "plan"]
 
 # Where a Newton-Schulz call runs (NSCall.placement).
 BATCHED = "batched"
@@ -176,6 +178,9 @@ class LeafPlan(NamedTuple):
     mesh_placement: where an all-to-all leaf lives on the mesh, else None.
     first_call, last_call: the first and last of the plan's calls it takes
       part in (None for a leaf passed through).
+    momentum_slices: how many slices of its leading axis an 8-bit momentum
+      pass takes at a time (None: the whole leaf at once), see
+      :func:`momentum_slices`.
   """
   path: str
   shape: tuple
@@ -190,6 +195,7 @@ class LeafPlan(NamedTuple):
   mesh_placement: Any
   first_call: Optional[int]
   last_call: Optional[int]
+  momentum_slices: Optional[int] = None
 
 
 class NSCall(NamedTuple):
@@ -329,10 +335,37 @@ def plan(declared, leaves, paths, *, out_dtypes, ns_input_dtype, shardings, max_
                placement=None if c is None else ALL_TO_ALL if i in slots else BATCHED,
                slot=slots.get(i),
                mesh_placement=None if i not in slots else mesh_plan.leaves[slots[i]].placement,
-               first_call=first.get(i), last_call=last.get(i))
+               first_call=first.get(i), last_call=last.get(i),
+               momentum_slices=None if c is None or e is not None or i in slots else
+               momentum_slices(g, shardings[i] if shardings else None, budget))
       for i, (g, p, c, e, v, d, n) in enumerate(zip(leaves, paths, cut_of, experts_of, views,
                                                     out_dtypes, ns_dtypes)))
   return MuonPlan(leaf_plans, tuple(calls), mesh_plan, platform, budget)
+
+
+def momentum_slices(g, sharding, budget) -> Optional[int]:
+  """The slices of ``g``'s leading axis one momentum pass takes at a time
+  where the leaf holds more than ``budget`` elements (the Newton-Schulz call
+  budget), lives on one device, and its quantisation blocks lie within a
+  slice; else None (the whole leaf in one pass).
+
+  An 8-bit momentum's pass holds the values it quantises in fp32, whole,
+  before their blocks' absmax is known: a stack of 34 layers' (2048, 8192)
+  matrices would hold 2.3 GB of fp32 at once. A pass over slices of the
+  layers holds one slice's. The slices divide the axis evenly (the largest
+  divisor of its length within the budget), and each slice's counter-hash
+  indices are its elements' indices in the whole leaf, so the codes are
+  the same bits as one pass over the leaf.
+  """
+  shape = tuple(jnp.shape(g))
+  size = math.prod(shape)
+  if (len(shape) < 2 or size <= budget or not blocks.fits(shape)
+      or blocks.trailing_axes(shape) >= len(shape)):
+    return None
+  if kernel_sharding.placement_of(g, sharding) is not kernel_sharding.UNSHARDED:
+    return None
+  fit = max(1, budget // (size // shape[0]))
+  return max(k for k in range(1, min(fit, shape[0]) + 1) if shape[0] % k == 0)
 
 
 def _all_to_all(leaves, paths, views, ns_dtypes, shardings, budget):

@@ -88,7 +88,7 @@ def load(m):
   return _placed(x, placement, placement.spec)
 
 
-def store_int8(x32, count, leaf_index, stream, keep=None, old=None):
+def store_int8(x32, count, leaf_index, stream, keep=None, old=None, offset=0):
   """fp32 ``x32`` as an 8-bit momentum: :func:`~fuseopt.kernels.adam.quantized.quantize_mu`
   over blocks of 256 of the leaf's blocked view (:mod:`fuseopt.kernels.adam.blocks`), element ``i`` (its flat index in
   the whole leaf) rounded with ``hash_bits(i, derive_seed(MUON_SEED, count,
@@ -97,7 +97,8 @@ def store_int8(x32, count, leaf_index, stream, keep=None, old=None):
   :class:`~fuseopt.kernels.adam.quantized.QuantizedMoment` is kept, a whole
   block at a time where every element of the block is kept (a block that
   mixes both is quantised again from ``x32``, which holds the old values
-  there)."""
+  there). ``offset`` (uint32): the flat index in the whole leaf of ``x32``'s
+  first element, where ``x32`` is a slice of the leaf's leading axis."""
   shape = x32.shape
   placement = _splitting(x32)
   if placement is not None:
@@ -113,7 +114,7 @@ def store_int8(x32, count, leaf_index, stream, keep=None, old=None):
         _placed(new.scales, placement, blocks.blocked_spec(placement.spec, shape)))
   bshape = quantized.scales_shape(shape) + (quantized.BLOCK,)
   seed = counter_hash.derive_seed(MUON_SEED, count, leaf_index, stream)
-  index = jax.lax.iota(jnp.uint32, x32.size).reshape(bshape)
+  index = (jax.lax.iota(jnp.uint32, x32.size) + jnp.asarray(offset, jnp.uint32)).reshape(bshape)
   codes, scale = quantized.quantize_mu(x32.reshape(bshape), counter_hash.hash_bits(index, seed))
   new = quantized.QuantizedMoment(codes.reshape(shape), scale[..., 0])
   if keep is None:

@@ -11,6 +11,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import fuseopt.optim as fo
 from fuseopt.optim import muon_finish
+from fuseopt.optim import muon_momentum
 from fuseopt.optim import muon_pipeline
 from fuseopt.optim import muon_plan
 from fuseopt.optim import muon_transforms
@@ -207,3 +208,58 @@ def test_the_finish_is_one_arithmetic_for_both_layouts():
   u_leaf, _ = muon_finish.finish(muon_finish.LeafResult(h, jnp.tanh(h), views, h.shape, None),
                                  **kw)
   np.testing.assert_array_equal(np.asarray(u_pieces), np.asarray(u_leaf))
+
+
+def test_an_8bit_momentum_pass_over_slices_is_the_pass_over_the_leaf(monkeypatch):
+  """A leaf over the Newton-Schulz call budget, on one device, has its
+  momentum pass planned in slices of its leading axis (fp32 held a slice at
+  a time); the stored codes, scales and parameters are the same bits as one
+  pass over the leaf, in update and in the fused step."""
+  shape = (6, 16, 512)
+  budget = 2 * 16 * 512
+  g = jnp.zeros(shape, jnp.bfloat16)
+  assert muon_plan.momentum_slices(g, None, budget) == 2
+  assert muon_plan.momentum_slices(g, None, 4 * 16 * 512) == 3  # the largest divisor within
+  assert muon_plan.momentum_slices(g, None, 6 * 16 * 512) is None  # within the budget: whole
+  assert muon_plan.momentum_slices(jnp.zeros((6, 16, 8)), None, 64) is None  # blocks span rows
+  mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Explicit,))
+  sharded = jax.device_put(g, NamedSharding(mesh, P(None, "x")))
+  assert muon_plan.momentum_slices(sharded, None, budget) is None
+
+  params = {"w": (jax.random.normal(jax.random.key(0), shape) * 0.1).astype(jnp.bfloat16),
+            "b": jnp.ones((512,), jnp.bfloat16)}
+  dims = {"w": MDN(1, 2), "b": None}
+  tx = fo.muon(1e-2, mu_dtype="int8", moment_dtype="int8", muon_weight_dimension_numbers=dims,
+               execution=fo.Execution(newton_schulz=fo.NewtonSchulz(max_elements=budget)))
+
+  def run(fused):
+    p, s = params, tx.init(params)
+    for i in range(3):
+      gr = jax.tree.map(lambda a: (0.1 * jax.random.normal(jax.random.key(i + 1), a.shape)
+                                   ).astype(a.dtype), p)
+      if fused:
+        p, s = jax.jit(lambda g, s, p: fo.step(tx, g, s, p))(gr, s, p)
+      else:
+        u, s = jax.jit(tx.update)(gr, s, p)
+        p = jax.tree.map(lambda a, b: (a + b).astype(a.dtype), p, u)
+    return jax.tree.leaves((p, s))
+
+  def bits(leaves):
+    return [np.atleast_1d(np.asarray(x)).view(np.uint8) for x in leaves]
+
+  calls = []
+  real = muon_momentum._sliced
+
+  def counting(*a, **k):
+    calls.append(a[2])
+    return real(*a, **k)
+
+  monkeypatch.setattr(muon_momentum, "_sliced", counting)
+  for fused in (False, True):
+    calls.clear()
+    sliced = bits(run(fused))
+    assert calls and set(calls) == {2}
+    with monkeypatch.context() as mp:
+      mp.setattr(muon_plan, "momentum_slices", lambda *a: None)
+      whole = bits(run(fused))
+    assert all(np.array_equal(a, b) for a, b in zip(sliced, whole)), fused
