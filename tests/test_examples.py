@@ -148,12 +148,12 @@ def test_largest_model_dry_run_renders(tmp_path):
   page = tmp_path / "training.md"
   page.write_text((ROOT / "docs" / "training.md").read_text())
   training_report.render(page, out)  # a dry run is left out by default
-  assert page.read_text().count("_Not yet run:") == 3
+  assert page.read_text().count("_Not yet run:") == 4
   assert training_report.render(page, out, include_dry_run=True) is True
   text = page.read_text()
   assert "| `fo-int4` `fo.adamw(lr, moment_dtype=\"int4\")`, float32 params | 9.0" in text
   assert "a CPU dry run, not a measurement" in text
-  assert text.count("_Not yet run:") == 2  # the speed and quality tables
+  assert text.count("_Not yet run:") == 3  # the compiled, speed and quality tables
 
 
 def test_training_report_speed_and_quality_tables():
@@ -217,3 +217,23 @@ def test_largest_model_starts_where_the_chips_compiler_said(tmp_path):
   trials = []
   found = lm.search({4: False}, lambda n: trials.append(n) or True, 3, 64)
   assert found == (3, True) and trials == [3]
+
+
+def test_training_report_compiled_table():
+  from fuseopt.benchmarks import training_report as tr
+  trial = lambda n, ok, **k: {"layers": n, "trains": ok, "optimizer": {"call": "x"}, **k}
+  data = {"schema": tr.SCHEMA, "kind": "largest", "compile_for": "v5e",
+          "device": {"device_kind": "TPU v5 lite"}, "versions": {"jax": "0.10.2", "libtpu": "0.0.42.1"},
+          "memory_limit_bytes": 16909336064, "modes": {
+              "optax-adamw": {"largest_layers": 10, "first_failing_layers": 11,
+                              "largest": {"parameters": 802_000_000},
+                              "trials": [trial(10, True, compiled_memory={"temp_size": 2**30}),
+                                         trial(11, False, error="RESOURCE_EXHAUSTED: Ran out of "
+                                               "memory on HBM, the total memory required for HLO "
+                                               "temporaries (15.87G) exceeds available HBM")]},
+              "fo-muon-int8": {"largest_layers": 38, "first_failing_layers": 39,
+                               "largest": {"parameters": 2_686_000_000}, "trials": [trial(38, True)]}}}
+  text = tr.compiled_markdown(data)
+  assert "| 10 | 802.0 M | 1.00× | 1.00 GiB | 11 layers, needed 15.87G |" in text
+  assert "| 38 | 2.69 B | 3.35× | - | 39 layers |" in text
+  assert "libtpu 0.0.42.1" in text and "15.75 GiB" in text

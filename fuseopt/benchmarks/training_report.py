@@ -20,6 +20,10 @@ TABLES = {  # kind -> (file, start marker, end marker, the command that writes i
     "quality": ("quality.json", "<!-- training-quality:start -->", "<!-- training-quality:end -->",
                 "PYTHONPATH=$PWD python bench/largest_model.py --quality 800 --seeds 0 1 2 "
                 "--budget-s 540 --resume"),
+    "compiled": ("largest_compiled.json", "<!-- training-compiled:start -->",
+                 "<!-- training-compiled:end -->",
+                 "JAX_PLATFORMS=cpu PYTHONPATH=$PWD python bench/largest_model.py --compile-for v5e "
+                 "--budget-s 7200"),
 }
 
 
@@ -31,7 +35,7 @@ def find(root: Path | str, kind: str, include_dry_run: bool = False) -> list[dic
       data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
       continue
-    if data.get("schema") != SCHEMA or data.get("kind") != kind:
+    if data.get("schema") != SCHEMA or data.get("kind") != ("largest" if kind == "compiled" else kind):
       continue
     if data.get("dry_run") and not include_dry_run:
       continue
@@ -108,6 +112,35 @@ def largest_markdown(data: dict) -> str:
   return "\n".join(out) + "\n\n" + _footer(data) + "\n"
 
 
+def _needed(error: str) -> str:
+  """The bytes a refused compile needed, as the compiler wrote them."""
+  import re
+  found = re.search(r"required for HLO temporaries \(([\d.]+G)\)", error or "")
+  return f", needed {found.group(1)}" if found else ""
+
+
+def compiled_markdown(data: dict) -> str:
+  ref = (data.get("modes", {}).get(REFERENCE) or {}).get("largest") or {}
+  out = ["| mode | largest the compiler takes: layers | parameters | × `optax-adamw`'s | compiled temp "
+         "| smallest refused |", "| --- | ---: | ---: | ---: | ---: | --- |"]
+  for mode, m in data.get("modes", {}).items():
+    big = m.get("largest") or {}
+    layers, fail = m.get("largest_layers"), m.get("first_failing_layers")
+    first = m.get("trials", [{}])[0] if m.get("trials") else {}
+    temp = (_first_trial(m, layers).get("compiled_memory") or {}).get("temp_size")
+    ratio = (big.get("parameters") / ref["parameters"]
+             if big.get("parameters") and ref.get("parameters") else None)
+    out.append("| " + " | ".join([
+        _label(mode, first), "-" if layers is None else str(layers), _params(big.get("parameters")),
+        _num(ratio, ".2f") + ("×" if ratio else ""), _gib(temp),
+        "-" if fail is None else f"{fail} layers{_needed(_first_trial(m, fail).get('error'))}"]) + " |")
+  v = data.get("versions", {})
+  return ("\n".join(out) + f"\n\nCompiled for a {data['device']['device_kind']} without one: jax "
+          f"{v.get('jax', '?')}, libtpu {v.get('libtpu', '?')}, memory limit "
+          f"{_gib(data.get('memory_limit_bytes'))}, {data.get('date', '?')} "
+          f"(`{data.get('command', '')}`; `{data.get('_path', '')}`)\n")
+
+
 def speed_markdown(data: dict) -> str:
   out = [f"At {data.get('layers', '?')} layers:", "",
          "| mode | tokens/s | step ms | forward+backward ms | optimizer in the step ms (share) "
@@ -148,7 +181,8 @@ def quality_markdown(data: dict) -> str:
   return "\n".join(out) + "\n\n" + _footer(data) + "\n"
 
 
-RENDER = {"largest": largest_markdown, "fixed": speed_markdown, "quality": quality_markdown}
+RENDER = {"largest": largest_markdown, "fixed": speed_markdown, "quality": quality_markdown,
+          "compiled": compiled_markdown}
 
 
 def markdown(kind: str, results: list[dict]) -> str:
