@@ -103,9 +103,8 @@ def probe_main(argv) -> int:
   out = {"device_kind": kind, "platform": platform, "bytes_limit": stats.get("bytes_limit"),
          "jax": jax.__version__, "python": sys.version.split()[0], "bytes": {}}
   if a.get("compile_for"):
-    import importlib.metadata
-    out["libtpu"] = next((importlib.metadata.version(n) for n in ("libtpu", "libtpu-nightly")
-                          if _installed(n)), None)
+    from fuseopt.benchmarks import environment
+    out["libtpu"] = environment.versions()["runtime_packages"].get("libtpu")
   for mode in a["modes"]:
     out["bytes"][mode] = {}
     for layers in (1, 2):
@@ -116,15 +115,6 @@ def probe_main(argv) -> int:
       out["bytes"][mode][str(layers)] = train_lm.byte_model(cfg, tx, m.params)
   print("PROBE " + json.dumps(out), flush=True)
   return 0
-
-
-def _installed(dist: str) -> bool:
-  import importlib.metadata
-  try:
-    importlib.metadata.version(dist)
-    return True
-  except importlib.metadata.PackageNotFoundError:
-    return False
 
 
 def _train_args(family: dict, layers: int, mode: str, steps: int) -> list[str]:

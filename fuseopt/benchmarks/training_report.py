@@ -79,6 +79,12 @@ def _first_trial(m: dict, layers) -> dict:
   return next((t for t in m.get("trials", []) if t["layers"] == layers), {})
 
 
+def _times(big: dict, ref: dict) -> float | None:
+  """A mode's largest model's parameters over the reference mode's."""
+  return (big["parameters"] / ref["parameters"]
+          if big.get("parameters") and ref.get("parameters") else None)
+
+
 def largest_markdown(data: dict) -> str:
   ref = (data.get("modes", {}).get(REFERENCE) or {}).get("largest") or {}
   out = ["| mode | B/param (params + grads + state) | first guess | largest that trains: layers "
@@ -97,8 +103,7 @@ def largest_markdown(data: dict) -> str:
            if (m.get("compiled") or {}).get("refused_layers") == fail else "")
     layers = m.get("largest_layers")
     temp = (_first_trial(m, layers).get("compiled_memory") or {}).get("temp_size")
-    ratio = (big.get("parameters") / ref["parameters"]
-             if big.get("parameters") and ref.get("parameters") else None)
+    ratio = _times(big, ref)
     cells = [_label(mode, first), _num(bm.get("bytes_per_param"), ".2f"),
              "-" if guess.get("layers") is None else f"{guess['layers']} ({guess['from']})",
              ("-" if layers is None else str(layers)) + ("" if m.get("complete") else " (unfinished)"),
@@ -121,15 +126,14 @@ def _needed(error: str) -> str:
 
 def compiled_markdown(data: dict) -> str:
   ref = (data.get("modes", {}).get(REFERENCE) or {}).get("largest") or {}
-  out = ["| mode | largest the compiler takes: layers | parameters | × `optax-adamw`'s | compiled temp "
+  out = [f"| mode | largest the compiler takes: layers | parameters | × `{REFERENCE}`'s | compiled temp "
          "| smallest refused |", "| --- | ---: | ---: | ---: | ---: | --- |"]
   for mode, m in data.get("modes", {}).items():
     big = m.get("largest") or {}
     layers, fail = m.get("largest_layers"), m.get("first_failing_layers")
     first = m.get("trials", [{}])[0] if m.get("trials") else {}
     temp = (_first_trial(m, layers).get("compiled_memory") or {}).get("temp_size")
-    ratio = (big.get("parameters") / ref["parameters"]
-             if big.get("parameters") and ref.get("parameters") else None)
+    ratio = _times(big, ref)
     out.append("| " + " | ".join([
         _label(mode, first), "-" if layers is None else str(layers), _params(big.get("parameters")),
         _num(ratio, ".2f") + ("×" if ratio else ""), _gib(temp),

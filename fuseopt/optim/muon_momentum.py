@@ -74,7 +74,7 @@ def momentum(g, m, *, beta, nesterov: bool, correction: BiasCorrection, leaf_ind
   8-bit momentum's pass runs ``slices`` of the leading axis at a time)."""
   kw = dict(beta=beta, nesterov=nesterov, correction=correction, leaf_index=leaf_index,
             ns_dtype=ns_dtype)
-  if slices is not None and experts is None and quantized.is_quantized(m):
+  if slices is not None and quantized.is_quantized(m):
     return _sliced(g, m, slices, **kw)
   return _pass(g, m, experts=experts, **kw)
 
