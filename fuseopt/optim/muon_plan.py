@@ -345,9 +345,10 @@ def plan(declared, leaves, paths, *, out_dtypes, ns_input_dtype, shardings, max_
 
 def momentum_slices(g, sharding, budget) -> Optional[int]:
   """The slices of ``g``'s leading axis one momentum pass takes at a time
-  where the leaf holds more than ``budget`` elements (the Newton-Schulz call
-  budget), lives on one device, and its quantisation blocks lie within a
-  slice; else None (the whole leaf in one pass).
+  where the leaf is a stack (3 or more axes) of more than ``budget``
+  elements (the Newton-Schulz call budget), lives on one device, and its
+  quantisation blocks lie within a slice; else None (the whole leaf in one
+  pass).
 
   An 8-bit momentum's pass holds the values it quantises in fp32, whole,
   before their blocks' absmax is known: a stack of 34 layers' (2048, 8192)
@@ -355,11 +356,14 @@ def momentum_slices(g, sharding, budget) -> Optional[int]:
   layers holds one slice's. The slices divide the axis evenly (the largest
   divisor of its length within the budget), and each slice's counter-hash
   indices are its elements' indices in the whole leaf, so the codes are
-  the same bits as one pass over the leaf.
+  the same bits as one pass over the leaf. A leaf of one matrix is passed
+  whole: its fp32 is one matrix's, as its Newton-Schulz call's working set
+  is, and a loop over its rows cost a v6e's fused hybrid step on the 1.2 B
+  tree of 2-D leaves 1.8 GB of temp where the whole passes took 0.26.
   """
   shape = tuple(jnp.shape(g))
   size = math.prod(shape)
-  if (len(shape) < 2 or size <= budget or not blocks.fits(shape)
+  if (len(shape) < 3 or size <= budget or not blocks.fits(shape)
       or blocks.trailing_axes(shape) >= len(shape)):
     return None
   if kernel_sharding.placement_of(g, sharding) is not kernel_sharding.UNSHARDED:

@@ -222,6 +222,7 @@ def test_an_8bit_momentum_pass_over_slices_is_the_pass_over_the_leaf(monkeypatch
   assert muon_plan.momentum_slices(g, None, 4 * 16 * 512) == 3  # the largest divisor within
   assert muon_plan.momentum_slices(g, None, 6 * 16 * 512) is None  # within the budget: whole
   assert muon_plan.momentum_slices(jnp.zeros((6, 16, 8)), None, 64) is None  # blocks span rows
+  assert muon_plan.momentum_slices(jnp.zeros((96, 512)), None, 2 * 512) is None  # one matrix
   mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Explicit,))
   sharded = jax.device_put(g, NamedSharding(mesh, P(None, "x")))
   assert muon_plan.momentum_slices(sharded, None, budget) is None
