@@ -23,6 +23,10 @@ transforms call these functions instead of branching on the release.
   raises "Input layout being donated was None while output layout was
   AUTO"); later releases give it the pinned layout. :func:`pin_layout`
   follows the constraint with a copy, lowered to nothing, on every release.
+- **jax's CUDA wheels** (the compile tier's GPU compilers): jax 0.12.1
+  publishes its CUDA plugin for CUDA 13 only, the floor's 0.10.2 for CUDA 12;
+  :data:`fuseopt.targets.CUDA_WHEELS` finds whichever is installed (there,
+  since :mod:`fuseopt.targets` loads without jax).
 
 Nothing here imports Pallas at module level: ``fuseopt.optim`` may import
 this module without loading a kernel backend.

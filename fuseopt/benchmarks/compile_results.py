@@ -57,7 +57,9 @@ def write_path(target, root: Path | str = RESULTS_DIR) -> Path:
 def environment() -> dict[str, str]:
   from importlib import metadata
   env = {"jax": jax.__version__}
-  for dist in ("jaxlib", "libtpu", "jax-cuda12-plugin", "jax-cuda12-pjrt", "nvidia-cuda-nvcc-cu12"):
+  # jax's CUDA wheels: CUDA 13's from jax 0.12.1, CUDA 12's on the floor.
+  for dist in ("jaxlib", "libtpu", "jax-cuda13-plugin", "jax-cuda13-pjrt", "nvidia-cuda-nvcc",
+               "nvidia-nvvm", "jax-cuda12-plugin", "jax-cuda12-pjrt", "nvidia-cuda-nvcc-cu12"):
     try:
       env[dist] = metadata.version(dist)
     except metadata.PackageNotFoundError:

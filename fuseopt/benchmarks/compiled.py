@@ -176,7 +176,7 @@ def markdown(root: Path | str = RESULTS_DIR) -> str:
       continue
     env = doc.get("environment", {})
     compiler = (f"libtpu {env['libtpu']}" if "libtpu" in env and doc["platform"] == "tpu"
-                else f"XLA + ptxas (nvcc {env.get('nvidia-cuda-nvcc-cu12', '?')})")
+                else f"XLA + ptxas (nvcc {env.get('nvidia-cuda-nvcc') or env.get('nvidia-cuda-nvcc-cu12', '?')})")
     ci_ids = {c.id for c in cases(name, kinds=("kernel",))}
     spilled = [k for k in kernels if fuseopt_spills(cs[k].get("spills", []))]
     out.append(f"**{doc['device_kind']}** (`{name}`; jax {env.get('jax', '?')}, {compiler}): "

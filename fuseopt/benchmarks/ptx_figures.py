@@ -34,7 +34,6 @@ import collections
 import contextlib
 import glob
 import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -181,14 +180,12 @@ def float_ops(body: str) -> dict[str, int]:
 
 # ------------------------------------------------------------------- ptxas --
 def ptxas_path() -> str | None:
-  """The ptxas of the ``compile`` extra (nvidia-cuda-nvcc-cu12), the one XLA
-  runs on Triton kernels."""
-  spec = importlib.util.find_spec("nvidia.cuda_nvcc")
-  for root in (spec.submodule_search_locations or []) if spec else []:
-    p = Path(root) / "bin" / "ptxas"
-    if p.exists():
-      return str(p)
-  return None
+  """The ptxas of the ``compile`` extra (``nvidia-cuda-nvcc``; CUDA 12's
+  ``nvidia-cuda-nvcc-cu12`` on the floor), the one XLA runs on Triton
+  kernels (:func:`fuseopt.targets.cuda_toolkit_dir`)."""
+  from fuseopt import targets as targets_lib
+  root = targets_lib.cuda_toolkit_dir()
+  return str(root / "bin" / "ptxas") if root else None
 
 
 _PTXAS_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
@@ -203,7 +200,7 @@ def ptxas_report(ptx: str, arch: str | None = None) -> dict[str, dict[str, int]]
   kernels, whose ``.reqntid`` bounds them)."""
   exe = ptxas_path()
   if exe is None:
-    raise FileNotFoundError("ptxas (nvidia-cuda-nvcc-cu12, the 'compile' extra) is not installed")
+    raise FileNotFoundError("ptxas (nvidia-cuda-nvcc, the 'compile' extra) is not installed")
   arch = arch or (_TARGET.search(ptx).group(1) if _TARGET.search(ptx) else "sm_90a")
   with tempfile.TemporaryDirectory() as d:
     src = Path(d) / "k.ptx"

@@ -122,12 +122,26 @@ def get(name: str | Target) -> Target:
                         f"{', '.join(TARGETS)}") from None
 
 
-# What each platform's compiler needs, as (importable module, pip package).
+#: jax's CUDA wheels as importable modules, the newer CUDA first: (the CUDA
+#: plugin, its PJRT plugin, the NVIDIA package whose folder holds ``bin/ptxas``
+#: and ``nvvm/libdevice``). jax 0.12.1 publishes the CUDA 13 set only
+#: (``jax-cuda13-plugin``, ``-pjrt``; ``nvidia-cuda-nvcc`` and ``nvidia-nvvm``
+#: 13 install under ``nvidia/cu13``); the floor's 0.10.2 (the
+#: ``compile-floor`` extra) the CUDA 12 set (``nvidia-cuda-nvcc-cu12``:
+#: ``nvidia/cuda_nvcc``).
+CUDA_WHEELS: tuple[tuple[str, str, str], ...] = (
+    ("jax_cuda13_plugin", "jax_plugins.xla_cuda13", "nvidia.cu13"),
+    ("jax_cuda12_plugin", "jax_plugins.xla_cuda12", "nvidia.cuda_nvcc"),
+)
+
+# What each platform's compiler needs, as (importable module, or a tuple of
+# modules any one of which will do, pip package).
+_CUDA = tuple(zip(*CUDA_WHEELS))
 _NEEDS = {
-    "tpu": (("libtpu", "libtpu (pip install 'jax[tpu]==0.11.2')"),),
-    "gpu": (("jax_cuda12_plugin", "jax-cuda12-plugin==0.11.2"),
-            ("jax_plugins.xla_cuda12", "jax-cuda12-pjrt==0.11.2"),
-            ("nvidia.cuda_nvcc", "nvidia-cuda-nvcc-cu12 (ptxas)")),
+    "tpu": (("libtpu", "libtpu"),),
+    "gpu": ((_CUDA[0], "jax's CUDA plugin (jax-cuda13-plugin; jax-cuda12-plugin on jax 0.10.2)"),
+            (_CUDA[1], "its PJRT plugin (jax-cuda13-pjrt; jax-cuda12-pjrt on jax 0.10.2)"),
+            (_CUDA[2], "ptxas (nvidia-cuda-nvcc; nvidia-cuda-nvcc-cu12 on jax 0.10.2)")),
 }
 
 
@@ -136,14 +150,32 @@ def missing(target: str | Target) -> str | None:
   naming the missing package (pip install ``fuseopt[compile]`` has them
   all)."""
   t = get(target)
-  for module, package in _NEEDS[t.platform]:
-    try:
-      found = importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-      found = False
+  for modules, package in _NEEDS[t.platform]:
+    found = any(_find_spec(m) is not None
+                for m in ((modules,) if isinstance(modules, str) else modules))
     if not found:
       return (f"the {t.name} compiler needs {package}, which is not installed "
               f"(pip install 'fuseopt[compile]')")
+  return None
+
+
+def _find_spec(module: str):
+  try:
+    return importlib.util.find_spec(module)
+  except (ImportError, ValueError):
+    return None
+
+
+def cuda_toolkit_dir() -> Path | None:
+  """The folder of the pip-installed CUDA toolkit that XLA compiles GPU
+  programs with (``bin/ptxas``, ``nvvm/libdevice``): ``nvidia/cu13`` of CUDA
+  13's wheels, else ``nvidia/cuda_nvcc`` of CUDA 12's, the order in which jax
+  looks for them; ``None`` when neither is installed."""
+  for *_, module in CUDA_WHEELS:
+    spec = _find_spec(module)
+    for root in (spec.submodule_search_locations or []) if spec else []:
+      if (Path(root) / "bin" / "ptxas").exists():
+        return Path(root)
   return None
 
 

@@ -147,7 +147,7 @@ def test_compare_fails_on_narrowing_spills_and_conversions():
 
 def test_ptxas_report_reads_registers():
   if ptx_figures.ptxas_path() is None:
-    pytest.skip("ptxas (nvidia-cuda-nvcc-cu12, the 'compile' extra) is not installed")
+    pytest.skip("ptxas (nvidia-cuda-nvcc, the 'compile' extra) is not installed")
   report = ptx_figures.ptxas_report(_PTX)
   assert set(report) == {"fuseopt_k"}
   assert report["fuseopt_k"]["registers"] > 0 and report["fuseopt_k"]["spill_stores"] == 0
