@@ -109,9 +109,14 @@ def decayed_param(s, u, p32):
   for bit the plain AdamW step on every compiler, and with it on an element
   that keeps its decay has the plain step's bits too. A NaN ``u * p`` is not
   below 0: NaN keeps its decay and propagates as in the plain step.
+
+  The flag is tested with ``==`` and the branches swapped, the same select
+  as ``!=`` for every value: jax 0.12.1 lowers a float ``!=`` in a Mosaic
+  TPU kernel to ``arith.cmpf une``, which libtpu 0.0.52 cannot legalize
+  (docs/compatibility.md).
   """
   masked = jnp.where(u * p32 < 0, jnp.zeros_like(p32), p32)
-  return jnp.where(s(CAUTIOUS) != 0, masked, p32)
+  return jnp.where(s(CAUTIOUS) == 0, p32, masked)
 
 
 def load_param(p, lo):
