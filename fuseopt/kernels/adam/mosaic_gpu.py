@@ -349,11 +349,14 @@ def _block_loop(n, block, step, one):
 
 
 def _kept_codes(keep_block, new, old):
-  """A skipped step's codes (:func:`.blocks.kept_on_skip`) selected in int32,
-  back in ``old``'s dtype (8-bit codes: Mosaic GPU has no pointwise select
-  on 8-bit types)."""
-  i32 = lambda c: c.astype(jnp.int32)
-  return quantized.kept_on_skip(keep_block, i32(new), i32(old)).astype(old.dtype)
+  """A skipped step's codes (:func:`.blocks.kept_on_skip`: ``old`` where
+  ``keep_block``, else ``new``) in int32, back in ``old``'s dtype, as
+  arithmetic, ``new + (old - new) * keep`` (exact: codes are 8-bit). Mosaic
+  GPU has no pointwise select on 8-bit types, and a select in int32 does not
+  avoid one from jax 0.12.1: MLIR's canonicalizer narrows a select of two
+  sign-extended int8 values, truncated back, to a select of the int8 values."""
+  n, o = new.astype(jnp.int32), old.astype(jnp.int32)
+  return (n + (o - n) * keep_block.astype(jnp.int32)).astype(old.dtype)
 
 
 def _blockwise_launch(body, name, scalars, seeds, p, g, arrays, *, out_dtype, block, interpret,
