@@ -92,9 +92,15 @@ def momentum(g, m, *, beta, nesterov: bool, correction: BiasCorrection, leaf_ind
   if a is not None and not int8:
     m_new = jnp.where(a, m_new, m32)
     stored = jnp.where(a, stored, m)
+  # The bias corrections as multiplications by their reciprocals, as Adam's
+  # (adam.math.adam_math): XLA up to jax 0.12.0.1 made a division by a
+  # broadcast scalar that multiplication in every program; 0.12.1's keeps the
+  # division and rewrites it by the program around it (an 8-bit momentum on
+  # both axes of an Explicit mesh stepped otherwise than unsharded).
+  inv = lambda bc: 1 / bc.astype(wide)
   if nesterov:
-    h = (r(beta * (m_new / correction.bc2.astype(wide)))
-         + r((1 - beta) * (g32 / correction.bc1.astype(wide))))
+    h = (r(beta * (m_new * inv(correction.bc2)))
+         + r((1 - beta) * (g32 * inv(correction.bc1))))
   else:
-    h = m_new / correction.bc1.astype(wide)
+    h = m_new * inv(correction.bc1)
   return Moved(stored, h.astype(ns_dtype), a)
