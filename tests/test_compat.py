@@ -120,5 +120,9 @@ def test_declared_ranges_and_compiler_sets():
   assert pin("compile-floor", "jax-cuda12-plugin") == floor["jax"]
   assert pin("compile-floor", "libtpu") == "0.0.42.1"     # what jax[tpu]==0.10.2 pins
   newest = pin("compile", "jax")
-  assert pin("compile", "jaxlib") == pin("compile", "jax-cuda12-plugin") == newest
-  assert newest.startswith("0.12.") and pin("compile", "libtpu").startswith("0.0.50")
+  assert pin("compile", "jaxlib") == pin("compile", "jax-cuda13-plugin") == newest
+  assert pin("compile", "jax-cuda13-pjrt") == newest
+  # jax[tpu]==0.12.1 asks for libtpu 0.0.53.*, not published: the newest libtpu, pinned beside jax.
+  assert newest.startswith("0.12.") and pin("compile", "libtpu") == "0.0.52"
+  # ptxas and libdevice of one CUDA release.
+  assert pin("compile", "nvidia-cuda-nvcc") == pin("compile", "nvidia-nvvm")

@@ -4,7 +4,6 @@ recorded them, and the largest model per chip."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from fuseopt.benchmarks import memory
@@ -15,13 +14,17 @@ MEMORY_END = "<!-- memory-table:end -->"
 
 def _compiled(root: Path) -> dict[str, dict]:
   """target -> the step cases' figures the compile tier recorded under
-  ``root`` for this jax release."""
-  from fuseopt.benchmarks import compile_results
+  ``root``, each case from the newest jax release that recorded it (the
+  memory cases are the full sweep's, not CI's: a release that CI moved to
+  may not have recorded them yet)."""
+  from fuseopt.benchmarks import scale_report
   out = {}
   for target in memory.STEP_TARGETS:
-    path = compile_results.results_path(target, root)
-    if path.exists():
-      out[target] = json.loads(path.read_text())["cases"]
+    merged = {}
+    for _, cases in reversed(scale_report.records(target, root)):   # oldest first
+      merged.update(cases)
+    if merged:
+      out[target] = merged
   return out
 
 

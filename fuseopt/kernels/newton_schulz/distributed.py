@@ -458,7 +458,13 @@ class _Family:
       # operands different layouts when they are slices of transposed
       # pieces, and its verifier rejects the program)
       x = jax.lax.all_to_all(jax.lax.optimization_barrier(x), _axis(names), 0, 1 + s, tiled=True)
-    return x.reshape(k, self.R, self.O)
+    # (the barrier: the whole matrices as arrays of their own. Left a view of
+    # the all-to-all's (k, R, s, O / s) result, XLA:CPU folds the view into
+    # Newton-Schulz's first pass and sums the squares of the norm by that
+    # shape's windows, in another order than the unsharded program's sum:
+    # with jax 0.12.1 the norm, and the update, differed from the unsharded
+    # step's for a matrix sharded by columns)
+    return jax.lax.optimization_barrier(x.reshape(k, self.R, self.O))
 
   def _one_slot_rows(self, statistic: bool = False) -> bool:
     """One slot a device and one sharded segment, the first (rows): the
