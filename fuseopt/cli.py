@@ -266,6 +266,12 @@ def cmd_report(args, out=print) -> int:
     changed = compiled.render_tables(tier_page, args.results / "compiled")
     if changed is not None:
       out(f"{tier_page}: compiled-figures tables {'updated' if changed else 'unchanged'}")
+  from fuseopt.benchmarks import llo_figures
+  kernels_page = docs / "kernels.md"
+  if kernels_page.exists():
+    changed = llo_figures.render(kernels_page, args.results / "compiled")
+    if changed is not None:
+      out(f"{kernels_page}: TPU bundles table {'updated' if changed else 'unchanged'}")
   from fuseopt.benchmarks import scale_report
   scaling = docs / "scaling.md"
   if scaling.exists():

@@ -110,23 +110,31 @@ def round_fp32_bits_to_bf16(bits: jax.Array, rand: jax.Array) -> jax.Array:
     bit is set, since truncating a payload held in the low bits alone would
     otherwise turn the NaN into an Inf).
   """
-  sign = bits & jnp.uint32(0x80000000)
   mag = bits & jnp.uint32(0x7FFFFFFF)
   nonfinite = mag >= jnp.uint32(0x7F800000)
   rounded = (mag + (rand & jnp.uint32(0xFFFF))) >> 16
-  # A finite magnitude rounds to at most 0x7F80 (Inf's pattern): step that one
-  # value back to the largest finite bf16, 0x7F7F. An equality and a
-  # subtraction, not a min: Mosaic TPU cannot legalize an unsigned min
-  # ('arith.minui'), and MLIR folds a compare-and-select into one.
-  rounded = rounded - (rounded == jnp.uint32(0x7F80)).astype(jnp.uint32)
+  # A finite magnitude rounds to at most 0x7F80 (Inf's pattern): a minimum
+  # clamps that one value to the largest finite bf16, 0x7F7F. Signed (the
+  # values are below 2**31): Mosaic TPU cannot legalize an unsigned min
+  # ('arith.minui').
+  i32 = lambda v: jax.lax.bitcast_convert_type(v, jnp.int32)
+  rounded = jax.lax.bitcast_convert_type(jnp.minimum(i32(rounded), jnp.int32(0x7F7F)), jnp.uint32)
   passthrough = (mag >> 16) | jnp.where(mag > jnp.uint32(0x7F800000),
                                         jnp.uint32(0x0040), jnp.uint32(0))
-  return (sign >> 16) | jnp.where(nonfinite, passthrough, rounded)
+  return ((bits >> 16) & jnp.uint32(0x8000)) | jnp.where(nonfinite, passthrough, rounded)
 
 
 def bf16_from_bits(half: jax.Array) -> jax.Array:
   """bf16 values from bf16 patterns held in uint32."""
   return jax.lax.bitcast_convert_type(half.astype(jnp.uint16), jnp.bfloat16)
+
+
+def round_with_bits(x: jax.Array, rand: jax.Array) -> jax.Array:
+  """fp32 ``x`` → bf16, rounded with the low 16 bits of the uint32 ``rand``
+  (:func:`stochastic_round_values` given its hash; two values can share one
+  hash, each with a half of it)."""
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  return bf16_from_bits(round_fp32_bits_to_bf16(bits, rand))
 
 
 def stochastic_round_values(x: jax.Array, index: jax.Array, seed: jax.Array) -> jax.Array:
@@ -140,5 +148,4 @@ def stochastic_round_values(x: jax.Array, index: jax.Array, seed: jax.Array) -> 
   pattern 0xFFFFFFFF into 0xFFC0 where the other backends keep 0xFFFF), and
   NaN bits must agree on every backend too.
   """
-  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-  return bf16_from_bits(round_fp32_bits_to_bf16(bits, hash_bits(index, seed)))
+  return round_with_bits(x, hash_bits(index, seed))

@@ -254,10 +254,12 @@ class MosaicTiling:
   def semantics(self) -> tuple[str, ...]:
     return ("parallel",) * len(self.view)
 
-  def flat_index(self) -> jax.Array:
+  def flat_index(self, offset=None, shape=None) -> jax.Array:
     """uint32 row-major flat indices in the whole ``view`` of the current
-    grid step's block (inside the kernel)."""
-    shape = tuple(b for b in self.block if b is not None)
+    grid step's block (inside the kernel); with ``offset`` and ``shape``, of
+    the chunk of ``shape`` at ``offset`` (per block dim) inside the block."""
+    shape = shape or tuple(b for b in self.block if b is not None)
+    offset = offset or (0,) * len(shape)
     index, axis, stride = None, len(shape), 1
     for d in reversed(range(len(self.view))):
       b = self.block[d]
@@ -266,11 +268,60 @@ class MosaicTiling:
       coord = (pl.program_id(d) * (b or 1)).astype(jnp.uint32)
       if b is not None:
         axis -= 1
+        if not isinstance(offset[axis], int) or offset[axis]:
+          coord = coord + jnp.asarray(offset[axis]).astype(jnp.uint32)
         coord = coord + jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
       term = coord if stride == 1 else coord * jnp.uint32(stride & 0xFFFFFFFF)
       index = term if index is None else index + term
       stride *= self.view[d]
     return index
+
+
+  def for_each_chunk(self, body, *, unrolled: bool = False) -> None:
+    """Inside the kernel: ``body(view, index)`` for each chunk of the grid
+    step's block, ``view(ref)`` the chunk's window of a block ref and
+    ``index`` its elements' flat indices (:meth:`flat_index`).
+
+    A chunk is :data:`CHUNK` (16 rows, a packed bf16 vreg tile, by 512
+    lanes: 8 fp32 vregs an operand), so the body's temporaries stay in
+    registers; the whole block as one value spilled every temporary of a
+    block of megabytes to VMEM and back, and the step cost more vector
+    bundles than its bytes take to stream (docs/kernels.md, "TPU: chunks").
+    The full chunks are a loop (one body whatever the block); a block whose
+    rows or columns the chunk does not divide ends with a static chunk of
+    the rest. ``unrolled``: static chunks only (interpret mode, where jax's
+    TPU interpreter with race detection runs a loop of dynamic slices
+    slowly); the same elements get the same arithmetic either way. A 3-D
+    block (several slabs a step, small by construction) is one chunk."""
+    block = tuple(b for b in self.block if b is not None)
+    if len(block) != 2:
+      body(lambda ref: ref, self.flat_index())
+      return
+    (n_rows, rest_rows), (n_cols, rest_cols) = (divmod(b, c) for b, c in zip(block, CHUNK))
+
+    def run(r0, rows, c0, cols):
+      window = (pl.ds(r0, rows), pl.ds(c0, cols))
+      body(lambda ref: ref.at[window], self.flat_index((r0, c0), (rows, cols)))
+
+    def loop(n, size, fn):
+      if unrolled or n == 1:
+        for i in range(n):
+          fn(i * size)
+      elif n:
+        jax.lax.fori_loop(0, n, lambda i, c: (fn(pl.multiple_of(i * size, size)), c)[1], 0)
+
+    def columns(r0, rows):
+      loop(n_cols, CHUNK[1], lambda c0: run(r0, rows, c0, CHUNK[1]))
+      if rest_cols:
+        run(r0, rows, n_cols * CHUNK[1], rest_cols)
+
+    loop(n_rows, CHUNK[0], lambda r0: columns(r0, CHUNK[0]))
+    if rest_rows:
+      columns(n_rows * CHUNK[0], rest_rows)
+
+
+# A Mosaic elementwise kernel's chunk (MosaicTiling.for_each_chunk).
+CHUNK = (16, 512)
 
 
 def _round_up(n: int, m: int) -> int:

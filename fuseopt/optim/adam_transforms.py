@@ -208,8 +208,10 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   Adam"). All arithmetic is fp32 with fp32 scalars; a bf16 moment is written
   back stochastically rounded (Gupta et al. 2015), so ``nu`` keeps decaying
   with ``b2 = 0.999`` where a round-to-nearest bf16 store would stall. Leaf
-  ``i`` (in ``jax.tree.leaves`` order) at step ``t`` rounds mu and nu with
-  ``derive_seed(seed, t, i, STREAM_MU / STREAM_NU)``.
+  ``i`` (in ``jax.tree.leaves`` order) at step ``t`` rounds bf16 mu and nu
+  with one hash of ``derive_seed(seed, t, i, STREAM_MU)``, mu with its low
+  16 bits and nu with its high 16 (a lone bf16 moment beside an fp32 one
+  with its own stream, ``STREAM_MU`` or ``STREAM_NU``).
 
   Which leaves the kernel takes: a leaf whose parameter is float32 or bfloat16
   gets its moments in ``moment_dtype`` and runs the kernel (fp32 arithmetic);

@@ -19,11 +19,21 @@ on a chip, seen without one.
   a fixed cost), their double-buffered footprint inside the limit the kernel
   asks for, and at most one grid step per 32 Ki elements of a leaf.
 
+- **Vector bundles an element** of each gated kernel's innermost loop, read
+  from libtpu's own scheduled LLO (:mod:`fuseopt.benchmarks.llo_figures`):
+  the cycles its arithmetic takes an element, held to
+  ``bench/results/compiled/jax-<release>/llo-v5e.json`` (more bundles, or a
+  spill in the loop, fails; ``FUSEOPT_COMPILED_UPDATE=1`` records). The
+  fp32 AdamW step with bf16 moments and stochastic rounding must stay
+  bound by HBM, not by their vector work. Exact for one libtpu: a file
+  written by another is reported against, not enforced.
+
 The compile tests need libtpu (the ``compile`` extra) and skip without it;
 the tiling checks run everywhere.
 """
 
 import math
+import os
 import re
 
 import jax
@@ -32,7 +42,7 @@ import pytest
 
 import fuseopt.optim as fo
 from fuseopt import targets
-from fuseopt.benchmarks import compile_harness, workloads
+from fuseopt.benchmarks import compile_harness, llo_figures, workloads
 from fuseopt.kernels import elementwise_tiling
 from fuseopt.kernels.adam import mosaic_tpu as adam_tpu
 
@@ -128,3 +138,75 @@ def test_blockwise_kernel_grid_is_bounded(layout):
     assert tiling.groups <= 2 * adam_tpu._GROUPS
     assert tiling.rows * tiling.groups * 256 >= min(MIN_BLOCK, size), (leaf.shape, tiling)
     assert math.prod(tiling.grid) <= max(1, size // MIN_BLOCK), (leaf.shape, tiling)
+
+
+# Kernels whose vector work must stay within their bytes' HBM time.
+HBM_BOUND = ("kernel/stochastic_round/mosaic_tpu/2048x8192/heuristic",
+             "kernel/adam_update/mosaic_tpu/pf32-gf32-mbf16/heuristic")
+
+
+@pytest.mark.xdist_group("llo-v5e")
+def test_kernel_bundles_an_element():
+  why = targets.missing("v5e")
+  if why:
+    pytest.skip(why)
+  fresh = llo_figures.case_figures("v5e")
+  if os.environ.get("FUSEOPT_COMPILED_UPDATE") == "1":
+    llo_figures.write("v5e", fresh)
+    return
+  for case_id in HBM_BOUND:
+    for name, fig in fresh[case_id].items():
+      assert fig["bound"] == "hbm", (
+          f"{case_id}: {name}: {fig['bundles_per_1024']} bundles per 1024 elements, more than "
+          f"the {fig['hbm_cycles_per_1024']} cycles their bytes take at the spec bandwidth")
+  doc = llo_figures.load("v5e")
+  path = llo_figures.results_path("v5e")
+  assert doc is not None, (f"{path} is missing: record it with FUSEOPT_COMPILED_UPDATE=1 "
+                           "pytest tests/compile/test_tpu_guards.py -k bundles")
+  exact = doc["environment"] == llo_figures.environment()
+  fails, notes = [], []
+  for case_id, kernels in fresh.items():
+    base = doc["cases"].get(case_id, {})
+    for name, fig in kernels.items():
+      f, n = llo_figures.compare(fig, base.get(name))
+      fails += [f"{case_id}: {name}: {x}" for x in f]
+      notes += [f"{case_id}: {name}: {x}" for x in n]
+  if notes:
+    print("\n".join(notes))
+  if exact:
+    assert not fails, "\n".join(fails)
+  elif fails:
+    pytest.skip(f"{path} was written by other compilers; against it: " + "; ".join(fails))
+
+
+_BUNDLES = """\
+     0   :  { %s1 = inlined_call_operand.hbm [shape: f32[8,128]] }
+   0x1 LB: > { %s2 = sphi %s1, %s9 } /* Start region 7 :: Start region 8 */
+   0x2   : > { %v3 = vld [vmem:[%s2] sm:$0xff] }
+   0x3 LB: >> { %v4 = vmul.f32 %v3, %v3  ;;  %v5 = vadd.f32 %v4, %v3 } /* Start region 12 */
+   0x4   : >> { %30 = vst [vmem:[#allocation5_spill] sm:$0xff] /*vst_source=*/%v5  ;;  %v6 = vsel %vm1, %v5, %v4 }
+   0x5   : >> { %31 = sbr.rel (%p1) target = $region44 }
+   0x6   : >> { %v7 = vld [vmem:[#allocation5_spill] sm:$0xff]  ;;  %32 = sbr.rel (!%p2) target = $region12 }
+   0x7   : > { %33 = sbr.rel (!%p3) target = $region8 }
+   0x8   :  { %34 = vsyncpa [#allocation6], 1 }
+"""
+
+
+def test_llo_innermost_loop_and_its_figures():
+  """The innermost loop runs from its ``LB:`` bundle to the branch back to
+  a region it starts (a forward branch inside it is not its end); its
+  bundles per 1024 elements set the bound."""
+  lines = llo_figures.bundles(_BUNDLES)
+  assert len(lines) == 9
+  loops = llo_figures.innermost_loops(lines)
+  assert [len(loop) for loop in loops] == [4]
+  fig = llo_figures.figures(_BUNDLES, elements=256, bytes_per_element=6,
+                            bytes_per_cycle=546.0)
+  assert fig["loop"]["bundles"] == 4 and fig["loop"]["spills"] == 2
+  assert fig["loop"]["top_ops"] == {"vmul.f32": 1, "vadd.f32": 1, "vst": 1, "vsel": 1, "vld": 1}
+  assert fig["bundles_per_1024"] == 16.0 and fig["bound"] == "vector"
+  assert fig["floor_share_at_most"] == pytest.approx(6 * 1024 / 546 / 16, abs=1e-3)
+  base = dict(fig, bundles_per_1024=15.0)
+  fails, _ = llo_figures.compare(fig, base)
+  assert fails and "grew" in fails[0]
+  assert llo_figures.compare(fig, dict(fig, bundles_per_1024=15.9))[0] == []

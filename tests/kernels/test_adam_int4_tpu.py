@@ -13,6 +13,7 @@ import pytest
 from fuseopt.kernels import adam_update
 from fuseopt.kernels.adam import int4
 from fuseopt.kernels.adam import mosaic_tpu
+from fuseopt.kernels.adam import quantized
 from fuseopt.kernels.elementwise_tiling import MosaicTPUConfig
 from tests.kernels import blockwise as bw
 from tests.kernels import harness
@@ -121,3 +122,32 @@ def test_mosaic_tpu_with_a_companion_is_the_reference(request, moments, companio
   assert got[0].dtype == BF16 and got[-1].dtype == companion
   for a, b in zip(got, want):
     bw.same(a, b, f"{moments} moments, {jnp.dtype(companion)} companion")
+
+
+@pytest.mark.parametrize("layout", ["int8", "int4"])
+def test_mosaic_tpu_blockwise_loops_land_on_the_reference(request, monkeypatch, layout):
+  """The compiled kernel's loops (row groups, then chunks of 32 rows at
+  dynamic offsets), run in interpret mode: 2 row-group steps of 2 groups,
+  4 chunks each, land next to the reference as the unrolled body does (a
+  chunk at a wrong offset would move whole rows). With the CPU's FMA on, a
+  code may land one level apart (at most 1e-3 of them), and the second
+  step's parameter there moves by a step's share of that level: at most as
+  many parameters, by at most the learning rate."""
+  monkeypatch.setattr(mosaic_tpu, "LOOPS_IN_INTERPRET", True)
+  shape = (256, 512)
+  cfg = MosaicTPUConfig(128)
+  assert mosaic_tpu.quantized_tiling(mosaic_tpu.quantized_view(shape), cfg, layout,
+                                     ragged=False) == mosaic_tpu.BlockwiseTiling(128, 2, (2, 1))
+  fmt = int4 if layout == "int4" else quantized
+  p, g, mu, nu = bw.inputs(request, shape, layout, F32, F32)
+  got = bw.steps("mosaic_tpu", p, g, mu, nu, config=cfg)
+  want = bw.steps("xla", p, g, mu, nu)
+  diff = np.abs(np.asarray(got[0]) - np.asarray(want[0]))
+  apart = diff > 1e-6 * np.abs(np.asarray(want[0])) + 1e-7
+  assert np.mean(apart) <= 1e-3 and diff.max() <= bw.HYPER["learning_rate"], (
+      np.mean(apart), diff.max())
+  for a, b, signed in ((got[1], want[1], True), (got[2], want[2], False)):
+    np.testing.assert_allclose(a.scales, b.scales, rtol=4 * 2.0 ** -23)
+    assert np.mean(np.asarray(a.codes) != np.asarray(b.codes)) <= 1e-3
+    x, y = fmt.dequantize(a, signed=signed), fmt.dequantize(b, signed=signed)
+    np.testing.assert_allclose(x, y, atol=0.3 * float(jnp.max(jnp.abs(y))))

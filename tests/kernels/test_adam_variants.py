@@ -50,15 +50,15 @@ def _grads(key, shape, steps=STEPS):
 def _old_adam_math(s, p32, g32, mu32, nu32):
   """adam_math as it was before the cautious flag (nesterov off, apply on),
   its bias corrections written as adam_math writes them, multiplications by
-  their reciprocals: XLA compiled the divisions ``x / bc`` to the same
-  program up to jax 0.12.0.1, and keeps them as divisions from 0.12.1."""
+  their reciprocals (the scalars carry them): XLA compiled the divisions
+  ``x / bc`` to the same program up to jax 0.12.0.1, and keeps them as
+  divisions from 0.12.1."""
   S = adam_math_lib
   keep_old = s(S.APPLY) == 0
   g32 = g32 * s(S.GRAD_SCALE)
   mu_new = s(S.OMB1) * g32 + s(S.B1) * mu32
   nu_new = s(S.OMB2) * (g32 * g32) + s(S.B2) * nu32
-  div = lambda x, k: x * (jnp.float32(1.0) / s(k))
-  u = div(mu_new, S.BC1) / (jnp.sqrt(div(nu_new, S.BC2) + s(S.EPS_ROOT)) + s(S.EPS))
+  u = mu_new * s(S.INV_BC1) / (jnp.sqrt(nu_new * s(S.INV_BC2) + s(S.EPS_ROOT)) + s(S.EPS))
   u = u + s(S.WD) * p32
   return (jnp.where(keep_old, p32, p32 + s(S.NEG_LR) * u), jnp.where(keep_old, mu32, mu_new),
           jnp.where(keep_old, nu32, nu_new))

@@ -151,8 +151,11 @@ def test_adam_moments_are_the_stochastic_rounding_of_fp32_moments():
   def expected(g, mu, nu):
     mu32 = 0.1 * g + 0.9 * mu.astype(F32)
     nu32 = (1 - 0.999) * (g * g) + 0.999 * nu.astype(F32)
-    return (stochastic_round_bf16(mu32, counter_hash.derive_seed(seed, count, leaf, 1)),
-            stochastic_round_bf16(nu32, counter_hash.derive_seed(seed, count, leaf, 2)))
+    s_mu = counter_hash.derive_seed(seed, count, leaf, counter_hash.STREAM_MU)
+    # (nu: the high 16 bits of mu's hash, docs/numerics.md "Seeds")
+    high = counter_hash.hash_bits(jax.lax.iota(jnp.uint32, mu32.size).reshape(mu32.shape),
+                                  s_mu) >> 16
+    return stochastic_round_bf16(mu32, s_mu), counter_hash.round_with_bits(nu32, high)
 
   want_mu, want_nu = expected(g, mu, nu)
   harness.assert_bitwise_equal(mu_new, want_mu, "mu")

@@ -36,6 +36,13 @@ CASES = [
     ((37, 129), A.MosaicTPUConfig(512), ((37, 129), (37, 129)), ((37, 129), (37, 129))),
     # 1-D: flat lanes
     ((4096,), A.MosaicTPUConfig(16), ((32, 128), (16, 128)), ((32, 128), (16, 128))),
+    # blocks of several chunks (E.CHUNK), a loop of 2 x 4 of them a step
+    ((64, 2048), A.MosaicTPUConfig(512), ((64, 2048), (32, 2048)), ((64, 2048), (32, 2048))),
+    # chunks and the rest: 40 rows (2 x 16 + 8), 1152 lanes (2 x 512 + 128);
+    # 130 rows (8 x 16 + 2) by 1000 lanes (512 + 488), or stochastic
+    # rounding's ragged blocks of 64 rows, the last padded
+    ((40, 1152), A.MosaicTPUConfig(512), ((40, 1152), (40, 1152)), ((40, 1152), (40, 1152))),
+    ((130, 1000), A.MosaicTPUConfig(512), ((130, 1000), (130, 1000)), ((130, 1000), (64, 1000))),
 ]
 IDS = [f"{s}-{c.block_rows}" for s, c, _, _ in CASES]
 
@@ -140,3 +147,26 @@ def test_native_tilings_lower_for_tpu(target):
         s(shape, F32), s(shape, F32), s(shape, BF16), s(shape, BF16))
     harness.lower_for(target, lambda x, config=config: stochastic_round_bf16(
         x, 3, implementation="mosaic_tpu", config=config), s(shape, F32))
+
+
+@pytest.mark.parametrize("shape,config,want,want_ragged", CASES, ids=IDS)
+@pytest.mark.parametrize("unrolled", [False, True], ids=["loop", "unrolled"])
+def test_chunks_cover_the_block_with_their_flat_indices(shape, config, want, want_ragged,
+                                                        unrolled):
+  """Every element of every grid step is written once, by the chunk that
+  holds it, with its flat index in the whole view: the chunks' loop (the
+  compiled kernels') and the static chunks (interpret mode's) alike."""
+  from jax.experimental import pallas as pl
+  from fuseopt.kernels import interpret
+  t = E.mosaic_tiling(shape, config, stream_bytes=6, ragged_edge=True)
+
+  def kernel(o_ref):
+    def chunk(view, index):
+      view(o_ref)[...] = view(o_ref)[...] + index.astype(jnp.int32) + 1
+    o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+    t.for_each_chunk(chunk, unrolled=unrolled)
+
+  got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(t.view, jnp.int32), grid=t.grid,
+                       out_specs=t.spec(), interpret=interpret.tpu_params())()
+  want_index = jnp.arange(math.prod(t.view), dtype=jnp.int32).reshape(t.view) + 1
+  harness.assert_bitwise_equal(got, want_index, str(shape))

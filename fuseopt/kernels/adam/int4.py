@@ -160,7 +160,7 @@ def nu_scale(x, axis=-1):
   return jnp.where(top > 0, jnp.maximum(scale, jnp.float32(NU_SCALE_FLOOR)), scale)
 
 
-def quantize_mu(x, bits, scale=None, fence=_no_fence):
+def quantize_mu(x, bits, scale=None, fence=_no_fence, *, floor=jnp.floor):
   """fp32 ``x`` ``(..., B)`` → ``(int32 nibbles, scale (..., 1))``: the
   magnitude rounded to the nearer of its neighbouring levels ``(k/7)^2 s``
   and ``((k+1)/7)^2 s`` (a tie: up), the sign kept. ``bits`` is not read
@@ -168,31 +168,34 @@ def quantize_mu(x, bits, scale=None, fence=_no_fence):
   signature every format's ``quantize_mu`` has, through which the kernels
   call it, and the hash no one reads is dead code to each compiler.
   ``fence``: :func:`fuseopt.kernels.fp_contract.rounded` where XLA compiles
-  the arithmetic (no product contracted into the subtraction after it)."""
+  the arithmetic (no product contracted into the subtraction after it);
+  ``floor`` as in :func:`.quantized.quantize_mu`. The tie test ``frac >=
+  1/2`` is ``2 (a - below) >= above - below``: exact, and no division (on a
+  TPU a reciprocal and its Newton steps)."""
   scale = mu_scale(x) if scale is None else scale
   a = fence(jnp.abs(x) * blocks.inverse(scale))
   t = jnp.clip(jnp.sqrt(a) * jnp.float32(MU_LEVELS), 0.0, MU_LEVELS - 1)
-  k = blocks.floor(t)
+  k = floor(t)
   q0 = k * jnp.float32(_MU_STEP)
   q1 = (k + 1.0) * jnp.float32(_MU_STEP)
   below, above = fence(q0 * q0), fence(q1 * q1)
-  frac = (a - below) / (above - below)
-  mag = k + jnp.where(frac >= 0.5, 1.0, 0.0)
+  mag = k + jnp.where(2.0 * (a - below) >= above - below, 1.0, 0.0)
   code = jnp.where(x < 0, -mag, mag)
   code = jnp.where(blocks.finite(a) & blocks.finite(scale), code, 0.0)
   return code.astype(jnp.int32) & 15, scale
 
 
-def quantize_nu(x, bits, scale=None, fence=_no_fence):
+def quantize_nu(x, bits, scale=None, fence=_no_fence, *, floor=jnp.floor):
   """fp32 ``x >= 0`` ``(..., B)`` → ``(int32 nibbles, scale (..., 1))``: the
   multiplier ``c + 1`` rounded stochastically between ``k`` and ``k + 1``,
   unbiased in ``sqrt(nu)`` (``t = sqrt(x) / s`` rounds up with probability
   ``t - k``: the stored ``sqrt(nu)``, whose inverse is the step's, has the
   fp32 one's mean; the module docstring says why not ``nu``'s), at least 1
-  (no zero code: values below ``s^2`` read as ``s^2``)."""
+  (no zero code: values below ``s^2`` read as ``s^2``). ``floor`` as in
+  :func:`.quantized.quantize_mu`."""
   scale = nu_scale(x) if scale is None else scale
   t = fence(jnp.sqrt(x) * blocks.inverse(scale))
-  k = blocks.floor(jnp.clip(t, 1.0, NU_LEVELS - 1))
+  k = floor(jnp.clip(t, 1.0, NU_LEVELS - 1))
   m = k + jnp.where(blocks.uniform(bits) < t - k, 1.0, 0.0)
   code = jnp.where(blocks.finite(t) & blocks.finite(scale), m - 1.0, 0.0)
   return code.astype(jnp.int32), scale

@@ -29,7 +29,7 @@ from fuseopt.kernels.adam import formats
 # APPLY is 1.0, or 0.0 to keep p, mu and nu as they are (a skipped step);
 # CAUTIOUS is 1.0 to decay only where the update and the parameter agree in
 # sign (cautious weight decay), 0.0 for the plain decoupled decay.
-(NEG_LR, B1, OMB1, B2, OMB2, EPS, EPS_ROOT, BC1, BC2, BC1_NEXT, WD, GRAD_SCALE, APPLY,
+(NEG_LR, B1, OMB1, B2, OMB2, EPS, EPS_ROOT, INV_BC1, INV_BC2, INV_BC1_NEXT, WD, GRAD_SCALE, APPLY,
  CAUTIOUS) = range(14)
 N_SCALARS_USED = CAUTIOUS + 1
 N_SCALARS = 16   # padded to a power of two (Triton block shapes)
@@ -60,7 +60,7 @@ def adam_math(s, p32, g32, mu32, nu32, *, nesterov: bool, apply: bool, fence=Non
   are already bf16 unchanged.
 
   The bias corrections divide as multiplications by their reciprocals (each
-  a scalar division): XLA rewrites a division by a broadcast scalar into a
+  a scalar division in :func:`adam_scalars`): XLA rewrites a division by a broadcast scalar into a
   multiplication by its reciprocal, and ``(a / b) / c`` into ``a / (b * c)``,
   choosing between the two by the program around them, so two programs of
   optax's ``mu / bc1 / (sqrt(nu / bc2) + eps)`` (a leaf alone, the same leaf
@@ -82,12 +82,11 @@ def adam_math(s, p32, g32, mu32, nu32, *, nesterov: bool, apply: bool, fence=Non
   g32 = g32 * s(GRAD_SCALE)
   mu_new = r(s(OMB1) * g32) + r(s(B1) * mu32)
   nu_new = r(s(OMB2) * (g32 * g32)) + r(s(B2) * nu32)
-  div = lambda x, k: x * (jnp.float32(1.0) / s(k))
   if nesterov:
-    mu_hat = r(s(B1) * div(mu_new, BC1_NEXT)) + r(s(OMB1) * div(g32, BC1))
+    mu_hat = r(s(B1) * (mu_new * s(INV_BC1_NEXT))) + r(s(OMB1) * (g32 * s(INV_BC1)))
   else:
-    mu_hat = r(div(mu_new, BC1))
-  nu_hat = r(div(nu_new, BC2))
+    mu_hat = r(mu_new * s(INV_BC1))
+  nu_hat = r(nu_new * s(INV_BC2))
   u = mu_hat / (jnp.sqrt(nu_hat + s(EPS_ROOT)) + s(EPS))
   if apply:
     u = u + r(s(WD) * decayed_param(s, u, p32))
@@ -132,6 +131,18 @@ def store(x32, dtype, index, seed):
   return x32.astype(dtype)
 
 
+def store_moments(mu_new, nu_new, mu_dtype, nu_dtype, index, seed_mu, seed_nu):
+  """Both new moments in their dtypes. Two bf16 moments round with one hash
+  of the mu stream's seed, mu with its low 16 bits and nu with its high 16
+  (a hash is a third of a bf16 kernel's vector work on a TPU); otherwise
+  each with its own stream (:func:`store`)."""
+  if jnp.dtype(mu_dtype) == jnp.bfloat16 and jnp.dtype(nu_dtype) == jnp.bfloat16:
+    bits = counter_hash.hash_bits(index, seed_mu)
+    return (counter_hash.round_with_bits(mu_new, bits),
+            counter_hash.round_with_bits(nu_new, bits >> 16))
+  return store(mu_new, mu_dtype, index, seed_mu), store(nu_new, nu_dtype, index, seed_nu)
+
+
 def kernel_body(s_ref, refs, *, nesterov, apply, tracked=False):
   """The math of the Triton and Mosaic TPU kernels on one block; returns
   the outputs' refs too. ``refs``: ``(p,) g, mu, nu, (lo,)`` then the
@@ -153,14 +164,15 @@ def kernel_body(s_ref, refs, *, nesterov, apply, tracked=False):
 def store_outputs(out_refs, out, mu_new, nu_new, index, seed, *, tracked=False):
   """Writes a block's results: ``out_refs`` = ``(out, mu, nu, (lo,))``;
   ``seed(k)`` the leaf's ``k``-th rounding seed. A tracked parameter is
-  written split (no rounding), bf16 moments rounded stochastically."""
+  written split (no rounding), bf16 moments rounded stochastically
+  (:func:`store_moments`)."""
   o_ref, mu_out, nu_out = out_refs[:3]
   if tracked:
     o_ref[...], out_refs[3][...] = mantissa.split(out, out_refs[3].dtype)
   else:
     o_ref[...] = store(out, o_ref.dtype, index, seed(0))
-  mu_out[...] = store(mu_new, mu_out.dtype, index, seed(1))
-  nu_out[...] = store(nu_new, nu_out.dtype, index, seed(2))
+  mu_out[...], nu_out[...] = store_moments(mu_new, nu_new, mu_out.dtype, nu_out.dtype, index,
+                                          seed(1), seed(2))
 
 
 def in_place_aliases(first: int, out0: int, *, apply: bool, tracked: bool) -> dict[int, int]:
@@ -248,8 +260,14 @@ def adam_scalars(*, count, learning_rate=0.0, b1=0.9, b2=0.999, eps=1e-8, eps_ro
   bc1 = _bias_correction(b1, count)
   bc2 = _bias_correction(b2, count)
   bc1_next = _bias_correction(b1, optax_safe_increment(count)) if nesterov else bc1
+  # The bias corrections travel as their fp32 reciprocals (adam_math), each
+  # one scalar division here rather than one in every kernel step (on a TPU
+  # a scalar division in a kernel is a vector reciprocal and its Newton
+  # steps, a round trip through the vector unit).
+  inv = lambda bc: 1 / _f32(bc)
   vals = [-learning_rate if not isinstance(learning_rate, (int, float)) else -float(learning_rate),
-          b1, 1 - b1, b2, 1 - b2, eps, eps_root, bc1, bc2, bc1_next, weight_decay, grad_scale,
+          b1, 1 - b1, b2, 1 - b2, eps, eps_root, inv(bc1), inv(bc2), inv(bc1_next), weight_decay,
+          grad_scale,
           jnp.where(apply, 1.0, 0.0) if isinstance(apply, jax.Array) else float(bool(apply)),
           jnp.where(cautious, 1.0, 0.0) if isinstance(cautious, jax.Array) else float(cautious)]
   vals = [_f32(v) for v in vals]

@@ -134,8 +134,8 @@ def _leaf(scalar, seed, g_ref, mu_ref, nu_ref, o_ref, p_ref, *, main, block, nes
       o_ref.at[rows][...], lo_ref.at[rows][...] = mantissa.split(out, lo_ref.dtype)
     else:
       o_ref.at[rows][...] = adam_lib.store(out, o_ref.dtype, index, seeds[0])
-    mu_ref.at[rows][...] = adam_lib.store(mu_new, mu_ref.dtype, index, seeds[1])
-    nu_ref.at[rows][...] = adam_lib.store(nu_new, nu_ref.dtype, index, seeds[2])
+    mu_ref.at[rows][...], nu_ref.at[rows][...] = adam_lib.store_moments(
+        mu_new, nu_new, mu_ref.dtype, nu_ref.dtype, index, seeds[1], seeds[2])
 
   elementwise_tiling.mosaic_gpu_blocks(main, block, one, program)
 
@@ -203,9 +203,8 @@ def _tail(scalars, seeds, p, g, mu, nu, *, main, nesterov, out_dtype, index_map,
     out, new_lo = mantissa.split(out, lo.dtype)
   else:
     out, new_lo = adam_lib.store(out, out_dtype, index(), seeds[0]), None
-  res = (out,
-         adam_lib.store(mu_new, mu.dtype, index(), seeds[1]),
-         adam_lib.store(nu_new, nu.dtype, index(), seeds[2]))
+  res = (out,) + adam_lib.store_moments(mu_new, nu_new, mu.dtype, nu.dtype, index(), seeds[1],
+                                        seeds[2])
   return res if lo is None else res + (new_lo,)
 
 
@@ -426,11 +425,13 @@ def _quantized_kernel(s_ref, seed_ref, g_ref, *refs, n, block, nesterov, apply, 
     old_mus, old_nus = mus_ref[row], nus_ref[row]
 
     scale = quantized.mu_scale(mu_new, axis=None)
-    codes, _ = quantized.quantize_mu(mu_new, counter_hash.hash_bits(index, seeds[1]), wide(scale))
+    codes, _ = quantized.quantize_mu(mu_new, counter_hash.hash_bits(index, seeds[1]), wide(scale),
+                                    floor=blocks.floor)
     muc_ref[elems] = _kept_codes(keep_block, codes, muc_ref[elems])
     mus_ref[row] = quantized.kept_on_skip(keep_scalar, scale, old_mus)
     scale = quantized.nu_scale(nu_new, axis=None)
-    codes, _ = quantized.quantize_nu(nu_new, counter_hash.hash_bits(index, seeds[2]), wide(scale))
+    codes, _ = quantized.quantize_nu(nu_new, counter_hash.hash_bits(index, seeds[2]), wide(scale),
+                                    floor=blocks.floor)
     nuc_ref[elems] = _kept_codes(keep_block, codes, nuc_ref[elems])
     nus_ref[row] = quantized.kept_on_skip(keep_scalar, scale, old_nus)
 
@@ -514,10 +515,12 @@ def _int4_kernel(s_ref, seed_ref, g_ref, *refs, n, block, nesterov, apply, index
       scales_ref[blk] = blocks.kept_on_skip(keep_scalar, scale, old_scale)
 
     scale = int4.mu_scale(mu_new, axis=None)
-    codes, _ = int4.quantize_mu(mu_new, counter_hash.hash_bits(index, seeds[1]), wide(scale))
+    codes, _ = int4.quantize_mu(mu_new, counter_hash.hash_bits(index, seeds[1]), wide(scale),
+                               floor=blocks.floor)
     write(muc_ref, mus_ref, codes, scale, old_mu, old_mus)
     scale = int4.nu_scale(nu_new, axis=None)
-    codes, _ = int4.quantize_nu(nu_new, counter_hash.hash_bits(index, seeds[2]), wide(scale))
+    codes, _ = int4.quantize_nu(nu_new, counter_hash.hash_bits(index, seeds[2]), wide(scale),
+                               floor=blocks.floor)
     write(nuc_ref, nus_ref, codes, scale, old_nu, old_nus)
 
   _block_loop(n, block, half, one_block)

@@ -69,12 +69,16 @@ def leaf_reason(p, g, mu, nu, out_dtype, config, index_map, lo=None) -> str | No
   return None
 
 
-def _kernel(s_ref, seed_ref, *refs, tiling, nesterov, apply, index_map, tracked):
-  out, mu_new, nu_new, out_refs = kernel_body(s_ref, refs, nesterov=nesterov, apply=apply,
-                                              tracked=tracked)
+def _kernel(s_ref, seed_ref, *refs, tiling, nesterov, apply, index_map, tracked, interpret):
   seed = lambda k: seed_ref[k].astype(jnp.uint32)
-  index = sharding_lib.global_index(tiling.flat_index(), index_map, seed(SEED_BASE))
-  store_outputs(out_refs, out, mu_new, nu_new, index, seed, tracked=tracked)
+
+  def chunk(view, local):
+    out, mu_new, nu_new, out_refs = kernel_body(s_ref, tuple(view(r) for r in refs),
+                                                nesterov=nesterov, apply=apply, tracked=tracked)
+    index = sharding_lib.global_index(local, index_map, seed(SEED_BASE))
+    store_outputs(out_refs, out, mu_new, nu_new, index, seed, tracked=tracked)
+
+  tiling.for_each_chunk(chunk, unrolled=interpret and not LOOPS_IN_INTERPRET)
 
 
 def stream_bytes_of(p, g, mu, nu, out_dtype, lo=None) -> int:
@@ -109,7 +113,7 @@ def update(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpr
       (out_dtype, mu.dtype, nu.dtype) + ((lo.dtype,) if tracked else ())))
   outs = pl.pallas_call(
       functools.partial(_kernel, tiling=tiling, nesterov=nesterov, apply=apply,
-                        index_map=index_map, tracked=tracked),
+                        index_map=index_map, tracked=tracked, interpret=bool(interpret)),
       out_shape=out_shape,
       grid=tiling.grid,
       in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
@@ -147,7 +151,12 @@ def update(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config, interpr
 # scales go back by one transpose: the transposes cost a fraction of the
 # block's elementwise work (per block and group they cost twice the block's
 # elements).
-_GROUPS = 8            # row groups a grid step, at most (unrolled)
+_GROUPS = 8            # row groups a grid step, at most
+# Interpret mode runs a kernel's chunks unrolled (static offsets; jax's TPU
+# interpreter with race detection runs loops of dynamic slices slowly); the
+# tests set this to run the compiled kernels' loops there too.
+LOOPS_IN_INTERPRET = False
+_CHUNK_ROWS = 32       # rows a chunk of a group (an int8 vreg tile's 32 rows)
 _SCALE_ROWS = 128      # rows a step: a multiple of the scales' 128 lanes, or all M
 
 
@@ -282,18 +291,28 @@ def _column(columns, lane, k):
   return jnp.max(jnp.where(lane == k, columns, -jnp.inf), axis=1, keepdims=True)
 
 
+def _chunk_rows(rows: int) -> int:
+  """Rows of a chunk of a blockwise step: :data:`_CHUNK_ROWS` where they
+  divide the step's rows, else all of them (a small leaf: one chunk)."""
+  return _CHUNK_ROWS if rows % _CHUNK_ROWS == 0 else rows
+
+
 def _blockwise_kernel(s_ref, seed_ref, *refs, layout, tiling, length, nesterov, apply,
                       index_map, tracked, interpret):
   """One grid step of ``tiling.groups`` row groups of ``tiling.rows`` rows,
-  a loop over the groups (one body, whatever their number: the kernel's
-  compile time does not grow with the leaf): each group's code bytes read
-  once (lanes at a dynamic multiple of 128) and unpacked into its blocks'
-  codes, each block (a static lane slice of the group) dequantised, stepped
-  and quantised with its scale reduced over its lanes, the new codes packed
-  back into the group's bytes; the step's scales read and written once,
-  through :func:`_scale_columns`. ``tracked``: the companion ``lo`` is the
-  last input and the last output, read and written on the parameter's lanes
-  (the master ``join(p, lo)`` in, the new master split out, no rounding)."""
+  a loop over the groups and, in each, over chunks of :func:`_chunk_rows`
+  rows (one body, whatever their number: the kernel's compile time does not
+  grow with the leaf, and a chunk's temporaries stay in registers): each
+  chunk's code bytes read once (lanes at a dynamic multiple of 128) and
+  unpacked into its blocks' codes, each block (a static lane slice of the
+  group) dequantised, stepped and quantised with its scale reduced over its
+  lanes, the new codes packed back into the chunk's bytes. The step's scales
+  are read and written once, through :func:`_scale_columns`, and held in
+  VMEM scratch between (``scratch``: the old mu and nu scale columns, then
+  the new). ``tracked``: the companion ``lo`` is the last input and the last
+  output, read and written on the parameter's lanes (the master ``join(p,
+  lo)`` in, the new master split out, no rounding)."""
+  *refs, mu_old, nu_old, mu_new_ref, nu_new_ref = refs
   lo_ref = lo_out = None
   if tracked:
     n_in = 7 if apply else 6
@@ -302,65 +321,76 @@ def _blockwise_kernel(s_ref, seed_ref, *refs, layout, tiling, length, nesterov, 
   p_ref, (g_ref, muc_ref, mus_ref, nuc_ref, nus_ref), (o_ref, muc_out, mus_out, nuc_out, nus_out) = (
       quantized.split_kernel_refs(refs, apply))
   rows, groups = tiling.rows, tiling.groups
+  chunk_rows = _chunk_rows(rows)
   bpr = layout.blocks_per_row
   n_scales = groups * bpr
   block = layout.block
-  shape = (rows, block)
+  shape = (chunk_rows, block)
   seed = lambda k: seed_ref[k].astype(jnp.uint32)
-  row = ((pl.program_id(0) * rows).astype(jnp.uint32)
-         + jax.lax.broadcasted_iota(jnp.uint32, shape, 0)) * jnp.uint32(length)
-  col = ((pl.program_id(1) * (groups * blocks.ROW)).astype(jnp.uint32)
-         + jax.lax.broadcasted_iota(jnp.uint32, shape, 1))
   skipped = s_ref[APPLY] == 0
   keep = lambda new, old: blocks.kept_on_skip(skipped, new, old)
-  mu_scales = _scale_columns(mus_ref[...], n_scales)
-  nu_scales = _scale_columns(nus_ref[...], n_scales)
-  lane = jax.lax.broadcasted_iota(jnp.int32, mu_scales.shape, 1)
+  mu_old[...] = _scale_columns(mus_ref[...], n_scales)
+  nu_old[...] = _scale_columns(nus_ref[...], n_scales)
+  mu_new_ref[...] = jnp.zeros(mu_new_ref.shape, mu_new_ref.dtype)
+  nu_new_ref[...] = jnp.zeros(nu_new_ref.shape, nu_new_ref.dtype)
+  lane = jax.lax.broadcasted_iota(jnp.int32, (chunk_rows, 128), 1)
   fmt = layout.math
+  aligned = lambda start, n: pl.ds(start if isinstance(start, int) else pl.multiple_of(start, n), n)
 
-  def group(j, new_scales):
-    new_mu_scales, new_nu_scales = new_scales
-    aligned = lambda start, n: pl.ds(start if isinstance(start, int) else pl.multiple_of(start, n), n)
+  def chunk(j, i):
+    r = aligned(i * chunk_rows, chunk_rows)
+    row = ((pl.program_id(0) * rows + i * chunk_rows).astype(jnp.uint32)
+           + jax.lax.broadcasted_iota(jnp.uint32, shape, 0)) * jnp.uint32(length)
+    col = ((pl.program_id(1) * (groups * blocks.ROW)).astype(jnp.uint32)
+           + jax.lax.broadcasted_iota(jnp.uint32, shape, 1))
     code_lanes = aligned(j * layout.code_lanes, layout.code_lanes)
-    mu_in, nu_in = layout.unpack(muc_ref[:, code_lanes]), layout.unpack(nuc_ref[:, code_lanes])
+    mu_in, nu_in = layout.unpack(muc_ref[r, code_lanes]), layout.unpack(nuc_ref[r, code_lanes])
+    mu_cols, nu_cols = mu_old[r, :], nu_old[r, :]
+    new_mu_cols, new_nu_cols = mu_new_ref[r, :], nu_new_ref[r, :]
     mu_codes, nu_codes = [], []
     for h in range(bpr):
       k = j * bpr + h
       first = j * blocks.ROW + h * block
       lanes = aligned(first, block)
-      mu32 = fmt.dequantize_mu(mu_in[h], _column(mu_scales, lane, k))
-      nu32 = fmt.dequantize_nu(nu_in[h], _column(nu_scales, lane, k))
-      p32 = load_param(p_ref[:, lanes], lo_ref[:, lanes] if tracked else None) if apply else None
-      out, mu_new, nu_new = adam_math(lambda i: s_ref[i], p32, g_ref[:, lanes].astype(jnp.float32),
+      mu32 = fmt.dequantize_mu(mu_in[h], _column(mu_cols, lane, k))
+      nu32 = fmt.dequantize_nu(nu_in[h], _column(nu_cols, lane, k))
+      p32 = load_param(p_ref[r, lanes], lo_ref[r, lanes] if tracked else None) if apply else None
+      out, mu_new, nu_new = adam_math(lambda i: s_ref[i], p32, g_ref[r, lanes].astype(jnp.float32),
                                       mu32, nu32, nesterov=nesterov, apply=apply)
       index = sharding_lib.global_index(row + (col + jnp.asarray(first).astype(jnp.uint32)), index_map,
                                         seed(SEED_BASE))
       if tracked:
-        o_ref[:, lanes], lo_out[:, lanes] = mantissa.split(out, lo_out.dtype)
+        o_ref[r, lanes], lo_out[r, lanes] = mantissa.split(out, lo_out.dtype)
       else:
-        o_ref[:, lanes] = store(out, o_ref.dtype, index, seed(0))
+        o_ref[r, lanes] = store(out, o_ref.dtype, index, seed(0))
       c, mu_scale = fmt.quantize_mu(mu_new, counter_hash.hash_bits(index, seed(1)))
       mu_codes.append(c)
-      new_mu_scales = jnp.where(lane == k, mu_scale, new_mu_scales)
+      new_mu_cols = jnp.where(lane == k, mu_scale, new_mu_cols)
       c, nu_scale = fmt.quantize_nu(nu_new, counter_hash.hash_bits(index, seed(2)))
       nu_codes.append(c)
-      new_nu_scales = jnp.where(lane == k, nu_scale, new_nu_scales)
-    muc_out[:, code_lanes] = keep(layout.pack(mu_codes), muc_ref[:, code_lanes])
-    nuc_out[:, code_lanes] = keep(layout.pack(nu_codes), nuc_ref[:, code_lanes])
-    return new_mu_scales, new_nu_scales
+      new_nu_cols = jnp.where(lane == k, nu_scale, new_nu_cols)
+    mu_new_ref[r, :], nu_new_ref[r, :] = new_mu_cols, new_nu_cols
+    muc_out[r, code_lanes] = keep(layout.pack(mu_codes), muc_ref[r, code_lanes])
+    nuc_out[r, code_lanes] = keep(layout.pack(nu_codes), nuc_ref[r, code_lanes])
 
-  new_scales = (jnp.zeros_like(mu_scales),) * 2
-  if interpret:
+  n_chunks = rows // chunk_rows
+  if interpret and not LOOPS_IN_INTERPRET:
     # (jax's TPU interpreter with race detection runs a loop of dynamic lane
     # slices slowly enough that a sharded step's devices time out waiting for
-    # each other: interpret mode unrolls the same body over static groups)
+    # each other: interpret mode unrolls the same body over static groups
+    # and chunks)
     for j in range(groups):
-      new_scales = group(j, new_scales)
+      for i in range(n_chunks):
+        chunk(j, i)
   else:
-    new_scales = jax.lax.fori_loop(0, groups, group, new_scales)
-  new_mu_scales, new_nu_scales = new_scales
-  mus_out[...] = keep(_scale_rows(new_mu_scales, n_scales), mus_ref[...])
-  nus_out[...] = keep(_scale_rows(new_nu_scales, n_scales), nus_ref[...])
+    def group(j, carry):
+      def rows_chunk(i, carry):
+        chunk(j, i)
+        return carry
+      return jax.lax.fori_loop(0, n_chunks, rows_chunk, carry)
+    jax.lax.fori_loop(0, groups, group, 0)
+  mus_out[...] = keep(_scale_rows(mu_new_ref[...], n_scales), mus_ref[...])
+  nus_out[...] = keep(_scale_rows(nu_new_ref[...], n_scales), nus_ref[...])
 
 
 def _update_blockwise(layout, scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, config,
@@ -419,6 +449,8 @@ def _update_blockwise(layout, scalars, seeds, p, g, mu, nu, *, nesterov, out_dty
                 pl.BlockSpec(memory_space=pltpu.SMEM)] + specs,
       out_specs=(tile, code_tile, vec, code_tile, vec) + ((tile,) if tracked else ()),
       input_output_aliases=aliases,
+      # the step's old and new mu and nu scale columns (_blockwise_kernel)
+      scratch_shapes=[pltpu.VMEM((rows, 128), jnp.float32)] * 4,
       compiler_params=pallas_common.mosaic_compiler_params(
           interpret, ("parallel", "parallel"),
           vmem_limit_bytes=elementwise_tiling.mosaic_vmem_limit(block_bytes)),

@@ -60,7 +60,6 @@ import jax.numpy as jnp
 
 from fuseopt.kernels.adam import blocks
 from fuseopt.kernels.adam.blocks import finite as _finite
-from fuseopt.kernels.adam.blocks import floor as _floor
 from fuseopt.kernels.adam.blocks import inverse as _inverse
 from fuseopt.kernels.adam.blocks import kept_on_skip, uniform  # noqa: F401 (the kernels' names)
 
@@ -220,39 +219,45 @@ def nu_scale(x, axis=-1):
   return jnp.where(top == jnp.float32(jnp.inf), marked, plain)
 
 
-def quantize_mu(x, bits, scale=None):
+def quantize_mu(x, bits, scale=None, *, floor=jnp.floor):
   """fp32 ``x`` (..., B) → ``(int8 codes, scale (..., 1))``, stochastically
   rounded with the uint32 ``bits`` (..., B). ``scale``: the block's
-  :func:`mu_scale`, where a kernel reduced it itself (returned as given)."""
+  :func:`mu_scale`, where a kernel reduced it itself (returned as given).
+  ``floor``: ``jnp.floor``, or :func:`.blocks.floor` (the same values) where
+  a backend lowers no floor (Mosaic GPU)."""
   scale = mu_scale(x) if scale is None else scale
   y = jnp.clip(x * _inverse(scale), -MU_CODE_MAX, MU_CODE_MAX)
-  lo = _floor(y)
+  lo = floor(y)
   code = lo + jnp.where(uniform(bits) < y - lo, 1.0, 0.0)
   code = jnp.where(_finite(y) & _finite(scale), code, 0.0)
   return code.astype(jnp.int32).astype(MU_CODE_DTYPE), scale
 
 
-def quantize_nu(x, bits, scale=None, fence=_no_fence):
+def quantize_nu(x, bits, scale=None, fence=_no_fence, *, floor=jnp.floor):
   """fp32 ``x >= 0`` (..., B) → ``(uint8 codes, scale (..., 1))``: codes
   linear in ``sqrt(x)``, rounded stochastically between the neighbouring
   values ``(k s)^2`` and ``((k+1) s)^2`` so that the stored ``nu`` is
   unbiased; at least 1 wherever ``x > 0``. In a block marked as holding
   ``+Inf`` (a negative scale, :func:`nu_scale`) the finite values take codes
   up to 254 and ``+Inf`` code 255. ``scale`` as in :func:`quantize_mu`;
-  ``fence`` as in :func:`fuseopt.kernels.adam.math.adam_math`."""
+  ``fence`` as in :func:`fuseopt.kernels.adam.math.adam_math`, ``floor``
+  as in :func:`quantize_mu`. The rounding goes up where ``u · width < x -
+  below`` (``u`` uniform in [0, 1)): the comparison of ``u`` with ``frac``
+  multiplied out, with no division (on a TPU a division is a reciprocal and
+  its Newton steps, a tenth of the kernel's vector work)."""
   scale = nu_scale(x) if scale is None else scale
   has_inf = scale < 0
   mag = jnp.abs(scale)
   s = jnp.where(mag > 0, mag, jnp.ones_like(mag))
   top = jnp.where(has_inf, jnp.float32(NU_CODE_MAX - 2), jnp.float32(NU_CODE_MAX - 1))
   t = jnp.minimum(jnp.maximum(jnp.sqrt(x) * _inverse(mag), 0.0), top)
-  k = _floor(t)
+  k = floor(t)
   below, above = k * s, (k + 1.0) * s
   # (squares rounded before the subtractions below: no FMA, fp_contract.py)
   below, above = fence(below * below), fence(above * above)
   width = above - below
-  frac = jnp.where(width > 0, (x - below) / jnp.where(width > 0, width, 1.0), 0.0)
-  code = k + jnp.where(uniform(bits) < frac, 1.0, 0.0)
+  up = (width > 0) & (fence(uniform(bits) * width) < x - below)
+  code = k + jnp.where(up, 1.0, 0.0)
   code = jnp.maximum(code, jnp.where(x > 0, 1.0, 0.0))
   code = jnp.where(_finite(t) & _finite(scale), code, 0.0)
   code = jnp.where(has_inf & (x == jnp.float32(jnp.inf)), jnp.float32(NU_CODE_MAX), code)

@@ -20,7 +20,8 @@ from fuseopt.kernels import sharding as sharding_lib
 from fuseopt.kernels.adam import blocks
 from fuseopt.kernels.adam import int4
 from fuseopt.kernels.adam import quantized
-from fuseopt.kernels.adam.math import APPLY, SEED_BASE, adam_math, load_param, store
+from fuseopt.kernels.adam.math import (APPLY, SEED_BASE, adam_math, load_param, store,
+                                       store_moments)
 
 # The reference runs every call.
 supports = dispatch.supports_every_call
@@ -59,9 +60,7 @@ def update(scalars, seeds, p, g, mu, nu, *, nesterov, out_dtype, order_for_in_pl
     out, new_lo, mu, nu = jax.lax.optimization_barrier((out, new_lo, mu, nu))
     _, mu_new, nu_new = adam_math(s, None, f32(g), f32(mu), f32(nu),
                                    nesterov=False, apply=False, fence=fp_contract.rounded)
-  res = (out,
-         store(mu_new, mu.dtype, idx(), seeds[1]),
-         store(nu_new, nu.dtype, idx(), seeds[2]))
+  res = (out,) + store_moments(mu_new, nu_new, mu.dtype, nu.dtype, idx(), seeds[1], seeds[2])
   return res if lo is None else res + (new_lo,)
 
 

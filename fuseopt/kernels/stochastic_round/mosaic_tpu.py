@@ -43,18 +43,23 @@ def heuristic(size: int) -> MosaicTPUConfig:
 supports = dispatch.supports_every_call
 
 
-def _kernel(scalars_ref, x_ref, o_ref, *, tiling, index_map):
+def _kernel(scalars_ref, x_ref, o_ref, *, tiling, index_map, interpret):
   seed = scalars_ref[0].astype(jnp.uint32)
   offset = scalars_ref[1].astype(jnp.uint32)
-  index = sharding_lib.global_index(tiling.flat_index(), index_map, offset)
-  o_ref[...] = counter_hash.stochastic_round_values(x_ref[...], index, seed)
+
+  def chunk(view, local):
+    index = sharding_lib.global_index(local, index_map, offset)
+    view(o_ref)[...] = counter_hash.stochastic_round_values(view(x_ref)[...], index, seed)
+
+  tiling.for_each_chunk(chunk, unrolled=interpret)
 
 
 def _round_tiled(x, scalars, *, tiling: elementwise_tiling.MosaicTiling, interpret,
                  index_map=None):
   from jax.experimental.pallas import tpu as pltpu
   out = pl.pallas_call(
-      functools.partial(_kernel, tiling=tiling, index_map=index_map),
+      functools.partial(_kernel, tiling=tiling, index_map=index_map,
+                        interpret=bool(interpret)),
       out_shape=jax.ShapeDtypeStruct(tiling.view, jnp.bfloat16),
       grid=tiling.grid,
       in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), tiling.spec()],
