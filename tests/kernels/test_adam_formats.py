@@ -90,3 +90,24 @@ def test_leaf_layout_is_flat_or_whole_block_rows():
   a = jnp.ones((4, 512))
   assert formats.DENSE.leaf_layout(a).shape == (2048,)
   assert formats.INT8.leaf_layout(a).shape == (8, quantized.BLOCK)
+
+
+def test_integral_codes_convert_exactly():
+  # blocks.integral_to_int32: the codes' conversion, -0.0 and both ends included.
+  y = jnp.array([-127.0, -1.0, -0.0, 0.0, 1.0, 127.0, 255.0, 2.0**22 - 1, -(2.0**22) + 1])
+  np.testing.assert_array_equal(np.asarray(blocks.integral_to_int32(y)),
+                                np.asarray(y).astype(np.int32))
+
+
+def test_top_code_stays_the_top_with_the_largest_uniform():
+  # A stochastic code floor(y + u): with every hash bit set, u is the largest
+  # uniform, and the element at its block's maximum (y = 127, t = 16) keeps
+  # the top code (a 24-bit u would round 127 + u to 128: an int8 -128).
+  ones = jnp.full((2, quantized.BLOCK), 0xFFFFFFFF, jnp.uint32)
+  x = jnp.tile(jnp.array([[0.3], [-0.7]], jnp.float32), (1, quantized.BLOCK))
+  codes, _ = quantized.quantize_mu(x, ones)
+  np.testing.assert_array_equal(np.asarray(codes[:, 0]), [127, -127])
+  assert int(jnp.max(codes)) == 127 and int(jnp.min(codes)) == -127
+  x = jnp.full((2, int4.BLOCK), 0.25, jnp.float32)
+  codes, _ = int4.quantize_nu(x, jnp.full(x.shape, 0xFFFFFFFF, jnp.uint32))
+  assert int(jnp.max(codes)) == int4.NU_LEVELS - 1 and int(jnp.min(codes)) == int4.NU_LEVELS - 1

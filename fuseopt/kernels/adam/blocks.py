@@ -141,6 +141,15 @@ def uniform(bits: jax.Array) -> jax.Array:
   return (bits >> 8).astype(jnp.int32).astype(jnp.float32) * jnp.float32(2.0 ** -24)
 
 
+def uniform16(bits: jax.Array) -> jax.Array:
+  """fp32 uniform in [0, 1) from the top 16 of 32 hash bits, for a
+  stochastic code ``floor(y + u)``: ``u <= 1 - 2**-16`` keeps ``y + u``
+  below ``n + 1`` for every ``y <= n`` under 128 (the sum's ulp there is at
+  most ``2**-17``), so the top code stays the top code (with 24 bits, ``127 +
+  (1 - 2**-24)`` rounds to 128)."""
+  return (bits >> 16).astype(jnp.int32).astype(jnp.float32) * jnp.float32(2.0 ** -16)
+
+
 def inverse(scale):
   """``1 / scale`` per block (1 where the scale is 0 or NaN: those codes are
   overwritten), multiplied into the elements rather than dividing them: XLA
@@ -148,6 +157,23 @@ def inverse(scale):
   in some programs and not in others, which would round the codes of a
   sharded step differently from the unsharded one's."""
   return jnp.float32(1.0) / jnp.where(scale > 0, scale, jnp.ones_like(scale))
+
+
+# 1.5 * 2**23 and its fp32 bit pattern: an integer ``n`` with ``|n| < 2**22``
+# added to it lands in the low mantissa bits of the sum (whose ulp is 1), so
+# the sum's bits minus the pattern are ``n``.
+_INT_BIAS = 12582912.0
+_INT_BIAS_BITS = 0x4B400000
+
+
+def integral_to_int32(y):
+  """fp32 ``y`` holding integers with ``|y| < 2**22`` (codes: no NaN, no
+  fraction) as int32, exactly: one addition and one integer subtraction on
+  the sum's bits. ``astype(int32)`` truncates toward zero, which a TPU does
+  as a floor, a ceiling, a select and a conversion (libtpu's bundles: a
+  blockwise Adam kernel converts two codes an element)."""
+  biased = jax.lax.bitcast_convert_type(y + jnp.float32(_INT_BIAS), jnp.int32)
+  return biased - jnp.int32(_INT_BIAS_BITS)
 
 
 def floor(y):

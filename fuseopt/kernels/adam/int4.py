@@ -32,8 +32,8 @@ the 8-bit format's kernels read, so the two formats share the row grid.
 
 Rounding. ``nu`` is written with the counter-hash stochastic rounding of the
 8-bit format (:mod:`.quantized`): the nu stream's seed, element ``i`` (its
-flat index in the whole leaf) rounding up where ``uniform(hash_bits(i,
-seed)) < frac``, so the codes do not depend on a kernel's block, its grid or
+flat index in the whole leaf) rounding up with probability ``frac``, drawn
+from the top 16 bits of ``hash_bits(i, seed)`` (:func:`.blocks.uniform16`), so the codes do not depend on a kernel's block, its grid or
 the leaf's sharding. ``frac`` is the value's position between its two
 neighbouring levels in ``sqrt(nu)``'s domain, where the levels are evenly
 spaced: the stored ``sqrt(nu)`` is unbiased. A step moves ``nu`` by ``1 - b2``
@@ -182,7 +182,7 @@ def quantize_mu(x, bits, scale=None, fence=_no_fence, *, floor=jnp.floor):
   mag = k + jnp.where(2.0 * (a - below) >= above - below, 1.0, 0.0)
   code = jnp.where(x < 0, -mag, mag)
   code = jnp.where(blocks.finite(a) & blocks.finite(scale), code, 0.0)
-  return code.astype(jnp.int32) & 15, scale
+  return blocks.integral_to_int32(code) & 15, scale
 
 
 def quantize_nu(x, bits, scale=None, fence=_no_fence, *, floor=jnp.floor):
@@ -195,10 +195,12 @@ def quantize_nu(x, bits, scale=None, fence=_no_fence, *, floor=jnp.floor):
   :func:`.quantized.quantize_mu`."""
   scale = nu_scale(x) if scale is None else scale
   t = fence(jnp.sqrt(x) * blocks.inverse(scale))
-  k = floor(jnp.clip(t, 1.0, NU_LEVELS - 1))
-  m = k + jnp.where(blocks.uniform(bits) < t - k, 1.0, 0.0)
+  # floor(t + u), u uniform in [0, 1): up with probability t - floor(t), as
+  # in quantized.quantize_mu (t is at most NU_LEVELS; clipped to [1, 16]
+  # and u of 16 bits, blocks.uniform16, the multiplier stays there)
+  m = floor(jnp.clip(t, 1.0, NU_LEVELS) + blocks.uniform16(bits))
   code = jnp.where(blocks.finite(t) & blocks.finite(scale), m - 1.0, 0.0)
-  return code.astype(jnp.int32), scale
+  return blocks.integral_to_int32(code), scale
 
 
 # ------------------------------------------------------------- a leaf --

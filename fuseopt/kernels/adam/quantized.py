@@ -24,14 +24,17 @@ its last axis divides, so codes and scales shard with the leaf's
 
 Codes are written with stochastic rounding from the counter hash
 (:mod:`fuseopt.kernels.counter_hash`): element ``i`` (its flat index in the
-whole leaf) rounds up when ``uniform(hash_bits(i, seed)) < frac``, the seeds
-those of the bf16 moments (``derive_seed(seed, step, leaf, STREAM_MU /
-STREAM_NU)``), so the codes are the same whatever the block size of a kernel,
+whole leaf) rounds up with probability ``frac``, drawn from
+``uniform(hash_bits(i, seed))`` with the seeds of the bf16 moments
+(``derive_seed(seed, step, leaf, STREAM_MU / STREAM_NU)``; each moment its
+own hash, unlike two bf16 moments, which share one: Triton lays the two
+moments' arithmetic out differently and would move a shared hash between
+the layouts through shared memory), so the codes are the same whatever the block size of a kernel,
 its grid or the leaf's sharding. ``frac`` is the position of the fp32 value
 between its two neighbouring representable values, in the value's own domain
 (for ``nu``: between :math:`(k s)^2` and :math:`((k+1) s)^2`), so the expected
 stored value is the fp32 value (up to fp32 rounding and the 2**-24 resolution
-of the uniform), except where ``nu``'s floor of one code lifts it.
+of the uniform; 2**-16 for mu), except where ``nu``'s floor of one code lifts it.
 
 Non-finite values: a block whose new moment holds a NaN (or, for ``mu``,
 an Inf) gets a non-finite scale and codes 0, so every element of that block
@@ -61,7 +64,7 @@ import jax.numpy as jnp
 from fuseopt.kernels.adam import blocks
 from fuseopt.kernels.adam.blocks import finite as _finite
 from fuseopt.kernels.adam.blocks import inverse as _inverse
-from fuseopt.kernels.adam.blocks import kept_on_skip, uniform  # noqa: F401 (the kernels' names)
+from fuseopt.kernels.adam.blocks import kept_on_skip, uniform, uniform16  # noqa: F401 (the kernels' names)
 
 BLOCK = blocks.ROW
 MU_CODE_MAX = 127
@@ -221,16 +224,20 @@ def nu_scale(x, axis=-1):
 
 def quantize_mu(x, bits, scale=None, *, floor=jnp.floor):
   """fp32 ``x`` (..., B) → ``(int8 codes, scale (..., 1))``, stochastically
-  rounded with the uint32 ``bits`` (..., B). ``scale``: the block's
-  :func:`mu_scale`, where a kernel reduced it itself (returned as given).
-  ``floor``: ``jnp.floor``, or :func:`.blocks.floor` (the same values) where
-  a backend lowers no floor (Mosaic GPU)."""
+  rounded with the uint32 ``bits`` (..., B): ``floor(y + u)``
+  for the scaled value ``y`` and ``u`` the uniform of ``bits``' top 16
+  (:func:`.blocks.uniform16`: ``y + u`` never rounds past 127), which is
+  ``floor(y) + 1`` with probability ``y - floor(y)`` (two operations where
+  the comparison of ``u`` with the fraction takes five). ``scale``: the
+  block's :func:`mu_scale`, where a kernel reduced it itself (returned as
+  given). ``floor``: ``jnp.floor``, or :func:`.blocks.floor` (the same
+  values) where a backend lowers no floor (Mosaic GPU)."""
   scale = mu_scale(x) if scale is None else scale
   y = jnp.clip(x * _inverse(scale), -MU_CODE_MAX, MU_CODE_MAX)
-  lo = floor(y)
-  code = lo + jnp.where(uniform(bits) < y - lo, 1.0, 0.0)
+  # (y + u < 128: |y| <= 127 and u < 1; codes stay in [-127, 127])
+  code = floor(y + uniform16(bits))
   code = jnp.where(_finite(y) & _finite(scale), code, 0.0)
-  return code.astype(jnp.int32).astype(MU_CODE_DTYPE), scale
+  return blocks.integral_to_int32(code).astype(MU_CODE_DTYPE), scale
 
 
 def quantize_nu(x, bits, scale=None, fence=_no_fence, *, floor=jnp.floor):
@@ -261,7 +268,7 @@ def quantize_nu(x, bits, scale=None, fence=_no_fence, *, floor=jnp.floor):
   code = jnp.maximum(code, jnp.where(x > 0, 1.0, 0.0))
   code = jnp.where(_finite(t) & _finite(scale), code, 0.0)
   code = jnp.where(has_inf & (x == jnp.float32(jnp.inf)), jnp.float32(NU_CODE_MAX), code)
-  return code.astype(jnp.int32).astype(NU_CODE_DTYPE), scale
+  return blocks.integral_to_int32(code).astype(NU_CODE_DTYPE), scale
 
 
 def dequantize(m: QuantizedMoment, *, signed: bool) -> jax.Array:
