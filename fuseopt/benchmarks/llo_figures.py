@@ -16,7 +16,7 @@ does (no TPU needed).
 A streaming kernel's DMAs run beside its bundles, so a step takes the
 longer of its bytes at the HBM bandwidth and its bundles at the core's
 clock. Each elementwise kernel's innermost loop is one chunk of its block
-(``elementwise_tiling.CHUNK``; the blockwise kernels' ``_CHUNK_ROWS`` rows
+(``elementwise_tiling.CHUNK``; the blockwise kernels' ``CHUNK_ROWS`` rows
 of a row group, ``adam.mosaic_tpu``), so its bundles per chunk give the
 kernel's cycles an element: :func:`figures` reports them per 1024 elements
 (one fp32 vreg), beside the cycles the same elements' bytes take at the
@@ -80,7 +80,7 @@ def elements_per_iteration(kind: str) -> int:
   from fuseopt.kernels.adam import mosaic_tpu
   if kind == "chunk":
     return math.prod(elementwise_tiling.CHUNK)
-  return mosaic_tpu._CHUNK_ROWS * blocks.ROW
+  return mosaic_tpu.CHUNK_ROWS * blocks.ROW
 
 
 # ------------------------------------------------------------- LLO parsing --

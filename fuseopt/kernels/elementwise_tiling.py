@@ -276,7 +276,6 @@ class MosaicTiling:
       stride *= self.view[d]
     return index
 
-
   def for_each_chunk(self, body, *, unrolled: bool = False) -> None:
     """Inside the kernel: ``body(view, index)`` for each chunk of the grid
     step's block, ``view(ref)`` the chunk's window of a block ref and

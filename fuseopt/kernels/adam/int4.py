@@ -33,8 +33,9 @@ the 8-bit format's kernels read, so the two formats share the row grid.
 Rounding. ``nu`` is written with the counter-hash stochastic rounding of the
 8-bit format (:mod:`.quantized`): the nu stream's seed, element ``i`` (its
 flat index in the whole leaf) rounding up with probability ``frac``, drawn
-from the top 16 bits of ``hash_bits(i, seed)`` (:func:`.blocks.uniform16`), so the codes do not depend on a kernel's block, its grid or
-the leaf's sharding. ``frac`` is the value's position between its two
+from the top 16 bits of ``hash_bits(i, seed)`` (:func:`.blocks.uniform16`),
+so the codes do not depend on a kernel's block, its grid or the leaf's
+sharding. ``frac`` is the value's position between its two
 neighbouring levels in ``sqrt(nu)``'s domain, where the levels are evenly
 spaced: the stored ``sqrt(nu)`` is unbiased. A step moves ``nu`` by ``1 - b2``
 (0.1 %) of the way to ``g^2``, far less than half a level's gap: rounded to

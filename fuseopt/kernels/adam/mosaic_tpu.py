@@ -156,7 +156,7 @@ _GROUPS = 8            # row groups a grid step, at most
 # interpreter with race detection runs loops of dynamic slices slowly); the
 # tests set this to run the compiled kernels' loops there too.
 LOOPS_IN_INTERPRET = False
-_CHUNK_ROWS = 32       # rows a chunk of a group (an int8 vreg tile's 32 rows)
+CHUNK_ROWS = 32         # rows a chunk of a group (an int8 vreg tile's 32 rows)
 _SCALE_ROWS = 128      # rows a step: a multiple of the scales' 128 lanes, or all M
 
 
@@ -292,9 +292,9 @@ def _column(columns, lane, k):
 
 
 def _chunk_rows(rows: int) -> int:
-  """Rows of a chunk of a blockwise step: :data:`_CHUNK_ROWS` where they
+  """Rows of a chunk of a blockwise step: :data:`CHUNK_ROWS` where they
   divide the step's rows, else all of them (a small leaf: one chunk)."""
-  return _CHUNK_ROWS if rows % _CHUNK_ROWS == 0 else rows
+  return CHUNK_ROWS if rows % CHUNK_ROWS == 0 else rows
 
 
 def _blockwise_kernel(s_ref, seed_ref, *refs, layout, tiling, length, nesterov, apply,

@@ -25,16 +25,18 @@ its last axis divides, so codes and scales shard with the leaf's
 Codes are written with stochastic rounding from the counter hash
 (:mod:`fuseopt.kernels.counter_hash`): element ``i`` (its flat index in the
 whole leaf) rounds up with probability ``frac``, drawn from
-``uniform(hash_bits(i, seed))`` with the seeds of the bf16 moments
+``hash_bits(i, seed)`` (mu: its top 16 bits, :func:`.blocks.uniform16`; nu:
+its top 24, :func:`.blocks.uniform`) with the seeds of the bf16 moments
 (``derive_seed(seed, step, leaf, STREAM_MU / STREAM_NU)``; each moment its
 own hash, unlike two bf16 moments, which share one: Triton lays the two
 moments' arithmetic out differently and would move a shared hash between
-the layouts through shared memory), so the codes are the same whatever the block size of a kernel,
-its grid or the leaf's sharding. ``frac`` is the position of the fp32 value
-between its two neighbouring representable values, in the value's own domain
-(for ``nu``: between :math:`(k s)^2` and :math:`((k+1) s)^2`), so the expected
-stored value is the fp32 value (up to fp32 rounding and the 2**-24 resolution
-of the uniform; 2**-16 for mu), except where ``nu``'s floor of one code lifts it.
+the layouts through shared memory), so the codes are the same whatever the
+block size of a kernel, its grid or the leaf's sharding. ``frac`` is the
+position of the fp32 value between its two neighbouring representable
+values, in the value's own domain (for ``nu``: between :math:`(k s)^2` and
+:math:`((k+1) s)^2`), so the expected stored value is the fp32 value (up to
+fp32 rounding and the uniform's resolution, 2**-16 for mu and 2**-24 for
+nu), except where ``nu``'s floor of one code lifts it.
 
 Non-finite values: a block whose new moment holds a NaN (or, for ``mu``,
 an Inf) gets a non-finite scale and codes 0, so every element of that block
@@ -64,7 +66,8 @@ import jax.numpy as jnp
 from fuseopt.kernels.adam import blocks
 from fuseopt.kernels.adam.blocks import finite as _finite
 from fuseopt.kernels.adam.blocks import inverse as _inverse
-from fuseopt.kernels.adam.blocks import kept_on_skip, uniform, uniform16  # noqa: F401 (the kernels' names)
+from fuseopt.kernels.adam.blocks import kept_on_skip  # noqa: F401 (the kernels' name)
+from fuseopt.kernels.adam.blocks import uniform, uniform16
 
 BLOCK = blocks.ROW
 MU_CODE_MAX = 127
